@@ -1,0 +1,189 @@
+"""The one exception type of exl2fmt and its closed set of stable error codes.
+
+Every problem exl2fmt can find in a file, a layer or a model has an ``ErrorCode``.
+The code's value is the string printed by the CLI and written to ``--json``; it
+never changes once released (new problems get new members, old ones are never
+renamed).  Each code belongs to a ``Category`` which decides the CLI exit code:
+
+* ``Category.USAGE``       -> exit 2 (the command line itself is wrong)
+* ``Category.UNREADABLE``  -> exit 3 (the input cannot be opened or is not a supported kind of file)
+* ``Category.INVALID``     -> exit 1 (the input was read and breaks a rule of the format)
+
+Library code never uses ``assert`` to check file contents: it raises
+``Exl2Error`` (fatal) or returns ``Issue`` records (collected by validators).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["Category", "ErrorCode", "Severity", "Exl2Error", "Issue", "escape_name"]
+
+
+class Category(str, enum.Enum):
+    USAGE = "usage"
+    UNREADABLE = "unreadable"
+    INVALID = "invalid"
+
+
+class ErrorCode(str, enum.Enum):
+    """Stable error codes.  ``code.category`` gives the exit-code class, ``code.rule`` a one-line rule."""
+
+    def __new__(cls, value: str, category: Category, rule: str):
+        obj = str.__new__(cls, value)
+        obj._value_ = value
+        obj.category = category
+        obj.rule = rule
+        return obj
+
+    # --- input / usage ---------------------------------------------------------------------------
+    USAGE = ("USAGE", Category.USAGE, "the command line is not valid")
+    PATH_NOT_FOUND = ("PATH_NOT_FOUND", Category.UNREADABLE, "the path must exist")
+    IO_ERROR = ("IO_ERROR", Category.UNREADABLE, "the file must be readable")
+    UNSUPPORTED_INPUT = ("UNSUPPORTED_INPUT", Category.UNREADABLE,
+                         "the input must be a .safetensors file or a directory of them")
+    NO_SAFETENSORS = ("NO_SAFETENSORS", Category.UNREADABLE, "a model directory must hold at least one .safetensors file")
+    OUTPUT_EXISTS = ("OUTPUT_EXISTS", Category.USAGE, "an existing output is only replaced with --force")
+
+    # --- safetensors container (one file) --------------------------------------------------------
+    HEADER_TOO_SMALL = ("HEADER_TOO_SMALL", Category.INVALID, "a safetensors file starts with an 8-byte header length")
+    HEADER_TOO_LARGE = ("HEADER_TOO_LARGE", Category.INVALID, "the JSON header must not exceed the size cap")
+    HEADER_PAST_EOF = ("HEADER_PAST_EOF", Category.INVALID, "the declared header length must fit inside the file")
+    HEADER_NOT_UTF8 = ("HEADER_NOT_UTF8", Category.INVALID, "the header must be UTF-8")
+    HEADER_NOT_JSON = ("HEADER_NOT_JSON", Category.INVALID, "the header must be one JSON object starting with '{'")
+    DUPLICATE_KEY = ("DUPLICATE_KEY", Category.INVALID, "a JSON object in the header must not repeat a key")
+    METADATA_INVALID = ("METADATA_INVALID", Category.INVALID, "__metadata__ must map strings to strings")
+    TENSOR_ENTRY_INVALID = ("TENSOR_ENTRY_INVALID", Category.INVALID,
+                            "a tensor entry needs dtype (string), shape (list of ints), data_offsets ([begin, end])")
+    DTYPE_UNKNOWN = ("DTYPE_UNKNOWN", Category.INVALID, "the dtype must be one safetensors defines")
+    SHAPE_INVALID = ("SHAPE_INVALID", Category.INVALID, "shape entries must be non-negative integers, at most 8 dims")
+    OFFSETS_INVALID = ("OFFSETS_INVALID", Category.INVALID, "data_offsets must be two integers with 0 <= begin <= end")
+    OFFSETS_GAP = ("OFFSETS_GAP", Category.INVALID, "tensor data must be contiguous from offset 0: no holes")
+    OFFSETS_OVERLAP = ("OFFSETS_OVERLAP", Category.INVALID, "tensor data ranges must not overlap")
+    SIZE_OVERFLOW = ("SIZE_OVERFLOW", Category.INVALID, "shape x dtype size must stay below 2**64 bytes")
+    SIZE_MISMATCH = ("SIZE_MISMATCH", Category.INVALID, "end - begin must equal shape x dtype size")
+    MISALIGNED_SLICE = ("MISALIGNED_SLICE", Category.INVALID, "a sub-byte tensor must end on a byte boundary")
+    TRUNCATED = ("TRUNCATED", Category.INVALID, "the data buffer must be complete (file truncated?)")
+    TRAILING_BYTES = ("TRAILING_BYTES", Category.INVALID, "nothing may follow the last tensor's data")
+    TENSOR_NOT_FOUND = ("TENSOR_NOT_FOUND", Category.INVALID, "the named tensor must exist")
+    NAME_CONTROL_CHARS = ("NAME_CONTROL_CHARS", Category.INVALID, "tensor names must not contain control characters")
+    TOO_MANY_TENSORS = ("TOO_MANY_TENSORS", Category.INVALID, "a safetensors file must not hold more than the tensor-count cap")
+
+    # --- model directory / index / config --------------------------------------------------------
+    INDEX_INVALID = ("INDEX_INVALID", Category.INVALID,
+                     "model.safetensors.index.json must be JSON with a weight_map of tensor -> shard file")
+    INDEX_MISSING_SHARD = ("INDEX_MISSING_SHARD", Category.INVALID, "every shard named by the index must exist")
+    INDEX_MISSING_TENSOR = ("INDEX_MISSING_TENSOR", Category.INVALID, "every indexed tensor must exist in its shard")
+    INDEX_UNLISTED_TENSOR = ("INDEX_UNLISTED_TENSOR", Category.INVALID, "every shard tensor must be in the index")
+    INDEX_TOTAL_SIZE = ("INDEX_TOTAL_SIZE", Category.INVALID, "metadata.total_size must equal the sum of tensor bytes")
+    DUPLICATE_TENSOR = ("DUPLICATE_TENSOR", Category.INVALID, "a tensor name must appear in only one shard")
+    CONFIG_INVALID = ("CONFIG_INVALID", Category.INVALID, "config.json must be a JSON object")
+    CONFIG_MISMATCH = ("CONFIG_MISMATCH", Category.INVALID, "config.json dimensions must match the tensor shapes")
+
+    # --- layer structure (all formats) ------------------------------------------------------------
+    LAYER_NOT_FOUND = ("LAYER_NOT_FOUND", Category.INVALID, "the layer key must name a linear layer in the model")
+    FORMAT_AMBIGUOUS = ("FORMAT_AMBIGUOUS", Category.INVALID, "a layer must hold the tensors of exactly one format")
+    SLOT_MISSING = ("SLOT_MISSING", Category.INVALID, "every required tensor of the layer's format must be present")
+    SLOT_DTYPE = ("SLOT_DTYPE", Category.INVALID, "every layer tensor must have the dtype the layout table allows")
+    SLOT_SHAPE = ("SLOT_SHAPE", Category.INVALID, "every layer tensor must have the shape the layout table derives")
+    NONFINITE_VALUES = ("NONFINITE_VALUES", Category.INVALID, "floating-point tensors must be finite")
+
+    # --- EXL2 -------------------------------------------------------------------------------------
+    GROUPS_BITS = ("GROUPS_BITS", Category.INVALID, "q_groups bit widths must be in {2,3,4,5,6,8}")
+    GROUPS_ORDER = ("GROUPS_ORDER", Category.INVALID, "q_groups bit widths must be non-increasing and contiguous")
+    GROUPS_QROW = ("GROUPS_QROW", Category.INVALID,
+                   "q_groups qrow offsets must start at 0, increase strictly and stay inside q_weight")
+    GROUPS_ROWS = ("GROUPS_ROWS", Category.INVALID, "every group must hold a whole multiple of 32 input rows")
+    GROUPS_LIMIT = ("GROUPS_LIMIT", Category.INVALID, "K <= 65536, qrow, G and group rows <= 32767")
+    K_MISMATCH = ("K_MISMATCH", Category.INVALID, "the rows of all groups must add up to len(q_invperm)")
+    N_PADDING = ("N_PADDING", Category.INVALID, "q_weight columns must be N padded to a multiple of 32")
+    PERM_INVALID = ("PERM_INVALID", Category.INVALID, "q_invperm must be a permutation of 0..K-1")
+    PERM_MISMATCH = ("PERM_MISMATCH", Category.INVALID, "q_perm, when present, must equal argsort(q_invperm)")
+    SCALE_MAX_INVALID = ("SCALE_MAX_INVALID", Category.INVALID, "q_scale_max must be finite and > 0")
+
+    # --- GPTQ -------------------------------------------------------------------------------------
+    GPTQ_BITS = ("GPTQ_BITS", Category.INVALID, "GPTQ bits must be 2, 3, 4 or 8 and match the tensor shapes")
+    GPTQ_G_IDX = ("GPTQ_G_IDX", Category.INVALID, "g_idx values must lie in 0..G-1")
+    GPTQ_ZEROS_AMBIGUOUS = ("GPTQ_ZEROS_AMBIGUOUS", Category.INVALID,
+                            "a v1 (gptq) zero field equal to 2**bits-1 is read differently by different tools")
+
+    @classmethod
+    def _missing_(cls, value):  # pragma: no cover - enum protocol
+        return None
+
+
+class Severity(str, enum.Enum):
+    ERROR = "error"
+    WARNING = "warning"
+
+
+@dataclass(frozen=True)
+class Issue:
+    """One finding of a validator.  ``tensor`` is the (raw, unescaped) tensor or layer name, if any."""
+
+    code: ErrorCode
+    message: str
+    tensor: str | None = None
+    file: str | None = None
+    severity: Severity = Severity.ERROR
+
+    def to_error(self) -> "Exl2Error":
+        return Exl2Error(self.code, self.message, file=self.file, tensor=self.tensor)
+
+    def as_dict(self) -> dict:
+        return {"code": self.code.value, "severity": self.severity.value, "message": self.message,
+                "tensor": self.tensor, "file": self.file}
+
+
+class Exl2Error(Exception):
+    """The only exception exl2fmt raises on bad input.
+
+    ``code``   the stable ``ErrorCode``
+    ``file``   the file the problem is in, when known
+    ``tensor`` the tensor or layer name, when known (raw; use ``escape_name`` before printing)
+    """
+
+    def __init__(self, code: ErrorCode, message: str, *, file: str | None = None, tensor: str | None = None):
+        self.code = ErrorCode(code)
+        self.message = message
+        self.file = None if file is None else str(file)
+        self.tensor = tensor
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        where = []
+        if self.file:
+            where.append(escape_name(self.file))
+        if self.tensor is not None:
+            where.append(f"tensor {escape_name(self.tensor)!s}")
+        prefix = f"{': '.join(where)}: " if where else ""
+        return f"[{self.code.value}] {prefix}{escape_name(self.message)}"
+
+    def as_issue(self) -> Issue:
+        return Issue(self.code, self.message, tensor=self.tensor, file=self.file)
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in list(range(0x20)) + [0x7F]}
+_CONTROL.update({0x85: "\\x85", 0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
+def escape_name(text: str) -> str:
+    """Make any string read from a file safe to print on a terminal.
+
+    C0/C1 control characters, DEL and Unicode line/paragraph separators become visible escapes,
+    so a tensor name cannot move the cursor, clear the screen or forge an extra output line.
+    """
+    text = str(text)
+    out = []
+    for ch in text:
+        o = ord(ch)
+        if o in _CONTROL or 0x80 <= o <= 0x9F:
+            out.append(_CONTROL.get(o, f"\\x{o:02x}"))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def has_control_chars(text: str) -> bool:
+    return any(ord(c) < 0x20 or ord(c) == 0x7F or 0x80 <= ord(c) <= 0x9F or ord(c) in (0x2028, 0x2029) for c in text)

@@ -1,0 +1,144 @@
+"""``q_groups`` encode/decode and the EXL2 group invariants (spec/exl2.md, rules G1-G7).
+
+``q_groups`` is an int16 vector ``[bits_0, qrow_0, bits_1, qrow_1, ...]``: the bit width of each group and
+the index of its first *packed int32 row* in ``q_weight`` (not a K row, not a group size).  The number of
+input rows of group g is ``(qrow_{g+1} - qrow_g) * 32 / bits_g``, the last group running to the end of
+``q_weight``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ErrorCode, Exl2Error
+from .layout import BIT_WIDTHS, MAX_INT16, MAX_K, ROW_MULTIPLE
+
+__all__ = ["GroupTable", "decode_q_groups", "encode_q_groups", "group_table_from_rows"]
+
+
+@dataclass(frozen=True)
+class GroupTable:
+    """Decoded groups of one EXL2 layer.  All arrays are int64 of length G.
+
+    ``bits``       bit width of each group
+    ``qrow``       first packed int32 row of the group in q_weight
+    ``qrows``      number of packed int32 rows of the group
+    ``row_start``  first stored (permuted) input row of the group
+    ``rows``       number of input rows of the group
+    """
+
+    bits: np.ndarray
+    qrow: np.ndarray
+    qrows: np.ndarray
+    row_start: np.ndarray
+    rows: np.ndarray
+
+    @property
+    def G(self) -> int:
+        return int(self.bits.shape[0])
+
+    @property
+    def K(self) -> int:
+        return int(self.rows.sum())
+
+    @property
+    def Q(self) -> int:
+        return int(self.qrows.sum())
+
+    def bits_rows(self) -> list[tuple[int, int]]:
+        return [(int(b), int(r)) for b, r in zip(self.bits, self.rows)]
+
+    def rows_per_bits(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for b, r in zip(self.bits.tolist(), self.rows.tolist()):
+            out[b] = out.get(b, 0) + r
+        return out
+
+
+def group_table_from_rows(bits_rows) -> GroupTable:
+    """Build the table for groups given as [(bits, rows)] in stored order (writer side, no checks)."""
+    bits = np.array([b for b, _ in bits_rows], dtype=np.int64)
+    rows = np.array([r for _, r in bits_rows], dtype=np.int64)
+    qrows = rows * bits // 32
+    qrow = np.concatenate([[0], np.cumsum(qrows)[:-1]]).astype(np.int64) if len(rows) else np.zeros(0, np.int64)
+    row_start = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64) if len(rows) else np.zeros(0, np.int64)
+    return GroupTable(bits=bits, qrow=qrow, qrows=qrows, row_start=row_start, rows=rows)
+
+
+def encode_q_groups(bits_rows) -> np.ndarray:
+    """[(bits, rows)] per group -> ``q_groups`` int16 [2G] of (bits, first packed row) pairs.
+
+    Raises ValueError for a group whose rows do not pack into whole words or that breaks the int16 limits.
+    """
+    out = np.empty(2 * len(bits_rows), dtype=np.int16)
+    qrow = 0
+    for g, (b, r) in enumerate(bits_rows):
+        if b not in BIT_WIDTHS:
+            raise ValueError(f"group {g}: bit width {b} not in {sorted(BIT_WIDTHS)}")
+        if (r * b) % 32:
+            raise ValueError(f"group {g}: {r} rows at {b} bits do not fill whole int32 words")
+        if qrow > MAX_INT16:
+            raise ValueError(f"group {g}: qrow {qrow} exceeds {MAX_INT16}")
+        out[2 * g] = b
+        out[2 * g + 1] = qrow
+        qrow += r * b // 32
+    return out
+
+
+def decode_q_groups(q_groups: np.ndarray, q_weight_rows: int, *, tensor: str | None = None,
+                    file: str | None = None, require_multiple_of_32: bool = True) -> GroupTable:
+    """Decode and check ``q_groups`` against the number of rows of ``q_weight``.
+
+    ``q_groups``: integer array of shape (2G,), as stored (int16).  ``q_weight_rows``: q_weight.shape[0].
+    Raises ``Exl2Error`` (GROUPS_*) naming the first broken rule.  Does not check K against q_invperm.
+    """
+    def fail(code, msg):
+        raise Exl2Error(code, msg, tensor=tensor, file=file)
+
+    qg = np.asarray(q_groups).astype(np.int64).ravel()
+    if qg.size == 0 or qg.size % 2:
+        fail(ErrorCode.SLOT_SHAPE, f"q_groups has {qg.size} entries; expected an even, non-zero count (2G)")
+    G = qg.size // 2
+    if G > MAX_INT16:
+        fail(ErrorCode.GROUPS_LIMIT, f"{G} groups; at most {MAX_INT16} allowed")
+    bits = qg[0::2].copy()
+    qrow = qg[1::2].copy()
+    for g in range(G):
+        if int(bits[g]) not in BIT_WIDTHS:
+            fail(ErrorCode.GROUPS_BITS, f"group {g} has bit width {int(bits[g])}; allowed: 2, 3, 4, 5, 6, 8")
+    # tiers: non-increasing, each width contiguous (non-increasing already implies contiguity)
+    for g in range(1, G):
+        if bits[g] > bits[g - 1]:
+            fail(ErrorCode.GROUPS_ORDER,
+                 f"group {g} has {int(bits[g])} bits after a {int(bits[g - 1])}-bit group; "
+                 "bit widths must be non-increasing (8, 6, 5, 4, 3, 2)")
+    if qrow[0] != 0:
+        fail(ErrorCode.GROUPS_QROW, f"group 0 starts at q_weight row {int(qrow[0])}; expected 0")
+    nxt = np.append(qrow[1:], q_weight_rows)
+    qrows = nxt - qrow
+    for g in range(G):
+        if qrow[g] < 0 or qrow[g] > MAX_INT16:
+            fail(ErrorCode.GROUPS_LIMIT, f"group {g} starts at q_weight row {int(qrow[g])}; allowed 0..{MAX_INT16}")
+        if qrows[g] <= 0:
+            where = f"group {g + 1} at row {int(nxt[g])}" if g + 1 < G else f"end of q_weight ({q_weight_rows} rows)"
+            fail(ErrorCode.GROUPS_QROW,
+                 f"group {g} starts at q_weight row {int(qrow[g])} but the {where} does not lie after it")
+        if (qrows[g] * 32) % bits[g]:
+            fail(ErrorCode.GROUPS_ROWS,
+                 f"group {g}: {int(qrows[g])} packed rows at {int(bits[g])} bits is not a whole number of input rows")
+    rows = qrows * 32 // bits
+    for g in range(G):
+        unit = BIT_WIDTHS[int(bits[g])].rows_per_unit
+        need = ROW_MULTIPLE if require_multiple_of_32 else unit
+        if rows[g] % need:
+            fail(ErrorCode.GROUPS_ROWS,
+                 f"group {g} holds {int(rows[g])} input rows at {int(bits[g])} bits; must be a multiple of {need}")
+        if rows[g] > MAX_INT16:
+            fail(ErrorCode.GROUPS_LIMIT, f"group {g} holds {int(rows[g])} rows; at most {MAX_INT16} allowed")
+    K = int(rows.sum())
+    if K > MAX_K:
+        fail(ErrorCode.GROUPS_LIMIT, f"K = {K} input rows; at most {MAX_K} allowed (uint16 permutations)")
+    row_start = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+    return GroupTable(bits=bits, qrow=qrow, qrows=qrows, row_start=row_start, rows=rows)

@@ -1,0 +1,402 @@
+"""The on-disk layouts of a quantized linear layer, as data.
+
+This module is the single place that spells the per-layer tensor names (``q_weight``, ``qweight``,
+``weight`` ...).  Reader, writer, validator, detector, inspector and bpw accounting all read the
+tables below; ``spec/layout.json`` is generated from them (``python -m exl2fmt.layout``) and a test
+fails when the checked-in copy drifts.
+
+Conventions (see spec/exl2.md):
+
+* ``K`` = in_features, ``N`` = out_features, ``N_pad`` = N rounded up to a multiple of 32.
+* EXL2 stores a K x N_pad matrix (input rows x output columns), the transpose of ``nn.Linear.weight``.
+* Row ``k`` of an EXL2 layer is a *stored* (act-order permuted) row; ``q_invperm[j]`` is the stored row of
+  original input feature ``j``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = [
+    "Format", "SlotStatus", "TensorSlot", "BitWidth", "BIT_WIDTHS", "EXL2_BITS", "GPTQ_BITS",
+    "Exl2Geometry", "GptqGeometry", "DenseGeometry", "LAYOUTS", "Tier", "plan_rows", "plan_desc",
+    "stored_bits", "bpw", "exl2_total_bits", "pad32", "scale_ratio", "SCALE_DIVISOR",
+    "ROW_MULTIPLE", "N_PAD_MULTIPLE", "MAX_K", "MAX_INT16", "FORMAT_VERSION", "layout_document",
+]
+
+#: Version of the format description in this module (spec/exl2.md "Versioning").  Independent of the
+#: tool's version: it changes only when the set of recognised layouts changes.
+FORMAT_VERSION = "1.0"
+
+#: Every EXL2 group holds a multiple of this many input rows (spec rule G4).
+ROW_MULTIPLE = 32
+#: q_weight / q_scale / bias columns are N padded to a multiple of this.
+N_PAD_MULTIPLE = 32
+#: Permutations are uint16 on the GPU, so K <= 65536 (spec rule L1).
+MAX_K = 65536
+#: q_groups values are int16 in the file and handled with signed 16-bit arithmetic by the loader.
+MAX_INT16 = 32767
+#: Dequantization scale s = (c + 1)^2 * q_scale_max / SCALE_DIVISOR.
+SCALE_DIVISOR = 256
+#: Number of bits in one scale code c.
+SCALE_CODE_BITS = 4
+
+
+class Format(str, enum.Enum):
+    """Storage format of one linear layer.  Values are stable strings used in JSON output."""
+
+    EXL2 = "exl2"
+    """ExLlamaV2 mixed-bitrate GPTQ: q_weight / q_scale / q_scale_max / q_groups / q_invperm."""
+    GPTQ = "gptq"
+    """GPTQ (AutoGPTQ / GPTQModel): qweight packed along K, qzeros packed along N, scales, g_idx."""
+    DENSE = "dense"
+    """Unquantized ``weight`` [N, K] in F16 / BF16 / F32 (``nn.Linear`` orientation)."""
+
+
+class SlotStatus(str, enum.Enum):
+    REQUIRED = "required"
+    """Must be present in the file."""
+    OPTIONAL = "optional"
+    """May be present (bias, q_perm, g_idx); checked when present."""
+    DERIVED = "derived"
+    """Never stored: computed by loaders (q_group_map).  Present in a file it is ignored."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bit widths
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BitWidth:
+    """Packing unit of one EXL2 bit width.
+
+    ``rows_per_unit`` consecutive rows of one column are packed into ``words_per_unit`` consecutive int32
+    rows of the same column, as a little-endian bit string: row t of the unit occupies bits
+    [t*bits, t*bits + bits).  Values of 3, 5 and 6 bits may straddle two words (low bits in the lower word).
+    """
+
+    bits: int
+    rows_per_unit: int
+    words_per_unit: int
+
+    @property
+    def zero_point(self) -> int:
+        """Implicit zero point z_b = 2^(b-1); codes are unsigned in [0, 2^b - 1]."""
+        return 1 << (self.bits - 1)
+
+    @property
+    def max_code(self) -> int:
+        return (1 << self.bits) - 1
+
+
+BIT_WIDTHS: dict[int, BitWidth] = {
+    b.bits: b
+    for b in (
+        BitWidth(2, 16, 1),
+        BitWidth(3, 32, 3),
+        BitWidth(4, 8, 1),
+        BitWidth(5, 32, 5),
+        BitWidth(6, 16, 3),
+        BitWidth(8, 4, 1),
+    )
+}
+#: EXL2 bit widths, in the order the loader expects tiers (descending).
+EXL2_BITS: tuple[int, ...] = (8, 6, 5, 4, 3, 2)
+#: GPTQ bit widths exl2fmt reads and writes (32 codes -> b words along the packed axis).
+GPTQ_BITS: tuple[int, ...] = (2, 3, 4, 8)
+
+
+def pad32(n: int) -> int:
+    """Round ``n`` up to a multiple of 32 (N_pad)."""
+    return (n + N_PAD_MULTIPLE - 1) // N_PAD_MULTIPLE * N_PAD_MULTIPLE
+
+
+def scale_ratio(code: int) -> float:
+    """(c + 1)^2 / 256: the factor a 4-bit scale code c applies to q_scale_max."""
+    return (code + 1) ** 2 / SCALE_DIVISOR
+
+
+# ---------------------------------------------------------------------------------------------------
+# Geometries: the numbers a layer's shapes are functions of
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Exl2Geometry:
+    """K input rows, N_pad padded output columns, G groups, Q packed int32 rows (= sum r_g * b_g / 32)."""
+
+    K: int
+    N_pad: int
+    G: int
+    Q: int
+
+
+@dataclass(frozen=True)
+class GptqGeometry:
+    """K input rows, N output columns, ``bits`` per code, G groups."""
+
+    K: int
+    N: int
+    bits: int
+    G: int
+
+
+@dataclass(frozen=True)
+class DenseGeometry:
+    K: int
+    N: int
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One tensor of a layer: ``<key>.<name>``.
+
+    ``dtypes``  safetensors dtype strings accepted on read; the first is what writers emit.
+    ``shape``   shape as a function of the layer geometry.
+    """
+
+    name: str
+    dtypes: tuple[str, ...]
+    shape: Callable[[object], tuple[int, ...]]
+    status: SlotStatus
+    description: str
+    shape_text: str
+
+    @property
+    def write_dtype(self) -> str:
+        return self.dtypes[0]
+
+
+_R, _O, _D = SlotStatus.REQUIRED, SlotStatus.OPTIONAL, SlotStatus.DERIVED
+
+EXL2_SLOTS: tuple[TensorSlot, ...] = (
+    TensorSlot("q_weight", ("I32",), lambda g: (g.Q, g.N_pad), _R,
+               "packed codes, per-column little-endian bit string per unit, stored (permuted) row order, tiers by "
+               "descending bits", "(Q, N_pad)"),
+    TensorSlot("q_scale", ("I32",), lambda g: (g.G, g.N_pad // 8), _R,
+               "4-bit scale codes c = qscale - 1, column 8m+i in bits [4i, 4i+4) of word m", "(G, N_pad/8)"),
+    TensorSlot("q_scale_max", ("F16",), lambda g: (g.G,), _R,
+               "per-group maximum scale; s = (c + 1)^2 * q_scale_max / 256", "(G,)"),
+    TensorSlot("q_groups", ("I16",), lambda g: (2 * g.G,), _R,
+               "pairs (bits_g, first q_weight row of group g)", "(2G,)"),
+    TensorSlot("q_invperm", ("I32", "I16"), lambda g: (g.K,), _R,
+               "q_invperm[j] = stored row holding original input feature j", "(K,)"),
+    TensorSlot("q_perm", ("I32", "I16"), lambda g: (g.K,), _O,
+               "argsort(q_invperm); never written by ExLlamaV2 and ignored by its loader", "(K,)"),
+    TensorSlot("bias", ("F16",), lambda g: (g.N_pad,), _O, "bias, zero-padded to N_pad", "(N_pad,)"),
+    TensorSlot("q_group_map", ("I16",), lambda g: (2 * g.K,), _D,
+               "load-time (group, rows left) per stored row; never stored", "(2K,)"),
+)
+
+GPTQ_SLOTS: tuple[TensorSlot, ...] = (
+    TensorSlot("qweight", ("I32",), lambda g: (g.K * g.bits // 32, g.N), _R,
+               "codes packed along K: 32 consecutive rows -> `bits` words, little-endian bit string", "(K*b/32, N)"),
+    TensorSlot("qzeros", ("I32",), lambda g: (g.G, g.N * g.bits // 32), _R,
+               "zero points packed along N like qweight; v1 ('gptq') stores z-1, v2 ('gptq_v2') stores z",
+               "(G, N*b/32)"),
+    TensorSlot("scales", ("F16", "BF16", "F32"), lambda g: (g.G, g.N), _R, "per-group, per-column scales", "(G, N)"),
+    TensorSlot("g_idx", ("I32",), lambda g: (g.K,), _O, "group of each input row (original order)", "(K,)"),
+    TensorSlot("bias", ("F16", "BF16", "F32"), lambda g: (g.N,), _O, "bias", "(N,)"),
+)
+
+DENSE_SLOTS: tuple[TensorSlot, ...] = (
+    TensorSlot("weight", ("F16", "BF16", "F32"), lambda g: (g.N, g.K), _R, "nn.Linear weight", "(N, K)"),
+    TensorSlot("bias", ("F16", "BF16", "F32"), lambda g: (g.N,), _O, "bias", "(N,)"),
+)
+
+#: The layout table: format -> slots.  The first REQUIRED slot is the one that identifies the format.
+LAYOUTS: dict[Format, tuple[TensorSlot, ...]] = {
+    Format.EXL2: EXL2_SLOTS,
+    Format.GPTQ: GPTQ_SLOTS,
+    Format.DENSE: DENSE_SLOTS,
+}
+
+#: Detection precedence (ExLlamaV2 ``load_weight`` checks q_weight, then qweight, then weight).
+DETECTION_ORDER: tuple[Format, ...] = (Format.EXL2, Format.GPTQ, Format.DENSE)
+
+
+def slot(fmt: Format, name: str) -> TensorSlot:
+    for s in LAYOUTS[fmt]:
+        if s.name == name:
+            return s
+    raise KeyError(f"{fmt.value} has no slot {name!r}")
+
+
+def marker_slot(fmt: Format) -> str:
+    """The tensor suffix whose presence identifies ``fmt``."""
+    return next(s.name for s in LAYOUTS[fmt] if s.status is SlotStatus.REQUIRED)
+
+
+def stored_slot_names(fmt: Format) -> tuple[str, ...]:
+    return tuple(s.name for s in LAYOUTS[fmt] if s.status is not SlotStatus.DERIVED)
+
+
+def all_slot_names() -> frozenset[str]:
+    return frozenset(s.name for slots in LAYOUTS.values() for s in slots)
+
+
+_DTYPE_BITS = {"I32": 32, "I16": 16, "F16": 16, "BF16": 16, "F32": 32}
+
+
+def stored_bits(fmt: Format, geometry, present: dict[str, str]) -> int:
+    """Exact number of bits the stored tensors of one layer occupy.
+
+    ``present`` maps slot name -> safetensors dtype of each slot actually stored (derived slots ignored).
+    """
+    total = 0
+    for s in LAYOUTS[fmt]:
+        if s.status is SlotStatus.DERIVED or s.name not in present:
+            continue
+        total += math.prod(s.shape(geometry)) * _DTYPE_BITS[present[s.name]]
+    return total
+
+
+def bpw(fmt: Format, geometry, present: dict[str, str]) -> float:
+    """Bits per weight with all overhead, ExLlamaV2's convention (``QParams.total_bits`` / numel).
+
+    numel = K * N_pad (+ N_pad with a bias) for EXL2, K * N (+ N) for GPTQ and dense layers.
+    """
+    if fmt is Format.EXL2:
+        n = geometry.N_pad
+    else:
+        n = geometry.N
+    numel = geometry.K * n + (n if "bias" in present else 0)
+    return stored_bits(fmt, geometry, present) / numel
+
+
+# ---------------------------------------------------------------------------------------------------
+# Group plans (QParams): bit tiers with proportions and group sizes
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tier:
+    """``proportion`` of the K stored rows at ``bits`` bits in groups of ``group_size`` rows."""
+
+    proportion: float
+    bits: int
+    group_size: int
+
+
+def plan_rows(K: int, tiers: tuple[Tier, ...] | list[Tier]) -> list[tuple[int, int]]:
+    """Split K stored rows into groups, ExLlamaV2's way (``AdaptiveGPTQ.configure``).
+
+    With R_0 = K: g_i = ceil(min(K * p_i, R_i) / gs_i) groups for tier i, R_{i+1} = R_i - g_i * gs_i;
+    every group has gs_i rows except the last group of the layer, clipped to end at K.
+    Returns [(bits, rows)] per group in stored order.  Raises ValueError if the tiers do not cover K.
+    """
+    groups: list[tuple[int, int]] = []
+    remaining = K
+    start = 0
+    for t in tiers:
+        if t.bits not in BIT_WIDTHS:
+            raise ValueError(f"bit width {t.bits} is not one of {sorted(BIT_WIDTHS)}")
+        if t.group_size <= 0:
+            raise ValueError(f"group size {t.group_size} must be positive")
+        count = math.ceil(min(K * t.proportion, remaining) / t.group_size)
+        count = max(count, 0)
+        for _ in range(count):
+            if start >= K:
+                break
+            rows = min(t.group_size, K - start)
+            groups.append((t.bits, rows))
+            start += rows
+        remaining -= count * t.group_size
+    if start != K:
+        raise ValueError(f"tiers cover {start} of {K} rows")
+    return groups
+
+
+def exl2_total_bits(K: int, N_pad: int, tiers, has_bias: bool = False) -> int:
+    """``QParams.total_bits``: bits of a layer quantized with ``tiers`` (all overhead included)."""
+    groups = plan_rows(K, tiers)
+    G = len(groups)
+    Q = sum(r * b for b, r in groups) // 32
+    geom = Exl2Geometry(K=K, N_pad=N_pad, G=G, Q=Q)
+    present = {"q_weight": "I32", "q_scale": "I32", "q_scale_max": "F16", "q_groups": "I16", "q_invperm": "I32"}
+    if has_bias:
+        present["bias"] = "F16"
+    return stored_bits(Format.EXL2, geom, present)
+
+
+def plan_desc(bits_rows: list[tuple[int, int]]) -> str:
+    """Describe per-group (bits, rows) in ExLlamaV2's notation, e.g. ``0.05:8b_32g/0.95:4b_128g``.
+
+    Proportions are the actual fraction of rows at each width; the group size is the most common group row
+    count of that width (the layer's last group may be shorter).
+    """
+    K = sum(r for _, r in bits_rows)
+    if K == 0:
+        return ""
+    parts = []
+    i = 0
+    while i < len(bits_rows):
+        b = bits_rows[i][0]
+        j = i
+        sizes: dict[int, int] = {}
+        rows = 0
+        while j < len(bits_rows) and bits_rows[j][0] == b:
+            r = bits_rows[j][1]
+            sizes[r] = sizes.get(r, 0) + 1
+            rows += r
+            j += 1
+        gs = max(sizes.items(), key=lambda kv: (kv[1], kv[0]))[0]
+        p = rows / K
+        parts.append(f"{_fmt_prop(p)}:{b}b_{gs}g")
+        i = j
+    return "/".join(parts)
+
+
+def _fmt_prop(p: float) -> str:
+    if p >= 0.9999:
+        return "1"
+    s = f"{p:.3f}".rstrip("0")
+    if s.endswith("."):
+        s += "0"
+    return s
+
+
+# ---------------------------------------------------------------------------------------------------
+# Machine-readable dump (spec/layout.json)
+# ---------------------------------------------------------------------------------------------------
+
+
+def layout_document() -> dict:
+    """The layout table as JSON-able data; ``spec/layout.json`` must equal this."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "conventions": {
+            "K": "in_features", "N": "out_features", "N_pad": "N rounded up to a multiple of 32",
+            "Q": "packed int32 rows of q_weight = sum over groups of rows_g * bits_g / 32",
+            "G": "number of groups",
+        },
+        "bit_widths": [
+            {"bits": b.bits, "rows_per_unit": b.rows_per_unit, "words_per_unit": b.words_per_unit,
+             "zero_point": b.zero_point}
+            for b in (BIT_WIDTHS[x] for x in sorted(BIT_WIDTHS))
+        ],
+        "exl2_tier_order": list(EXL2_BITS),
+        "gptq_bits": list(GPTQ_BITS),
+        "scale_rule": "s[g][n] = (c[g][n] + 1)^2 * q_scale_max[g] / 256, rounded as fp16(fp16((c+1)^2) * fp16(q_scale_max / 256))",
+        "dequant_rule": "w = fp16(fp16(q - 2^(b-1)) * s); W[q_perm[k]][n] = w(k, n); nn.Linear.weight = W[:, :N].T",
+        "limits": {"row_multiple": ROW_MULTIPLE, "n_pad_multiple": N_PAD_MULTIPLE, "max_K": MAX_K,
+                   "max_int16": MAX_INT16, "scale_divisor": SCALE_DIVISOR, "scale_code_bits": SCALE_CODE_BITS},
+        "detection_order": [f.value for f in DETECTION_ORDER],
+        "layouts": {
+            fmt.value: [
+                {"name": s.name, "dtypes": list(s.dtypes), "shape": s.shape_text, "status": s.status.value,
+                 "description": s.description}
+                for s in slots
+            ]
+            for fmt, slots in LAYOUTS.items()
+        },
+    }
+
+
+if __name__ == "__main__":  # python -m exl2fmt.layout > spec/layout.json
+    print(json.dumps(layout_document(), indent=2))
