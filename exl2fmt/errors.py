@@ -108,6 +108,22 @@ class ErrorCode(str, enum.Enum):
     GPTQ_ZEROS_AMBIGUOUS = ("GPTQ_ZEROS_AMBIGUOUS", Category.INVALID,
                             "a v1 (gptq) zero field equal to 2**bits-1 is read differently by different tools")
 
+    # --- model-level checks of inspect / validate (appended; see exl2fmt/validate.py) -----------------
+    FORMAT_MISMATCH = ("FORMAT_MISMATCH", Category.INVALID,
+                       "config.json quantization_config.quant_method must name the format the tensors are in")
+    FORMAT_UNKNOWN = ("FORMAT_UNKNOWN", Category.INVALID, "the tensors should form linear layers of a known format")
+    FORMAT_UNSUPPORTED = ("FORMAT_UNSUPPORTED", Category.INVALID,
+                          "layers of a recognised-only format (EXL3, AWQ data) are named but not checked in depth")
+    BITS_MISMATCH = ("BITS_MISMATCH", Category.INVALID,
+                     "quantization_config.bits should match the measured average bpw of the decoder linears")
+    INDEX_ABSENT = ("INDEX_ABSENT", Category.INVALID,
+                    "a sharded model should ship model.safetensors.index.json (--fix-index writes one)")
+    CONFIG_MISSING = ("CONFIG_MISSING", Category.INVALID, "a model directory should hold config.json")
+    REFERENCE_MISMATCH = ("REFERENCE_MISMATCH", Category.INVALID,
+                          "a dequantized layer must match the reference model within its bit width's threshold")
+    GGUF_INVALID = ("GGUF_INVALID", Category.INVALID,
+                    "a .gguf file must be well-formed GGUF v2/v3 with bounded counts, strings and arrays")
+
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol
         return None
