@@ -183,25 +183,38 @@ class Exl2Linear(_Base):
             issues += self._deep_checks()
         return issues
 
+    def _perm(self, slot: str) -> np.ndarray:
+        """A permutation slot as int64; I16 storage is read as uint16, as ExLlamaV2's kernels do."""
+        a = np.asarray(self.tensors[slot])
+        if self.dtypes.get(slot) == "I16":
+            a = a.view(np.uint16)
+        return a.astype(np.int64)
+
     def _deep_checks(self) -> list[Issue]:
         from .codec.exl2 import invert_permutation, is_permutation
 
         issues = []
-        inv = np.asarray(self.tensors["q_invperm"])
+        inv = self._perm("q_invperm")
         if not is_permutation(inv):
             issues.append(self._issue(ErrorCode.PERM_INVALID, f"not a permutation of 0..{inv.size - 1} "
                                       "(duplicate or out-of-range entries)", "q_invperm"))
         elif "q_perm" in self.tensors:
-            perm = np.asarray(self.tensors["q_perm"]).astype(np.int64)
+            perm = self._perm("q_perm")
             if not np.array_equal(perm, invert_permutation(inv)):
                 issues.append(self._issue(ErrorCode.PERM_MISMATCH, "q_perm is not argsort(q_invperm)", "q_perm"))
         qsm = np.asarray(self.tensors["q_scale_max"]).astype(np.float32)
-        bad = ~np.isfinite(qsm) | (qsm <= 0)
+        bad = ~np.isfinite(qsm) | (qsm < 0)
         if bad.any():
             g = int(np.flatnonzero(bad)[0])
             issues.append(self._issue(ErrorCode.SCALE_MAX_INVALID, f"{int(bad.sum())} of {qsm.size} groups have a "
-                                      f"non-finite or non-positive scale (first: group {g} = {qsm[g]})",
+                                      f"non-finite or negative scale (first: group {g} = {qsm[g]})",
                                       "q_scale_max"))
+        zero = qsm == 0
+        if zero.any():
+            # ExLlamaV2 writes 0 for an all-zero group (its max scale underflows fp16); it decodes to zeros.
+            issues.append(self._issue(ErrorCode.SCALE_MAX_INVALID, f"{int(zero.sum())} of {qsm.size} groups have "
+                                      f"q_scale_max = 0 (first: group {int(np.flatnonzero(zero)[0])}); they decode "
+                                      "to all-zero weights", "q_scale_max", severity=Severity.WARNING))
         issues += self._finite("bias")
         return issues
 
@@ -224,7 +237,7 @@ class Exl2Linear(_Base):
         t = self.tensors
         try:
             return dequantize(np.asarray(t["q_weight"]), np.asarray(t["q_scale"]), np.asarray(t["q_scale_max"]),
-                              self.groups, np.asarray(t["q_invperm"]), out_features=self.out_features)
+                              self.groups, self._perm("q_invperm"), out_features=self.out_features)
         except ValueError as e:
             raise Exl2Error(ErrorCode.PERM_INVALID if "permutation" in str(e) else ErrorCode.SLOT_SHAPE, str(e),
                             tensor=self.key, file=self.file) from None
