@@ -791,7 +791,7 @@ def _read_json_file(path: Path, cap: int, code: ErrorCode, what: str) -> Any:
         raise _err(code, f"expected {what} of at most {cap} bytes, found {st.st_size} bytes", p)
     try:
         with open(p, "rb") as f:
-            raw = f.read(cap + 1)
+            raw = f.read(min(cap, st.st_size) + 1)  # never allocate by the cap
     except OSError as e:
         raise _err(ErrorCode.IO_ERROR, f"cannot read: {e.strerror or e}", p) from None
     if len(raw) > cap:

@@ -331,14 +331,28 @@ class GptqLinear(_Base):
         qw, qz = self.tensors["qweight"], self.tensors["qzeros"]
         if len(qw.shape) != 2 or len(qz.shape) != 2:
             return issues + [self._issue(ErrorCode.SLOT_SHAPE, "qweight and qzeros must be 2-D")]
+        N = int(qw.shape[1])
+        shape_bits = qz.shape[1] * 32 / N if N else 0.0
+        if self.bits_hint is None:
+            if shape_bits not in GPTQ_BITS:
+                return issues + [self._issue(ErrorCode.GPTQ_BITS, f"qzeros has {qz.shape[1]} words per row for "
+                                             f"N = {N}, i.e. {shape_bits:g} bits; expected one of {GPTQ_BITS}",
+                                             "qzeros")]
+        elif self.bits_hint not in GPTQ_BITS:
+            return issues + [self._issue(ErrorCode.GPTQ_BITS, f"quantization_config.bits = {self.bits_hint}; "
+                                         f"expected one of {GPTQ_BITS}")]
+        elif shape_bits != self.bits_hint:
+            return issues + [self._issue(ErrorCode.GPTQ_BITS, f"quantization_config.bits = {self.bits_hint} but "
+                                         f"qzeros has {qz.shape[1]} words per row for N = {N} "
+                                         f"({shape_bits:g} bits)", "qzeros")]
         b = self.bits
-        if b not in GPTQ_BITS or (self.bits_hint is None and (qz.shape[1] * 32) % max(qw.shape[1], 1)):
-            return issues + [self._issue(ErrorCode.GPTQ_BITS, f"{b} bits (from "
-                                         f"{'config' if self.bits_hint else 'qzeros/qweight shapes'}); "
-                                         f"expected one of {GPTQ_BITS}", "qzeros")]
         if (qw.shape[0] * 32) % b or (qw.shape[0] * 32 // b) % 32:
             return issues + [self._issue(ErrorCode.GPTQ_BITS, f"qweight has {qw.shape[0]} rows, not a multiple of "
                                          f"{b} ({b}-bit rows pack 32 codes in {b} words)", "qweight")]
+        if "g_idx" not in self.tensors and self.G and math.ceil(self.K / self.group_size) != self.G:
+            issues.append(self._issue(ErrorCode.SLOT_SHAPE, f"group_size {self.group_size} implies "
+                                      f"{math.ceil(self.K / self.group_size)} groups for K = {self.K}, but qzeros and "
+                                      f"scales have {self.G}", "qzeros"))
         issues += self._slot_shapes(self.geometry)
         if deep and not issues:
             if "g_idx" in self.tensors:

@@ -68,7 +68,18 @@ def unpack_qzeros(qzeros: np.ndarray, bits: int) -> np.ndarray:
     qzeros = np.asarray(qzeros)
     if qzeros.ndim != 2:
         raise ValueError(f"qzeros must be 2-D, got {qzeros.shape}")
-    return np.ascontiguousarray(unpack_qweight(np.ascontiguousarray(qzeros.T), bits).T)
+    _check_bits(bits)
+    words = qzeros.shape[1]
+    if (words * 32) % bits:
+        raise ValueError(f"{words} qzeros words per row do not hold a whole number of {bits}-bit fields")
+    # For 2/4/8 bits a word holds whole fields, so N need only be a multiple of 32/bits: pad the word
+    # count to whole 32-field blocks, unpack, and cut the padding off again.
+    t = np.ascontiguousarray(qzeros.T)
+    pad = (-words) % bits
+    if pad:
+        t = np.concatenate([t, np.zeros((pad, t.shape[1]), dtype=t.dtype)])
+    fields = unpack_qweight(t, bits).T
+    return np.ascontiguousarray(fields[:, : words * 32 // bits])
 
 
 def zeros_from_fields(fields: np.ndarray, v2: bool) -> np.ndarray:
@@ -111,6 +122,8 @@ def dequantize(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_id
     K, N = codes.shape
     fields = unpack_qzeros(qzeros, bits)
     G = fields.shape[0]
+    if K and not G:  # guard: the Numba loop below would read zeros[-1] / scales[-1] of empty arrays
+        raise ValueError(f"qzeros and scales hold no groups (G = 0) for K = {K} rows")
     if fields.shape[1] != N:
         raise ValueError(f"qzeros decode to {fields.shape[1]} columns, qweight has {N}")
     scales = np.asarray(scales)
@@ -118,7 +131,8 @@ def dequantize(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_id
         raise ValueError(f"scales must be {(G, N)}, got {scales.shape}")
     scale_bits = np.ascontiguousarray(scales.astype(np.float16)).view(np.uint16)
     if g_idx is None:
-        gs = group_size if group_size and group_size > 0 else K
+        # Without g_idx, rows are in contiguous groups; with no group size given, derive it from G.
+        gs = group_size if group_size and group_size > 0 else -(-K // max(G, 1))
         g = np.minimum(np.arange(K) // gs, G - 1)
     else:
         g = np.asarray(g_idx).astype(np.int64)
