@@ -733,7 +733,12 @@ class SafetensorsFile:
         dt = spec.numpy if spec.numpy is not None else np.dtype("u1")
         shape = t.shape if spec.numpy is not None else (t.nbytes,)
         if t.nbytes == 0:
-            arr = np.empty(shape, dtype=dt)
+            try:
+                arr = np.empty(shape, dtype=dt)
+            except (ValueError, OverflowError):
+                # A valid header may declare [0, 2**64-1]; numpy cannot represent such a shape.
+                raise _err(ErrorCode.SHAPE_INVALID, f"zero-size tensor with shape {list(shape)} has dimensions too "
+                           "large for an array", self.path, name) from None
             arr.setflags(write=False)
             return arr
         mm = self._map()

@@ -151,9 +151,12 @@ class Exl2Linear(_Base):
 
     def plan(self) -> str:
         """Group plan in ExLlamaV2's notation, e.g. ``0.05:8b_32g/0.95:4b_128g``."""
+        self.raise_if_invalid()
         return plan_desc(self.groups.bits_rows())
 
     def bpw(self) -> float:
+        """Bits per weight with all overhead (ExLlamaV2's accounting); raises Exl2Error on an invalid layer."""
+        self.raise_if_invalid()
         return bpw(Format.EXL2, self.geometry, dict(self.dtypes))
 
     def validate(self, deep: bool = False) -> list[Issue]:
@@ -311,6 +314,7 @@ class GptqLinear(_Base):
         return "bias" in self.tensors
 
     def plan(self) -> str:
+        self.raise_if_invalid()
         gs = self.group_size
         return f"1:{self.bits}b_{gs}g" + (" act-order" if self.act_order() else "")
 
@@ -322,6 +326,7 @@ class GptqLinear(_Base):
         return not np.array_equal(g, np.arange(g.size) // max(self.group_size, 1))
 
     def bpw(self) -> float:
+        self.raise_if_invalid()
         return bpw(Format.GPTQ, self.geometry, dict(self.dtypes))
 
     def validate(self, deep: bool = False) -> list[Issue]:
@@ -332,7 +337,10 @@ class GptqLinear(_Base):
         if len(qw.shape) != 2 or len(qz.shape) != 2:
             return issues + [self._issue(ErrorCode.SLOT_SHAPE, "qweight and qzeros must be 2-D")]
         N = int(qw.shape[1])
-        shape_bits = qz.shape[1] * 32 / N if N else 0.0
+        if N == 0 or qw.shape[0] == 0 or qz.shape[0] == 0:
+            return issues + [self._issue(ErrorCode.SLOT_SHAPE, f"empty layer: qweight {list(qw.shape)}, qzeros "
+                                         f"{list(qz.shape)}; a layer needs K, N and G > 0")]
+        shape_bits = qz.shape[1] * 32 / N
         if self.bits_hint is None:
             if shape_bits not in GPTQ_BITS:
                 return issues + [self._issue(ErrorCode.GPTQ_BITS, f"qzeros has {qz.shape[1]} words per row for "
@@ -422,9 +430,11 @@ class DenseLinear(_Base):
         return "bias" in self.tensors
 
     def plan(self) -> str:
-        return self.dtypes.get("weight", "?").lower()
+        self.raise_if_invalid()
+        return self.dtypes["weight"].lower()
 
     def bpw(self) -> float:
+        self.raise_if_invalid()
         return bpw(Format.DENSE, self.geometry, dict(self.dtypes))
 
     def validate(self, deep: bool = False) -> list[Issue]:
@@ -432,8 +442,9 @@ class DenseLinear(_Base):
         if issues:
             return issues
         w = self.tensors["weight"]
-        if len(w.shape) != 2:
-            return [self._issue(ErrorCode.SLOT_SHAPE, f"shape {list(w.shape)}; expected [N, K]", "weight")]
+        if len(w.shape) != 2 or 0 in w.shape:
+            return [self._issue(ErrorCode.SLOT_SHAPE, f"shape {list(w.shape)}; expected [N, K] with N, K > 0",
+                                "weight")]
         issues += self._slot_shapes(self.geometry)
         if deep and not issues:
             issues += self._finite("weight") + self._finite("bias")
