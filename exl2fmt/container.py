@@ -87,9 +87,10 @@ problems are not fatal: ``ModelFiles.index_issues()`` returns them as ``Issue`` 
 
 * ``INDEX_MISSING_SHARD``   (error)   the index names a shard file that does not exist;
 * ``INDEX_MISSING_TENSOR``  (error)   an indexed tensor is not in the shard the index names;
-* ``INDEX_UNLISTED_TENSOR`` (warning) a shard tensor is not in the index (it is still readable), or a
-  ``*.safetensors`` file in the directory is not referenced by the index at all (``tensor=None``; its
-  tensors are not loaded, but ExLlamaV2 - which ignores the index - would load them);
+* ``INDEX_UNLISTED_TENSOR`` (error) a tensor of an indexed shard is not in the index (loaders that follow
+  the weight_map never load it); (warning) a ``*.safetensors`` file in the directory is not referenced by
+  the index at all (``tensor=None``; its tensors are not loaded, but ExLlamaV2 - which ignores the index -
+  would load them);
 * ``INDEX_TOTAL_SIZE``      (warning) ``metadata.total_size`` is present and is not a number equal to
   the sum of the tensors' bytes;
 * ``DUPLICATE_TENSOR``      (error)   a tensor name is in two shards (also reported without an index).
@@ -1059,8 +1060,9 @@ def _open_indexed(directory: Path, index: Path) -> ModelFiles:
         if want is None:
             issues.append(Issue(ErrorCode.INDEX_UNLISTED_TENSOR,
                                 f"expected every shard tensor in the index, found {name!r} in "
-                                f"{os.path.basename(chosen[name])} but not in weight_map", tensor=name,
-                                file=chosen[name], severity=Severity.WARNING))
+                                f"{os.path.basename(chosen[name])} but not in weight_map (loaders that follow "
+                                f"the index never load it)", tensor=name,
+                                file=chosen[name], severity=Severity.ERROR))
     for name, shard in wm.items():
         sp = str(directory / shard)
         if sp not in headers:

@@ -26,6 +26,7 @@ __all__ = [
     "Exl2Geometry", "GptqGeometry", "DenseGeometry", "LAYOUTS", "Tier", "plan_rows", "plan_desc",
     "stored_bits", "bpw", "exl2_total_bits", "pad32", "scale_ratio", "SCALE_DIVISOR",
     "ROW_MULTIPLE", "N_PAD_MULTIPLE", "MAX_K", "MAX_INT16", "FORMAT_VERSION", "layout_document",
+    "AwqGeometry", "Exl3Geometry", "RECOGNISED_LAYOUTS",
 ]
 
 #: Version of the format description in this module (spec/exl2.md "Versioning").  Independent of the
@@ -220,6 +221,65 @@ LAYOUTS: dict[Format, tuple[TensorSlot, ...]] = {
 DETECTION_ORDER: tuple[Format, ...] = (Format.EXL2, Format.GPTQ, Format.DENSE)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Recognised-only layouts: named by the detector and the inspector, never decoded
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AwqGeometry:
+    """AWQ "GEMM" layer: K input rows, N output columns, ``bits`` per code, G groups of contiguous rows."""
+
+    K: int
+    N: int
+    bits: int
+    G: int
+
+
+@dataclass(frozen=True)
+class Exl3Geometry:
+    """EXL3 layer: K input rows, N output columns, ``bits`` per weight of the trellis codes."""
+
+    K: int
+    N: int
+    bits: int
+
+
+#: AWQ (AutoAWQ "GEMM"): the same tensor names as GPTQ, but qweight is packed along N (interleaved column
+#: order 0,2,4,6,1,3,5,7 within a 4-bit word), qzeros stores z (no -1) and there is no g_idx.  Told apart from
+#: GPTQ by shapes: AWQ qweight has K rows and N*b/32 columns, GPTQ qweight has K*b/32 rows and N columns.
+AWQ_SLOTS: tuple[TensorSlot, ...] = (
+    TensorSlot("qweight", ("I32",), lambda g: (g.K, g.N * g.bits // 32), _R,
+               "codes packed along N, interleaved column order within a word", "(K, N*b/32)"),
+    TensorSlot("qzeros", ("I32",), lambda g: (g.G, g.N * g.bits // 32), _R,
+               "zero points z packed along N like qweight", "(G, N*b/32)"),
+    TensorSlot("scales", ("F16", "BF16", "F32"), lambda g: (g.G, g.N), _R, "per-group, per-column scales", "(G, N)"),
+    TensorSlot("bias", ("F16", "BF16", "F32"), lambda g: (g.N,), _O, "bias", "(N,)"),
+)
+
+#: EXL3 (ExLlamaV3, QTIP-style trellis codes with Hadamard rotations).  Only ``trellis`` identifies it; the
+#: sign vectors come either as ``suh``/``svh`` or packed as ``su``/``sv``.
+EXL3_SLOTS: tuple[TensorSlot, ...] = (
+    TensorSlot("trellis", ("I16",), lambda g: (g.K // 16, g.N // 16, 16 * g.bits), _R,
+               "trellis-coded 16x16 tiles", "(K/16, N/16, 16*bits)"),
+    TensorSlot("suh", ("F16",), lambda g: (g.K,), _O, "input-side signs / scales", "(K,)"),
+    TensorSlot("svh", ("F16",), lambda g: (g.N,), _O, "output-side signs / scales", "(N,)"),
+    TensorSlot("su", ("I16",), lambda g: (g.K // 16,), _O, "input-side signs, bit-packed", "(K/16,)"),
+    TensorSlot("sv", ("I16",), lambda g: (g.N // 16,), _O, "output-side signs, bit-packed", "(N/16,)"),
+    TensorSlot("mcg", ("I32",), lambda g: (), _O, "codebook multiplier (mcg variant)", "()"),
+    TensorSlot("mul1", ("I32",), lambda g: (), _O, "codebook multiplier (mul1 variant)", "()"),
+    TensorSlot("bias", ("F16",), lambda g: (g.N,), _O, "bias", "(N,)"),
+)
+
+#: Layouts exl2fmt recognises and names but does not decode or fully validate, keyed by the stable format
+#: string used in JSON output.  The first REQUIRED slot identifies the format (for AWQ it is shared with GPTQ;
+#: the shapes decide).
+RECOGNISED_LAYOUTS: dict[str, tuple[TensorSlot, ...]] = {
+    "awq": AWQ_SLOTS,
+    "exl3": EXL3_SLOTS,
+}
+
+
 def slot(fmt: Format, name: str) -> TensorSlot:
     for s in LAYOUTS[fmt]:
         if s.name == name:
@@ -394,6 +454,14 @@ def layout_document() -> dict:
                 for s in slots
             ]
             for fmt, slots in LAYOUTS.items()
+        },
+        "recognised_only": {
+            name: [
+                {"name": s.name, "dtypes": list(s.dtypes), "shape": s.shape_text, "status": s.status.value,
+                 "description": s.description}
+                for s in slots
+            ]
+            for name, slots in RECOGNISED_LAYOUTS.items()
         },
     }
 

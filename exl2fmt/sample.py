@@ -123,6 +123,18 @@ def sample_tensors(seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
+def decoder_bpw() -> float:
+    """Average bits per weight of the sample's decoder linears, overhead included (ExLlamaV2's accounting)."""
+    from .layout import exl2_total_bits, pad32
+
+    bits = numel = 0
+    for plans in SAMPLE_PLANS:
+        for name, (n, k) in _shapes(SAMPLE_CONFIG).items():
+            bits += exl2_total_bits(k, pad32(n), plans[name])
+            numel += k * pad32(n)
+    return bits / numel
+
+
 def sample_config() -> dict:
     from . import __version__
 
@@ -130,7 +142,8 @@ def sample_config() -> dict:
     cfg["quantization_config"] = {
         "quant_method": "exl2",
         "version": f"exl2fmt {__version__}",
-        "bits": 4.0,
+        # the sample's plans are fixed, so record what they measure rather than a rounder target
+        "bits": round(decoder_bpw(), 2),
         "head_bits": 6,
         "calibration": {"rows": 0, "length": 0, "dataset": "(none: round-to-nearest sample)"},
     }

@@ -839,12 +839,12 @@ def test_index_unlisted_tensor(tmp_path):
     shard_c = tmp_path / idx["weight_map"]["c"]
     write_safetensors(shard_c, {"c": np.full(4, 2, np.uint8), "d": np.zeros(2, np.uint8)})
     with open_model(tmp_path) as m:
-        assert _codes(m) == [("INDEX_TOTAL_SIZE", "warning", None), ("INDEX_UNLISTED_TENSOR", "warning", "d")]
+        assert _codes(m) == [("INDEX_TOTAL_SIZE", "warning", None), ("INDEX_UNLISTED_TENSOR", "error", "d")]
         np.testing.assert_array_equal(m.get("d"), [0, 0])  # still readable
     idx["metadata"]["total_size"] = 14
     ip.write_text(json.dumps(idx))
     with open_model(tmp_path) as m:
-        assert _codes(m) == [("INDEX_UNLISTED_TENSOR", "warning", "d")]
+        assert _codes(m) == [("INDEX_UNLISTED_TENSOR", "error", "d")]
 
 
 def test_index_unreferenced_file(tmp_path):

@@ -1,0 +1,1 @@
+"""The ``exl2fmt`` command line (typer).  Entry point: ``exl2fmt.cli.app:main``."""

@@ -1,0 +1,336 @@
+"""The ``exl2fmt`` command line: a thin typer shell over library calls.
+
+Each command calls one library function (``exl2fmt.inspect.inspect_model``, ``exl2fmt.validate.validate_model``,
+``exl2fmt.sample.write_sample``, ``exl2fmt.dequantize_layer``) and hands the result to the one output sink
+(``exl2fmt.cli.output.Output``).  Exceptions become a message and an exit code in ``exl2fmt.cli.errors``.
+
+Start-up cost matters (``inspect`` of a 70B model must take well under 1.5 s): this module imports only typer
+and exl2fmt.errors at import time; numpy, rich, the container and numba are imported inside the commands
+that need them, and torch/triton never.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Optional
+
+import typer
+
+from .errors import EXIT_INVALID, EXIT_OK, EXIT_USAGE, handle_exception
+
+__all__ = ["app", "main"]
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 success (validate: no check failed) · 1 the input breaks a rule / a check failed · "
+    "2 usage error · 3 unreadable or unsupported input · 4 internal error (details with --debug)."
+)
+
+app = typer.Typer(
+    name="exl2fmt",
+    help="Reference toolkit for the EXL2 quantized-LLM format: inspect, validate, dequantize.",
+    epilog=EXIT_CODES_HELP,
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+_STATE = {"debug": False}
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        typer.echo(f"exl2fmt {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version_callback, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of internal errors "
+                                        "(also EXL2FMT_DEBUG=1).")] = False,
+) -> None:
+    """Reference toolkit for the EXL2 quantized-LLM format: inspect, validate, dequantize."""
+    _STATE["debug"] = debug
+
+
+def _output(json_: bool = False, markdown: bool = False):
+    from .output import Output
+
+    if json_ and markdown:
+        out = Output("human")
+        out.error("USAGE", "--json and --markdown exclude each other", category="usage", exit_code=EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE)
+    return Output("json" if json_ else "markdown" if markdown else "human")
+
+
+def _run(out, body) -> None:
+    """Run a command body; map every exception to a message and an exit code."""
+    try:
+        code = body()
+    except typer.Exit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - this is the CLI's one exception boundary
+        if isinstance(e, SystemExit):
+            raise
+        code = handle_exception(e, out, debug=_STATE["debug"])
+    raise typer.Exit(code or 0)
+
+
+# ------------------------------------------------------------------------------------------------ inspect
+
+PathArg = Annotated[str, typer.Argument(help="A .safetensors file, a model directory (sharded or not) or a .gguf "
+                                        "file.", show_default=False)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout "
+                                       "(schema: spec/inspect.schema.json).")]
+
+
+@app.command(epilog=EXIT_CODES_HELP)
+def inspect(
+    path: PathArg,
+    json_: JsonOpt = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="GitHub markdown for a model card.")] = False,
+    layers: Annotated[bool, typer.Option("--layers/--no-layers", help="Show the per-layer table.")] = True,
+) -> None:
+    """Show what a model really is, from its headers alone (never reads tensor data).
+
+    Format per layer and for the model (EXL2, GPTQ, AWQ, EXL3, dense, GGUF), producer, logical parameters,
+    stored bytes, bits per weight (decoder, head, overall; overhead included), estimated weight memory,
+    per-layer group plans, per-block totals and a bit-width histogram.
+
+    **Examples**
+
+    * `exl2fmt inspect ./Llama-3-8B-exl2-4.0bpw/`
+    * `exl2fmt inspect model.safetensors --no-layers`
+    * `exl2fmt inspect ./model --json > report.json`
+    * `exl2fmt inspect ./model --markdown >> README.md`
+    """
+    out = _output(json_, markdown)
+
+    def body():
+        from ..inspect import inspect_model
+
+        rep = inspect_model(path, layers=layers)
+        out.inspect_report(rep, show_layers=layers)
+        return EXIT_OK
+
+    _run(out, body)
+
+
+# ------------------------------------------------------------------------------------------------ validate
+
+
+@app.command()
+def validate(
+    path: Annotated[str, typer.Argument(help="A .safetensors file or a model directory.", show_default=False)],
+    deep: Annotated[bool, typer.Option("--deep", help="Also read the data: permutations, scales, NaN/Inf, "
+                                       "dequantize every layer, per-layer weight statistics.")] = False,
+    reference: Annotated[Optional[str], typer.Option("--reference", metavar="DIR", help="Compare every "
+                         "dequantized layer with this FP16/BF16 model (implies --deep).", show_default=False)] = None,
+    fix_index: Annotated[bool, typer.Option("--fix-index", help="First write a correct "
+                         "model.safetensors.index.json (atomically; tensor files are never touched).")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Treat warnings as failures.")] = False,
+    json_: JsonOpt = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="A markdown table of the checks.")] = False,
+) -> None:
+    """Check a model against every rule exl2fmt knows: one line per check, PASS / WARN / FAIL with a stable code.
+
+    Structural checks read headers only: safetensors container, index <-> shards both ways, config.json <->
+    tensor shapes, every EXL2 invariant, GPTQ shapes, control characters in names, one format per layer,
+    quantization_config.bits vs measured bpw.  `--deep` reads the data; `--reference DIR` adds an error
+    bound per layer against the original model.
+
+    **Exit codes**: 0 every check passed (warnings allowed unless `--strict`) · 1 a check failed ·
+    2 usage error · 3 unreadable or unsupported input · 4 internal error.
+
+    **Examples**
+
+    * `exl2fmt validate ./model/` (CI gate before publishing)
+    * `exl2fmt validate ./model/ --deep --strict`
+    * `exl2fmt validate ./model-exl2/ --reference ./model-fp16/`
+    * `exl2fmt validate ./model/ --fix-index`
+    * `exl2fmt validate ./model/ --json | jq '.checks[] | select(.status != "PASS")'`
+    """
+    out = _output(json_, markdown)
+
+    def body():
+        from ..validate import fix_index as write_index
+        from ..validate import validate_model
+
+        written = None
+        if fix_index:
+            written = write_index(path)
+            if out.mode == "human":
+                out.info(f"wrote {written['path']}: {written['tensors']} tensors in {written['shards']} shard(s), "
+                         f"total_size {written['total_size']}")
+        with out.progress("validate --deep" if reference is None else "validate --reference") as cb:
+            rep = validate_model(path, deep=deep, reference=reference, strict=strict, progress=cb)
+        rep.index_written = written
+        out.validate_report(rep.as_dict())
+        return rep.exit_code
+
+    _run(out, body)
+
+
+# ------------------------------------------------------------------------------------------------ sample
+
+
+@app.command()
+def sample(
+    directory: Annotated[str, typer.Argument(help="Where to write config.json and output.safetensors.",
+                                             show_default=False)],
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing sample.")] = False,
+) -> None:
+    """Write the embedded sample: a tiny Llama-shaped EXL2 model (deterministic, all six bit widths).
+
+    **Examples**
+
+    * `exl2fmt sample ./exl2fmt-sample`
+    * `exl2fmt sample ./exl2fmt-sample --force`
+    """
+    out = _output()
+
+    def body():
+        from ..sample import write_sample
+
+        d = write_sample(directory, overwrite=force)
+        files = sorted(p.name for p in d.iterdir() if p.is_file())
+        out.line(f"wrote the sample model to {d} ({', '.join(files)})")
+        return EXIT_OK
+
+    _run(out, body)
+
+
+# ------------------------------------------------------------------------------------------------ dequantize
+
+
+@app.command()
+def dequantize(
+    path: Annotated[str, typer.Argument(help="A .safetensors file or a model directory.", show_default=False)],
+    key: Annotated[str, typer.Argument(help="The layer prefix, e.g. model.layers.0.mlp.down_proj.",
+                                       show_default=False)],
+    output: Annotated[Optional[str], typer.Option("-o", "--output", metavar="FILE.npy", help="Write the weight "
+                      "as a .npy file (float16 [out_features, in_features]).", show_default=False)] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output file.")] = False,
+    json_: JsonOpt = False,
+) -> None:
+    """Dequantize one linear layer (EXL2, GPTQ or dense) to the nn.Linear weight, float16 [out, in].
+
+    Prints the shape and weight statistics; `-o` also writes a .npy file (atomically).
+
+    **Examples**
+
+    * `exl2fmt dequantize ./model model.layers.0.mlp.down_proj`
+    * `exl2fmt dequantize ./model lm_head -o lm_head.npy`
+    """
+    out = _output(json_)
+
+    def body():
+        from .. import dequantize_layer
+        from ..errors import ErrorCode, Exl2Error
+        from ..validate import weight_stats
+
+        if output is not None and os.path.exists(output) and not force:
+            raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "the output file exists; pass --force to replace it",
+                            file=output)
+        w = dequantize_layer(path, key)
+        if output is not None:
+            _save_npy(output, w)
+        s = weight_stats(w)
+        out.kv(f"{key}", [("key", key), ("shape", list(w.shape)), ("dtype", str(w.dtype)),
+                          ("mean", s["mean"]), ("std", s["std"]), ("absmax", s["absmax"]),
+                          ("nonfinite", s["nonfinite"]), ("written", output)])
+        return EXIT_OK
+
+    _run(out, body)
+
+
+def _save_npy(path: str, w) -> None:
+    import numpy as np
+
+    from ..errors import ErrorCode, Exl2Error
+
+    d = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, w, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot write: {e.strerror or e}", file=path) from None
+
+
+# ------------------------------------------------------------------------------------------------ demo
+
+
+@app.command()
+def demo(
+    directory: Annotated[Optional[str], typer.Option("--dir", metavar="DIR", help="Where to write the sample "
+                         "(default: a new temporary directory).", show_default=False)] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace a sample already in --dir.")] = False,
+) -> None:
+    """The main job, end to end on the embedded sample: write it, inspect it, validate it with --deep, and
+    dequantize every layer, comparing the fast Numba decoder with the slow NumPy oracle bit for bit.
+
+    Exits 0 only if every step passed.
+
+    **Examples**
+
+    * `exl2fmt demo`
+    * `exl2fmt demo --dir ./exl2fmt-sample --force`
+    """
+    out = _output()
+
+    def body():
+        import tempfile
+        import time
+
+        from ..inspect import inspect_model
+        from ..sample import write_sample
+        from ..validate import compare_with_oracle, validate_model
+
+        t0 = time.perf_counter()
+        d = directory or tempfile.mkdtemp(prefix="exl2fmt-demo-")
+        out.line(f"[1/4] writing the sample model to {d}", "bold")
+        write_sample(d, overwrite=force)
+        out.line(f"[2/4] exl2fmt inspect {d}", "bold")
+        out.inspect_report(inspect_model(d), show_layers=True)
+        out.line(f"[3/4] exl2fmt validate --deep {d}", "bold")
+        rep = validate_model(d, deep=True)
+        out.validate_report(rep.as_dict())
+        out.line("[4/4] dequantize every layer: Numba decoder vs NumPy oracle, bit for bit", "bold")
+        rows = compare_with_oracle(d)
+        out.table("Bit-exactness", ["layer", "out x in", "plan", "fp16 mismatches", "verdict"],
+                  [[r["key"], " x ".join(map(str, r["shape"])), r["plan"], r["mismatches"],
+                    "bit-exact" if r["bit_exact"] else "MISMATCH"] for r in rows])
+        exact = sum(r["bit_exact"] for r in rows)
+        ok = not rep.failed and rows and exact == len(rows)
+        verdict = (f"demo {'PASS' if ok else 'FAIL'}: inspect ok, validate --deep {rep.as_dict()['result']} "
+                   f"({rep.counts()['fail']} failed), {exact}/{len(rows)} layers bit-exact against the oracle "
+                   f"({time.perf_counter() - t0:.1f} s); sample in {d}")
+        out.line(verdict, "bold green" if ok else "bold red")
+        return EXIT_OK if ok else EXIT_INVALID
+
+    _run(out, body)
+
+
+# ------------------------------------------------------------------------------------------------ entry
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point (``exl2fmt``)."""
+    app(args=argv, prog_name="exl2fmt")
+
+
+if __name__ == "__main__":  # python -m exl2fmt.cli.app
+    main()

@@ -1,0 +1,426 @@
+"""The one output sink of the CLI.
+
+``Output(mode)`` renders library results in one of three modes:
+
+* ``human``     rich tables and lines on stdout (colour only on a terminal); warnings and progress on stderr
+* ``json``      one JSON document on stdout (``spec/inspect.schema.json``), nothing else on stdout
+* ``markdown``  GitHub-flavoured markdown on stdout, for model cards
+
+Every string that comes from a file (tensor names, paths, metadata values, messages that quote them) goes
+through ``exl2fmt.errors.escape_name`` before it reaches a terminal, and is wrapped in ``rich.text.Text`` so
+that rich never interprets it as markup.  JSON output keeps names exact: ``json.dumps`` with
+``ensure_ascii=True`` escapes every control and non-ASCII character itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from typing import Any, Iterator
+
+from ..errors import escape_name
+
+__all__ = ["Output", "human_bytes", "human_count", "md_escape"]
+
+MODES = ("human", "json", "markdown")
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    x = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if x < 1000 or unit == "TB":
+            return f"{int(x)} B" if unit == "B" else f"{x:.2f} {unit}"
+        x /= 1000
+    return f"{n} B"  # pragma: no cover
+
+
+def human_count(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return str(n)
+
+
+def _f(x: float | None, nd: int = 3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _yn(x) -> str:
+    return "-" if x is None else ("yes" if x else "no")
+
+
+_MD_SPECIAL = str.maketrans({c: "\\" + c for c in "\\`*[]<>|#"})
+
+
+def md_escape(s: Any) -> str:
+    """Escape a file-derived string for a markdown table cell: control characters, then markdown syntax."""
+    return escape_name(str(s)).translate(_MD_SPECIAL)
+
+
+class Output:
+    """Renders reports; one instance per command invocation."""
+
+    def __init__(self, mode: str = "human"):
+        if mode not in MODES:
+            raise ValueError(mode)
+        self.mode = mode
+        self._out = None
+        self._err = None
+
+    # --- consoles (created lazily: sys.stdout may be replaced by a test runner) ------------------------
+    @property
+    def console(self):
+        if self._out is None:
+            tty = sys.stdout.isatty()
+            self._out = _console_class()(file=sys.stdout, highlight=False, emoji=False, markup=False,
+                                width=None if tty else 200, no_color=not tty)
+        return self._out
+
+    @property
+    def err_console(self):
+        if self._err is None:
+            from rich.console import Console
+
+            tty = sys.stderr.isatty()
+            self._err = Console(file=sys.stderr, highlight=False, emoji=False, markup=False,
+                                width=None if tty else 200, no_color=not tty)
+        return self._err
+
+    @staticmethod
+    def text(s: Any, style: str | None = None):
+        from rich.text import Text
+
+        return Text(escape_name("-" if s is None else str(s)), style=style or "")
+
+    def line(self, s: str = "", style: str | None = None) -> None:
+        """A plain line on stdout (file-derived parts must already be escaped by the caller or be ours)."""
+        if self.mode == "json":
+            return
+        if self.mode == "markdown":
+            sys.stdout.write(s + "\n")
+            return
+        self.console.print(self.text(s, style), soft_wrap=True)
+
+    def warn(self, s: str) -> None:
+        self.err_console.print(self.text(f"warning: {s}", "yellow"), soft_wrap=True)
+
+    def info(self, s: str) -> None:
+        """A status line on stderr (never mixed into JSON or markdown on stdout)."""
+        self.err_console.print(self.text(s, "dim"), soft_wrap=True)
+
+    def json(self, doc: dict) -> None:
+        sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=True, allow_nan=False, default=_json_default) + "\n")
+        sys.stdout.flush()
+
+    # --- errors -----------------------------------------------------------------------------------------
+    def error(self, code: str, message: str, *, file: str | None = None, tensor: str | None = None,
+              category: str | None = None, exit_code: int = 1, hint: str | None = None) -> None:
+        if self.mode == "json":
+            from .. import __version__
+            from ..inspect import SCHEMA_VERSION
+
+            self.json({"report": "error", "schema_version": SCHEMA_VERSION,
+                       "tool": {"name": "exl2fmt", "version": __version__},
+                       "error": {"code": code, "category": category, "message": message, "file": file,
+                                 "tensor": tensor}, "exit_code": exit_code})
+            return
+        where = []
+        if file:
+            where.append(escape_name(file))
+        if tensor is not None:
+            where.append(f"tensor {escape_name(tensor)}")
+        prefix = ": ".join(where)
+        msg = f"error: [{code}] {prefix + ': ' if prefix else ''}{escape_name(message)}"
+        self.err_console.print(self.text(msg, "bold red"), soft_wrap=True)
+        if hint:
+            self.err_console.print(self.text(hint, "dim"), soft_wrap=True)
+
+    # --- progress ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def progress(self, description: str) -> Iterator:
+        """A ``progress(done, total, what)`` callback drawing a rich bar on stderr when stderr is a terminal
+        (and the mode is not JSON); None otherwise."""
+        if self.mode == "json" or not sys.stderr.isatty():
+            yield None
+            return
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, \
+            TransferSpeedColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      TimeRemainingColumn(), console=self.err_console, transient=True) as bar:
+            task = bar.add_task(description, total=None)
+
+            def update(done: int, total: int, what: str) -> None:
+                bar.update(task, completed=done, total=total or None)
+
+            yield update
+
+    # =====================================================================================================
+    # inspect
+    # =====================================================================================================
+    def inspect_report(self, rep: dict, *, show_layers: bool = True) -> None:
+        if self.mode == "json":
+            self.json(rep)
+        elif self.mode == "markdown":
+            self._inspect_markdown(rep, show_layers)
+        else:
+            self._inspect_human(rep, show_layers)
+
+    def _summary_pairs(self, rep: dict) -> list[tuple[str, str]]:
+        s = rep["summary"]
+        fmt = rep["format"]
+        prod = rep["producer"]
+        files = rep["files"]
+        pairs = [("path", rep["path"])]
+        if len(files) == 1:
+            pairs.append(("file", f"{files[0]['path']} ({human_bytes(files[0]['bytes'])}, {files[0]['tensors']} tensors)"))
+        else:
+            pairs.append(("files", f"{len(files)} shards, {human_bytes(s['file_bytes'])}"
+                          + (f", index {rep['index']}" if rep.get("index") else ", no index")))
+        cfg = fmt.get("config_quant_method")
+        fm = fmt["label"]
+        if cfg:
+            fm += f"  (config: quant_method {cfg})"
+        pairs.append(("format", fm))
+        if prod.get("name"):
+            pairs.append(("producer", f"{prod['name']} {prod.get('version') or ''}".strip()
+                          + (f"  (from {prod['source']})" if prod.get("source") else "")))
+        arch = s.get("architecture") or "-"
+        if s.get("model_type") and s.get("model_type") != arch:
+            arch += f" ({s['model_type']})"
+        nl = s.get("num_hidden_layers")
+        arch += f", {nl if nl is not None else s['blocks']} layers"
+        if nl is not None and s["blocks"] and nl != s["blocks"]:
+            arch += f" (config) / {s['blocks']} blocks found"
+        pairs.append(("architecture", arch))
+        by = ", ".join(f"{n} {f}" for f, n in sorted(s["layers_by_format"].items()))
+        pairs.append(("linear layers", f"{s['linear_layers']}" + (f" ({by})" if by else "")))
+        pairs.append(("parameters", f"{human_count(s['parameters'])} logical weights ({s['parameters']:,})"))
+        pairs.append(("stored", f"{human_bytes(s['stored_bytes'])} in {s['tensors']} tensors"))
+        b = s["bpw"]
+        parts = [f"{k} {_f(b[k], 3)}" for k in ("decoder", "head", "embeddings", "overall") if b.get(k) is not None]
+        pairs.append(("bits per weight", "  ".join(parts) + "  (overhead included)" if parts else "-"))
+        pairs.append(("weight memory", f"~{human_bytes(s['weight_memory_bytes'])} (weights only)"))
+        if rep.get("gguf"):
+            g = rep["gguf"]
+            pairs.append(("gguf", f"v{g['version']} {g['byte_order']}-endian, {g['kv_count']} keys, "
+                          f"{g['tensor_count']} tensors, alignment {g['alignment']}"))
+        return pairs
+
+    def _inspect_human(self, rep: dict, show_layers: bool) -> None:
+        self.pairs(self._summary_pairs(rep))
+        if show_layers and rep["layers"]:
+            # plain aligned columns: a 561-row rich Table takes ~0.3 s to lay out, this takes milliseconds
+            rows = [[escape_name(r["key"]), f"{r['in_features'] or '?'} x {r['out_features'] or '?'}", r["format"],
+                     escape_name(r["plan"] or (r["error"] and "invalid") or "-"), _f(r["bpw"], 3),
+                     _yn(r["act_order"]), _yn(r["bias"])] for r in rep["layers"]]
+            self.plain_table("Linear layers", ["layer", "in x out", "format", "plan", "bpw", "act-order", "bias"],
+                             rows, right={1, 4})
+        if rep["blocks"]:
+            self.plain_table("Per block", ["block", "layers", "params", "stored", "bpw", "min", "max"],
+                             [[escape_name(b["block"]), str(b["layers"]), human_count(b["params"]),
+                               human_bytes(b["stored_bytes"]), _f(b["bpw"]), _f(b["bpw_min"]), _f(b["bpw_max"])]
+                              for b in rep["blocks"]], right={1, 2, 3, 4, 5, 6})
+        for scope in ("decoder", "head"):
+            hist = rep["bits_histogram"].get(scope) or []
+            if hist:
+                self.plain_table(f"Bit widths ({scope} weights)", ["bits", "weights", "share", ""],
+                                 [[str(h["bits"]), human_count(h["weights"]), f"{100 * h['fraction']:.1f}%",
+                                   "#" * max(1, round(40 * h["fraction"]))] for h in hist], right={0, 1, 2})
+        if rep.get("gguf") and rep["gguf"]["types"]:
+            self.plain_table("GGUF tensor types", ["type", "tensors", "params", "bytes", "bpw"],
+                             [[escape_name(e["type"]), str(e["tensors"]), human_count(e["params"]),
+                               human_bytes(e["bytes"]), _f(e["bpw"])] for e in rep["gguf"]["types"]],
+                             right={1, 2, 3, 4})
+        self._issues_human(rep.get("issues") or [])
+
+    def pairs(self, pairs: list[tuple[str, Any]]) -> None:
+        """Key / value lines (values escaped here)."""
+        from rich.text import Text
+
+        w = max((len(k) for k, _ in pairs), default=0)
+        out = Text()
+        for i, (k, v) in enumerate(pairs):
+            out.append(k.ljust(w + 2), style="bold")
+            out.append(escape_name("-" if v is None else str(v)) + ("\n" if i + 1 < len(pairs) else ""))
+        self.console.print(out, soft_wrap=True)
+
+    def plain_table(self, title: str, headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> None:
+        """Aligned columns without box drawing; cells must already be escaped."""
+        from rich.text import Text
+
+        widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+        def fmt(cells):
+            return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+        out = Text()
+        out.append("\n" + title + "\n", style="bold")
+        out.append(fmt(headers).rstrip() + "\n", style="bold")
+        out.append("\n".join(fmt(r).rstrip() for r in rows))
+        self.console.print(out, soft_wrap=True)
+
+    def _issues_human(self, issues: list[dict]) -> None:
+        if not issues:
+            return
+        self.console.print(self.text(f"{len(issues)} issue(s) seen while inspecting (run exl2fmt validate for all "
+                                     "checks):", "bold yellow"))
+        for i in issues:
+            where = []
+            if i.get("file"):
+                where.append(i["file"])
+            if i.get("tensor") is not None:
+                where.append(f"tensor {i['tensor']}")
+            sev = "FAIL" if i["severity"] == "error" else "WARN"
+            self.console.print(self.text(f"  {sev} {i['code']}  {': '.join(where) + ': ' if where else ''}"
+                                         f"{i['message']}", "red" if sev == "FAIL" else "yellow"), soft_wrap=True)
+
+    def _inspect_markdown(self, rep: dict, show_layers: bool) -> None:
+        w = sys.stdout.write
+        name = rep["path"].rstrip("/").rsplit("/", 1)[-1] or rep["path"]
+        w(f"## exl2fmt inspect: {md_escape(name)}\n\n| | |\n|---|---|\n")
+        for k, v in self._summary_pairs(rep):
+            w(f"| {md_escape(k)} | {md_escape(v)} |\n")
+        if show_layers and rep["layers"]:
+            w("\n### Linear layers\n\n| layer | in × out | format | plan | bpw | act-order | bias |\n"
+              "|---|---:|---|---|---:|:-:|:-:|\n")
+            for r in rep["layers"]:
+                w(f"| {md_escape(r['key'])} | {r['in_features'] or '?'} × {r['out_features'] or '?'} | "
+                  f"{md_escape(r['format'])} | {md_escape(r['plan'] or '-')} | {_f(r['bpw'])} | "
+                  f"{_yn(r['act_order'])} | {_yn(r['bias'])} |\n")
+        if rep["blocks"]:
+            w("\n### Per block\n\n| block | layers | params | stored | bpw | min | max |\n"
+              "|---|---:|---:|---:|---:|---:|---:|\n")
+            for b in rep["blocks"]:
+                w(f"| {md_escape(b['block'])} | {b['layers']} | {human_count(b['params'])} | "
+                  f"{human_bytes(b['stored_bytes'])} | {_f(b['bpw'])} | {_f(b['bpw_min'])} | {_f(b['bpw_max'])} |\n")
+        for scope in ("decoder", "head"):
+            hist = rep["bits_histogram"].get(scope) or []
+            if hist:
+                w(f"\n### Bit widths ({scope} weights)\n\n| bits | weights | share |\n|---:|---:|---:|\n")
+                for h in hist:
+                    w(f"| {h['bits']} | {human_count(h['weights'])} | {100 * h['fraction']:.1f}% |\n")
+        if rep.get("gguf") and rep["gguf"]["types"]:
+            w("\n### GGUF tensor types\n\n| type | tensors | params | bytes | bpw |\n|---|---:|---:|---:|---:|\n")
+            for e in rep["gguf"]["types"]:
+                w(f"| {md_escape(e['type'])} | {e['tensors']} | {human_count(e['params'])} | "
+                  f"{human_bytes(e['bytes'])} | {_f(e['bpw'])} |\n")
+        if rep.get("issues"):
+            w("\n### Issues\n\n| severity | code | where | message |\n|---|---|---|---|\n")
+            for i in rep["issues"]:
+                where = " ".join(x for x in (i.get("file"), i.get("tensor")) if x)
+                w(f"| {i['severity']} | {i['code']} | {md_escape(where)} | {md_escape(i['message'])} |\n")
+        w(f"\n<sub>generated by exl2fmt {rep['tool']['version']} (schema {rep['schema_version']})</sub>\n")
+
+    # =====================================================================================================
+    # validate
+    # =====================================================================================================
+    def validate_report(self, rep: dict) -> None:
+        if self.mode == "json":
+            self.json(rep)
+            return
+        md = self.mode == "markdown"
+        w = sys.stdout.write
+        if md:
+            w(f"## exl2fmt validate: {md_escape(rep['path'])}\n\n| status | code | where | message |\n"
+              "|---|---|---|---|\n")
+        else:
+            self.console.print(self.text(f"exl2fmt validate {rep['path']}"
+                                         + (" --deep" if rep["deep"] else "")
+                                         + (f" --reference {rep['reference']}" if rep["reference"] else "")
+                                         + (" --strict" if rep["strict"] else ""), "bold"), soft_wrap=True)
+        styles = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
+        for c in rep["checks"]:
+            where = []
+            if c["status"] != "PASS" and c.get("file"):
+                where.append(c["file"])
+            if c.get("tensor") is not None:
+                where.append(f"tensor {c['tensor']}")
+            msg = c["message"] + (" [warning escalated by --strict]" if c.get("escalated") else "")
+            if md:
+                w(f"| {c['status']} | {c['code']} | {md_escape(': '.join(where))} | {md_escape(msg)} |\n")
+            else:
+                from rich.text import Text
+
+                line = Text()
+                line.append(f"{c['status']} ", style=styles[c["status"]])
+                line.append(f"{c['code']:<22} ", style="bold")
+                line.append(escape_name(": ".join(where) + ": " if where else ""))
+                line.append(escape_name(msg))
+                self.console.print(line, soft_wrap=True)
+        layers = [l for l in rep.get("layers") or [] if l.get("stats")]
+        if layers and not md:
+            cols = ["layer", "out x in", "mean", "std", "absmax"]
+            has_ref = any(l.get("reference") for l in layers)
+            if has_ref:
+                cols += ["rel err", "max abs", "cosine", "limit", ""]
+            rows = []
+            for l in layers:
+                st = l["stats"]
+                row = [escape_name(l["key"]), " x ".join(str(x) for x in l["shape"] or []), f"{st['mean']:+.3e}",
+                       f"{st['std']:.3e}", f"{st['absmax']:.3e}"]
+                if has_ref:
+                    r = l.get("reference")
+                    if r:
+                        rel = r["rel_fro"]
+                        row += ["inf" if rel is None else f"{rel:.4f}", _f(r["max_abs"], 4), _f(r["cosine"], 5),
+                                f"{r['threshold']:.4f}", "OVER" if rel is None or rel > r["threshold"] else ""]
+                    else:
+                        row += ["-"] * 5
+                rows.append(row)
+            self.plain_table("Dequantized layers", cols, rows, right=set(range(1, len(cols) - 1)))
+        n = rep["counts"]
+        verdict = (f"RESULT {rep['result']}: {n['pass']} passed, {n['warn']} warning(s), {n['fail']} failed "
+                   f"(exit {rep['exit_code']})")
+        if md:
+            w(f"\n**{verdict}**\n")
+        else:
+            self.console.print(self.text(verdict, "bold green" if rep["result"] == "PASS" else "bold red"))
+
+    # =====================================================================================================
+    # small results
+    # =====================================================================================================
+    def kv(self, title: str, pairs: list[tuple[str, Any]]) -> None:
+        if self.mode == "json":
+            self.json({k: v for k, v in pairs})
+            return
+        if self.mode == "markdown":
+            sys.stdout.write(f"## {md_escape(title)}\n\n| | |\n|---|---|\n")
+            for k, v in pairs:
+                sys.stdout.write(f"| {md_escape(k)} | {md_escape(v)} |\n")
+            return
+        self.console.print(self.text(title, "bold"))
+        self.pairs(pairs)
+
+    def table(self, title: str, columns: list[str], rows: list[list[Any]]) -> None:
+        if self.mode != "human":
+            return
+        self.plain_table(title, columns, [[escape_name("-" if x is None else str(x)) for x in r] for r in rows])
+
+
+def _console_class():
+    """rich's Console, except that a closed stdout raises BrokenPipeError (the CLI's exit 141) instead of
+    rich's own SystemExit(1), which would look like a failed check."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError(32, "Broken pipe")
+
+    return _Console
+
+
+def _json_default(o):
+    import enum
+
+    if isinstance(o, enum.Enum):
+        return o.value
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

@@ -1,0 +1,387 @@
+"""Which quantization format a model (and each of its linear layers) is stored in.
+
+Detection reads only tensor names, shapes and dtypes (``TensorInfo`` from the safetensors headers) plus
+``config.json`` ``quantization_config``; it never reads tensor data.  Every slot name comes from the layout
+table (``exl2fmt.layout.LAYOUTS`` for the formats exl2fmt decodes, ``RECOGNISED_LAYOUTS`` for AWQ and EXL3).
+
+Per layer (a tensor-name prefix such as ``model.layers.0.mlp.down_proj``):
+
+* ``exl2``   ``<key>.q_weight`` present (ExLlamaV2 precedence: q_weight, then qweight, then weight)
+* ``gptq``   ``<key>.qweight`` whose column count equals the column count of ``<key>.scales`` (packed along K)
+* ``awq``    ``<key>.qweight`` with K rows and N*b/32 columns, N = ``scales`` columns, and no ``g_idx``
+* ``exl3``   ``<key>.trellis`` present (recognised and named, never decoded)
+* ``dense``  a 2-D ``<key>.weight`` that is not an embedding or a norm
+
+For the model: the quantized format its quantized layers share (dense layers such as a GPTQ model's
+``lm_head`` do not count), ``dense`` when every layer is dense, ``mixed`` when quantized layers of several
+formats occur, ``unknown`` when no linear layer is found.  ``.gguf`` files are recognised by
+``exl2fmt.inspect`` before any safetensors parsing.  When ``quantization_config.quant_method`` names a
+different format than the tensors, the detection carries a ``FORMAT_MISMATCH`` issue.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ErrorCode, Issue
+from .layout import LAYOUTS, RECOGNISED_LAYOUTS, Format, SlotStatus, marker_slot
+
+__all__ = ["ModelFormat", "LayerInfo", "Detection", "detect_layers", "detect_model", "config_quant_method",
+           "FORMAT_TITLES", "quantization_config"]
+
+
+class ModelFormat(str, enum.Enum):
+    """Stable format names used in JSON output."""
+
+    EXL2 = "exl2"
+    GPTQ = "gptq"
+    AWQ = "awq"
+    EXL3 = "exl3"
+    DENSE = "dense"
+    GGUF = "gguf"
+    MIXED = "mixed"
+    UNKNOWN = "unknown"
+
+
+FORMAT_TITLES = {
+    ModelFormat.EXL2: "EXL2 (ExLlamaV2)",
+    ModelFormat.GPTQ: "GPTQ",
+    ModelFormat.AWQ: "AWQ",
+    ModelFormat.EXL3: "EXL3 (ExLlamaV3)",
+    ModelFormat.DENSE: "dense (unquantized)",
+    ModelFormat.GGUF: "GGUF",
+    ModelFormat.MIXED: "mixed quantized formats",
+    ModelFormat.UNKNOWN: "unknown",
+}
+
+_QUANTIZED = (ModelFormat.EXL2, ModelFormat.GPTQ, ModelFormat.AWQ, ModelFormat.EXL3)
+_CORE = {Format.EXL2: ModelFormat.EXL2, Format.GPTQ: ModelFormat.GPTQ, Format.DENSE: ModelFormat.DENSE}
+
+#: quant_method strings (lower case) -> the format they name.
+_METHODS = {"exl2": ModelFormat.EXL2, "gptq": ModelFormat.GPTQ, "gptq_marlin": ModelFormat.GPTQ,
+            "awq": ModelFormat.AWQ, "exl3": ModelFormat.EXL3}
+
+# Leaf names of 2-D ``.weight`` tensors that are embeddings or norms, not linear layers (as exl2fmt.model).
+_NOT_LINEAR = ("embed_tokens", "wte", "wpe", "embed_positions", "word_embeddings", "position_embeddings",
+               "token_type_embeddings", "norm", "ln_", "layernorm")
+
+_MAX_SIDE_CONFIG = 1 << 20  # quantize_config.json larger than this is ignored
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One linear layer as the headers describe it.
+
+    ``in_features`` K and ``out_features`` N as stored (EXL2: N_pad; the true N comes from config.json),
+    ``bits`` the code width (GPTQ/AWQ), trellis bits (EXL3) or dtype bits (dense), ``groups`` G when the
+    shapes say it, ``ambiguous`` the other formats whose identifying tensor is also present.
+    """
+
+    key: str
+    format: ModelFormat
+    slots: Mapping[str, Any]  # slot name -> TensorInfo
+    in_features: int | None = None
+    out_features: int | None = None
+    bits: int | None = None
+    groups: int | None = None
+    dtype: str | None = None
+    ambiguous: tuple[str, ...] = ()
+
+    @property
+    def has_bias(self) -> bool:
+        return "bias" in self.slots
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(int(t.nbytes) for t in self.slots.values())
+
+    @property
+    def marker(self) -> str:
+        """The slot that identifies this layer's format (q_weight, qweight, trellis, weight)."""
+        if self.format is ModelFormat.EXL3:
+            return next(s.name for s in RECOGNISED_LAYOUTS["exl3"] if s.status is SlotStatus.REQUIRED)
+        fmt = Format.GPTQ if self.format is ModelFormat.AWQ else Format(self.format.value)
+        return marker_slot(fmt)
+
+
+@dataclass
+class Detection:
+    """The result of ``detect_model``.  ``variant`` holds format-specific facts (JSON-able)."""
+
+    format: ModelFormat
+    label: str
+    variant: dict
+    layers: dict[str, LayerInfo]
+    config_method: str | None
+    issues: list[Issue] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        return FORMAT_TITLES[self.format]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _int(v) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def quantization_config(config: dict | None, root: str | os.PathLike | None = None) -> tuple[dict | None, str | None]:
+    """(quantization_config, where it came from): ``config.json`` ``quantization_config``, else a small
+    ``quantize_config.json`` (AutoGPTQ / GPTQModel) in ``root``, else (None, None)."""
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    if isinstance(qc, dict):
+        return qc, "config.json"
+    if root is None:
+        return None, None
+    for name in ("quantize_config.json", "quant_config.json"):
+        p = Path(root) / name
+        try:
+            if not p.is_file() or p.stat().st_size > _MAX_SIDE_CONFIG:
+                continue
+            doc = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+            continue
+        if isinstance(doc, dict):
+            return doc, name
+    return None, None
+
+
+def config_quant_method(qc: dict | None, source: str | None = None) -> str | None:
+    """The quant_method a quantization config names (lower case), or None."""
+    if not isinstance(qc, dict):
+        return None
+    m = qc.get("quant_method", qc.get("method"))
+    if isinstance(m, str) and m:
+        return m.strip().lower()
+    if source in ("quantize_config.json", "quant_config.json") and "bits" in qc:
+        return "gptq"  # AutoGPTQ's file predates quant_method
+    return None
+
+
+def _gptq_or_awq(key: str, slots: Mapping[str, Any]) -> ModelFormat:
+    qw, sc = slots.get("qweight"), slots.get("scales")
+    if qw is None or sc is None or len(qw.shape) != 2 or len(sc.shape) != 2:
+        return ModelFormat.GPTQ
+    if qw.shape[1] == sc.shape[1]:
+        return ModelFormat.GPTQ
+    n = sc.shape[1]
+    if "g_idx" not in slots and n and (qw.shape[1] * 32) % n == 0 and qw.shape[1] < n:
+        return ModelFormat.AWQ
+    return ModelFormat.GPTQ
+
+
+def _layer_info(key: str, fmt: ModelFormat, infos: Mapping[str, Any], ambiguous: tuple[str, ...]) -> LayerInfo:
+    K = N = bits = G = None
+    dtype = None
+
+    def shape(name):
+        t = infos.get(name)
+        return tuple(t.shape) if t is not None else None
+
+    if fmt is ModelFormat.EXL2:
+        inv, qw, qsm = shape("q_invperm"), shape("q_weight"), shape("q_scale_max")
+        K = inv[0] if inv and len(inv) == 1 else None
+        N = qw[1] if qw and len(qw) == 2 else None
+        G = qsm[0] if qsm and len(qsm) == 1 else None
+    elif fmt is ModelFormat.GPTQ:
+        qw, qz, sc = shape("qweight"), shape("qzeros"), shape("scales")
+        if qw and len(qw) == 2:
+            N = qw[1]
+            if qz and len(qz) == 2 and N and (qz[1] * 32) % N == 0:
+                bits = qz[1] * 32 // N
+            if bits:
+                K = qw[0] * 32 // bits
+            G = qz[0] if qz and len(qz) == 2 else None
+    elif fmt is ModelFormat.AWQ:
+        qw, qz, sc = shape("qweight"), shape("qzeros"), shape("scales")
+        if qw and sc and len(qw) == 2 and len(sc) == 2:
+            K, N, G = qw[0], sc[1], sc[0]
+            bits = qw[1] * 32 // N if N else None
+    elif fmt is ModelFormat.EXL3:
+        tr, suh, svh = shape("trellis"), shape("suh"), shape("svh")
+        if tr and len(tr) == 3:
+            K, N = tr[0] * 16, tr[1] * 16
+            bits = tr[2] // 16 if tr[2] % 16 == 0 else None
+        if suh and len(suh) == 1:
+            K = suh[0]
+        if svh and len(svh) == 1:
+            N = svh[0]
+    elif fmt is ModelFormat.DENSE:
+        w = infos.get("weight")
+        if w is not None and len(w.shape) == 2:
+            N, K = w.shape
+            dtype = w.dtype
+            bits = w.bits
+    return LayerInfo(key, fmt, dict(infos), K, N, bits, G, dtype, ambiguous)
+
+
+def detect_layers(tensors: Mapping[str, Any]) -> dict[str, LayerInfo]:
+    """Group ``name -> TensorInfo`` into linear layers (sorted by key).  Header-only."""
+    core_markers = {marker_slot(f): f for f in (Format.EXL2, Format.GPTQ, Format.DENSE)}
+    exl3_marker = next(s.name for s in RECOGNISED_LAYOUTS["exl3"] if s.status is SlotStatus.REQUIRED)
+    found: dict[str, list[ModelFormat]] = {}
+    for name, info in tensors.items():
+        key, _, leaf = name.rpartition(".")
+        if not key:
+            continue
+        if leaf == exl3_marker:
+            found.setdefault(key, []).append(ModelFormat.EXL3)
+            continue
+        f = core_markers.get(leaf)
+        if f is None:
+            continue
+        if f is Format.DENSE:
+            if len(info.shape) != 2:
+                continue
+            last = key.rsplit(".", 1)[-1]
+            if any(tok in last for tok in _NOT_LINEAR):
+                continue
+        found.setdefault(key, []).append(_CORE[f])
+    # Orphans: tensors that only an EXL2 / GPTQ layer has (q_groups, qzeros, ...) under a key without the
+    # identifying tensor.  They are reported as a layer of that format with its marker slot missing.
+    orphan_slots = {s.name: ModelFormat.EXL2 for s in LAYOUTS[Format.EXL2]
+                    if s.name != "bias" and s.status is not SlotStatus.DERIVED}
+    orphan_slots.update({"qzeros": ModelFormat.GPTQ, "g_idx": ModelFormat.GPTQ})
+    orphan_slots.update({s.name: ModelFormat.EXL3 for s in RECOGNISED_LAYOUTS["exl3"] if s.name in ("suh", "svh")})
+    for name in tensors:
+        key, _, leaf = name.rpartition(".")
+        if key and key not in found and leaf in orphan_slots:
+            found[key] = [orphan_slots[leaf]]
+    order = [ModelFormat.EXL2, ModelFormat.GPTQ, ModelFormat.EXL3, ModelFormat.DENSE]
+    out: dict[str, LayerInfo] = {}
+    for key in sorted(found):
+        fmts = sorted(set(found[key]), key=order.index)
+        fmt = fmts[0]
+        if fmt is ModelFormat.GPTQ:
+            slot_names = [s.name for s in LAYOUTS[Format.GPTQ]]
+        elif fmt is ModelFormat.EXL3:
+            slot_names = [s.name for s in RECOGNISED_LAYOUTS["exl3"]]
+        else:
+            slot_names = [s.name for s in LAYOUTS[Format(fmt.value)] if s.status is not SlotStatus.DERIVED]
+        infos = {s: tensors[f"{key}.{s}"] for s in slot_names if f"{key}.{s}" in tensors}
+        if fmt is ModelFormat.GPTQ:
+            fmt = _gptq_or_awq(key, infos)
+            if fmt is ModelFormat.AWQ:
+                awq_names = {s.name for s in RECOGNISED_LAYOUTS["awq"]}
+                infos = {s: t for s, t in infos.items() if s in awq_names}
+        out[key] = _layer_info(key, fmt, infos, tuple(f.value for f in fmts[1:]))
+    return out
+
+
+def _dense_dtype(layers) -> str:
+    dts = sorted({l.dtype for l in layers if l.dtype})
+    return dts[0] if len(dts) == 1 else ("mixed" if dts else "?")
+
+
+def _most_common(values):
+    counts: dict = {}
+    for v in values:
+        if v is not None:
+            counts[v] = counts.get(v, 0) + 1
+    return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0] if counts else None
+
+
+def detect_model(tensors: Mapping[str, Any], config: dict | None, *, root: str | os.PathLike | None = None,
+                 file: str | None = None) -> Detection:
+    """Detect the format of a model from ``name -> TensorInfo`` (all shards) and its config.
+
+    ``root`` is the model directory (to find ``quantize_config.json``); ``file`` is named in issues.
+    """
+    layers = detect_layers(tensors)
+    issues: list[Issue] = []
+    for info in layers.values():
+        if info.ambiguous:
+            issues.append(Issue(ErrorCode.FORMAT_AMBIGUOUS,
+                                f"holds tensors of {info.format.value} and of {', '.join(info.ambiguous)}; "
+                                f"loaders will read it as {info.format.value}", tensor=info.key, file=file))
+    qc, qc_source = quantization_config(config, root)
+    method = config_quant_method(qc, qc_source)
+    by_fmt: dict[ModelFormat, list[LayerInfo]] = {}
+    for info in layers.values():
+        by_fmt.setdefault(info.format, []).append(info)
+    quantized = [f for f in _QUANTIZED if f in by_fmt]
+    if len(quantized) == 1:
+        fmt = quantized[0]
+    elif len(quantized) > 1:
+        fmt = ModelFormat.MIXED
+        issues.append(Issue(ErrorCode.FORMAT_AMBIGUOUS, "quantized layers of several formats: " + ", ".join(
+            f"{len(by_fmt[f])} {f.value}" for f in quantized), file=file))
+    elif ModelFormat.DENSE in by_fmt:
+        fmt = ModelFormat.DENSE
+    else:
+        fmt = ModelFormat.UNKNOWN
+    # EXL3 tensor names vary between releases: a config that says exl3 names a model whose tensors say nothing
+    from_config = fmt is ModelFormat.UNKNOWN and method == ModelFormat.EXL3.value
+    if from_config:
+        fmt = ModelFormat.EXL3
+
+    variant: dict[str, Any] = {}
+    label = FORMAT_TITLES[fmt]
+    q = qc if isinstance(qc, dict) else {}
+    if fmt is ModelFormat.EXL2:
+        variant = {"target_bits": q.get("bits") if isinstance(q.get("bits"), (int, float)) else None,
+                   "head_bits": _int(q.get("head_bits"))}
+        label = "EXL2"
+        if variant["target_bits"] is not None:
+            label += f" {variant['target_bits']} bpw target"
+        if variant["head_bits"] is not None:
+            label += f", head {variant['head_bits']} bits"
+    elif fmt is ModelFormat.GPTQ:
+        ls = by_fmt[ModelFormat.GPTQ]
+        bits = _int(q.get("bits")) or _most_common(l.bits for l in ls)
+        gs = _int(q.get("group_size"))
+        if gs is None:
+            gs = _most_common(-1 if l.groups == 1 else (math.ceil(l.in_features / l.groups) if l.in_features and
+                                                          l.groups else None) for l in ls)
+        ckpt = q.get("checkpoint_format", q.get("format"))
+        ckpt = ckpt if isinstance(ckpt, str) else "gptq"
+        sym = q.get("sym") if isinstance(q.get("sym"), bool) else None
+        desc_act = q.get("desc_act") if isinstance(q.get("desc_act"), bool) else None
+        has_gidx = any("g_idx" in l.slots for l in ls)
+        act = (desc_act and has_gidx) if desc_act is not None else (False if not has_gidx else None)
+        variant = {"checkpoint_format": ckpt, "version": 2 if ckpt == "gptq_v2" else 1, "bits": bits,
+                   "group_size": gs, "sym": sym, "act_order": act, "g_idx": has_gidx}
+        label = (f"GPTQ v{variant['version']} {bits}-bit g{gs} "
+                 f"{'sym' if sym else 'asym' if sym is False else 'sym?'} "
+                 f"{'act-order' if act else 'no act-order' if act is False else 'act-order?'}")
+    elif fmt is ModelFormat.AWQ:
+        ls = by_fmt[ModelFormat.AWQ]
+        bits = _int(q.get("bits", q.get("w_bit"))) or _most_common(l.bits for l in ls)
+        gs = _int(q.get("group_size", q.get("q_group_size"))) or _most_common(
+            l.in_features // l.groups if l.in_features and l.groups else None for l in ls)
+        ver = q.get("version", q.get("format"))
+        zp = q.get("zero_point") if isinstance(q.get("zero_point"), bool) else None
+        variant = {"bits": bits, "group_size": gs, "version": ver if isinstance(ver, str) else None, "zero_point": zp}
+        label = f"AWQ {bits}-bit g{gs}" + (f" {ver}" if isinstance(ver, str) else "")
+    elif fmt is ModelFormat.EXL3:
+        ls = by_fmt.get(ModelFormat.EXL3, [])
+        variant = {"target_bits": q.get("bits") if isinstance(q.get("bits"), (int, float)) else None,
+                   "trellis_bits": sorted({l.bits for l in ls if l.bits})}
+        label = "EXL3 (recognised, not decoded)" + (": named by quant_method, no trellis tensors found"
+                                                    if from_config else "")
+    elif fmt is ModelFormat.DENSE:
+        dt = _dense_dtype(by_fmt[ModelFormat.DENSE])
+        variant = {"dtype": dt}
+        label = f"dense {dt}"
+
+    if method is not None:
+        named = _METHODS.get(method)
+        if fmt in (ModelFormat.UNKNOWN, ModelFormat.MIXED):
+            pass
+        elif named is None or named is not fmt:
+            what = named.value if named is not None else f"'{method}'"
+            issues.append(Issue(ErrorCode.FORMAT_MISMATCH,
+                                f"{qc_source} quantization config says quant_method {what} but the tensors are "
+                                f"{fmt.value} ({len(by_fmt.get(fmt, []))} layers)",
+                                file=str(Path(root) / qc_source) if root is not None and qc_source else file))
+    return Detection(fmt, label, variant, layers, method, issues)

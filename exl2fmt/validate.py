@@ -1,0 +1,906 @@
+"""``validate_model(path)``: every check exl2fmt knows, as a list of PASS / WARN / FAIL results.
+
+A ``Check`` has a stable ``check`` id (what was checked), a ``status`` and a stable ``code``: the
+``ErrorCode`` value for WARN and FAIL, a ``PassCode`` value for PASS.  Passing items of the same kind are
+reported once with a ``count`` (one line for 560 valid layers); every warning and failure is its own check.
+
+Structural checks (headers only, plus each EXL2 layer's tiny ``q_groups``):
+
+=============  ===============================================================================================
+``container``  every shard header passes the hardened parser (size cap, UTF-8 JSON, duplicate keys,
+               ``__metadata__``, offsets contiguous from 0, shape x dtype = bytes, no truncation, no
+               trailing bytes); a failure here stops validation (the model cannot be read)
+``index``      ``model.safetensors.index.json`` <-> shards both ways, ``total_size``, duplicates;
+               a sharded model without an index is a warning (``INDEX_ABSENT``)
+``names``      no control characters in tensor names (``NAME_CONTROL_CHARS``)
+``format``     one format per layer and per model; ``quantization_config`` agrees with the tensors
+``config``     config.json is a JSON object; hidden / intermediate / vocab / head sizes and the layer count
+               agree with the tensor shapes (``CONFIG_MISMATCH``)
+``layers``     every layer against the layout table: EXL2 invariants (slots, dtypes, shapes, q_groups
+               bits/order/qrow/rows/limits, K), GPTQ (bits and group size vs shapes), AWQ shapes
+``bits``       ``quantization_config.bits`` (the EXL2 target) vs the measured decoder bpw: a WARN outside
+               +-``BITS_TOLERANCE``
+=============  ===============================================================================================
+
+``deep=True`` reads the data: ``q_invperm`` is a permutation, ``q_scale_max`` finite and > 0, ``g_idx`` in range,
+v1 zero-point ambiguity counted, no NaN/Inf in any floating-point tensor (``finite``), every layer dequantizes
+(``decode``) with its weight statistics in ``Report.layers``.  ``reference=DIR`` compares each dequantized
+layer with the same layer of an FP16/BF16/FP32 model (``reference``): relative Frobenius error, max abs
+error and cosine similarity; the layer FAILs (``REFERENCE_MISMATCH``) when the relative Frobenius error
+exceeds its threshold (``reference_threshold``).
+
+Exit status (``Report.exit_code``): 0 when nothing failed (warnings allowed unless ``strict``), 1 otherwise.
+Inputs that cannot be read at all raise ``Exl2Error`` (exit 3 in the CLI); a malformed header is reported
+as a failed ``container`` check.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .errors import Category, ErrorCode, Exl2Error, Issue, Severity
+
+__all__ = ["Status", "CheckId", "PassCode", "Check", "LayerResult", "Report", "validate_model", "fix_index",
+           "REFERENCE_THRESHOLDS", "reference_threshold", "BITS_TOLERANCE", "weight_stats", "compare_weights"]
+
+
+class Status(str, enum.Enum):
+    PASS = "PASS"
+    WARN = "WARN"
+    FAIL = "FAIL"
+
+
+class CheckId(str, enum.Enum):
+    """Stable ids of the kinds of check."""
+
+    CONTAINER = "container"
+    INDEX = "index"
+    NAMES = "names"
+    FORMAT = "format"
+    CONFIG = "config"
+    LAYERS = "layers"
+    BITS = "bits"
+    FINITE = "finite"
+    DECODE = "decode"
+    REFERENCE = "reference"
+
+
+class PassCode(str, enum.Enum):
+    """The ``code`` of a passing check (one per check id; never an ErrorCode value)."""
+
+    CONTAINER_OK = "CONTAINER_OK"
+    INDEX_OK = "INDEX_OK"
+    NAMES_OK = "NAMES_OK"
+    FORMAT_OK = "FORMAT_OK"
+    CONFIG_OK = "CONFIG_OK"
+    LAYERS_OK = "LAYERS_OK"
+    BITS_OK = "BITS_OK"
+    FINITE_OK = "FINITE_OK"
+    DECODE_OK = "DECODE_OK"
+    REFERENCE_OK = "REFERENCE_OK"
+
+
+#: Per-bit-width ceilings on the relative Frobenius error ||W_deq - W_ref||_F / ||W_ref||_F of one layer
+#: (data, not code).  About 1.5x what round-to-nearest with ExLlamaV2's scale search gives on heavy-tailed
+#: Gaussian weights with 128-row groups (2b 0.55, 3b 0.32, 4b 0.17, 5b 0.09, 6b 0.044, 8b 0.011), leaving room
+#: for GPTQ, whose error feedback trades weight error for output error.  16 = a dense layer (fp16 rounding of
+#: a bf16/fp32 original only).
+REFERENCE_THRESHOLDS: dict[int, float] = {2: 0.80, 3: 0.45, 4: 0.25, 5: 0.13, 6: 0.07, 8: 0.02, 16: 0.005}
+
+#: |quantization_config.bits - measured decoder bpw| above this is a BITS_MISMATCH warning (anchors §4.6).
+BITS_TOLERANCE = 0.05
+
+
+def reference_threshold(fractions: dict[int, float]) -> float:
+    """Threshold of a layer whose rows are split over bit widths as ``{bits: fraction of rows}``.
+
+    Rule: the RMS combination sqrt(sum_b fraction_b * T_b^2) of the per-width thresholds T_b of
+    ``REFERENCE_THRESHOLDS``: the squared error of a mixed layer is (about) the row-weighted mix of its tiers'
+    squared errors.  A single-width layer gets exactly T_b.  Widths missing from the table use the next lower
+    listed width (a stricter bound is never applied to fewer bits).
+    """
+    total = sum(fractions.values())
+    if total <= 0:
+        return 0.0
+    acc = 0.0
+    keys = sorted(REFERENCE_THRESHOLDS)
+    for b, f in fractions.items():
+        k = max([x for x in keys if x <= b] or [keys[0]])
+        acc += (f / total) * REFERENCE_THRESHOLDS[k] ** 2
+    return math.sqrt(acc)
+
+
+# ------------------------------------------------------------------------------------------------ records
+
+
+@dataclass
+class Check:
+    check: str
+    status: Status
+    code: str
+    message: str
+    tensor: str | None = None
+    file: str | None = None
+    count: int = 1
+    escalated: bool = False
+
+    def as_dict(self) -> dict:
+        return {"check": self.check, "status": self.status.value, "code": self.code, "message": self.message,
+                "tensor": self.tensor, "file": self.file, "count": self.count, "escalated": self.escalated}
+
+
+@dataclass
+class LayerResult:
+    """Per-layer data of a deep run: weight statistics of the dequantized weight, reference metrics."""
+
+    key: str
+    format: str
+    shape: list[int] | None = None
+    stats: dict | None = None
+    reference: dict | None = None
+
+    def as_dict(self) -> dict:
+        ref = None if self.reference is None else {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in self.reference.items()}
+        return {"key": self.key, "format": self.format, "shape": self.shape, "stats": self.stats, "reference": ref}
+
+
+@dataclass
+class Report:
+    path: str
+    deep: bool = False
+    reference: str | None = None
+    strict: bool = False
+    format: str | None = None
+    checks: list[Check] = field(default_factory=list)
+    layers: list[LayerResult] = field(default_factory=list)
+    index_written: dict | None = None
+    seconds: float = 0.0
+    bytes_read: int = 0
+
+    # --- building -------------------------------------------------------------------------------------
+    def add(self, check: CheckId, status: Status, code, message: str, *, tensor=None, file=None, count=1) -> Check:
+        c = Check(check.value, status, code.value if isinstance(code, enum.Enum) else str(code), message,
+                  tensor, None if file is None else str(file), count)
+        self.checks.append(c)
+        return c
+
+    def add_issue(self, check: CheckId, issue: Issue) -> Check:
+        st = Status.WARN if issue.severity is Severity.WARNING else Status.FAIL
+        return self.add(check, st, issue.code, issue.message, tensor=issue.tensor, file=issue.file)
+
+    def ok(self, check: CheckId, code: PassCode, message: str, count: int = 1, file=None) -> Check:
+        return self.add(check, Status.PASS, code, message, count=count, file=file)
+
+    # --- results --------------------------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        out = {"pass": 0, "warn": 0, "fail": 0}
+        for c in self.checks:
+            out[c.status.value.lower()] += 1
+        return out
+
+    @property
+    def failed(self) -> bool:
+        return any(c.status is Status.FAIL for c in self.checks)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
+    def apply_strict(self) -> None:
+        if not self.strict:
+            return
+        for c in self.checks:
+            if c.status is Status.WARN:
+                c.status = Status.FAIL
+                c.escalated = True
+
+    def as_dict(self) -> dict:
+        from . import __version__
+        from .inspect import SCHEMA_VERSION
+
+        return {
+            "report": "validate",
+            "schema_version": SCHEMA_VERSION,
+            "tool": {"name": "exl2fmt", "version": __version__},
+            "path": self.path,
+            "format": self.format,
+            "deep": self.deep,
+            "reference": self.reference,
+            "strict": self.strict,
+            "result": "FAIL" if self.failed else "PASS",
+            "exit_code": self.exit_code,
+            "counts": self.counts(),
+            "checks": [c.as_dict() for c in self.checks],
+            "layers": [l.as_dict() for l in self.layers],
+            "index_written": self.index_written,
+            "seconds": round(self.seconds, 3),
+            "bytes_read": self.bytes_read,
+        }
+
+
+Progress = Callable[[int, int, str], None]
+
+
+# ------------------------------------------------------------------------------------------------ numerics
+
+
+def _to_f32(a, st_dtype: str):
+    import numpy as np
+
+    if st_dtype == "BF16":
+        return (np.asarray(a).astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(a).astype(np.float32)
+
+
+_CHUNK_ELEMS = 1 << 22
+
+
+def _nonfinite_count(a, st_dtype: str) -> int:
+    """NaN/Inf count of a float tensor, chunked (bounded memory), on bit patterns where possible."""
+    import numpy as np
+
+    flat = np.asarray(a).reshape(-1)
+    n = 0
+    if st_dtype in ("F16", "BF16"):
+        mask = np.uint16(0x7C00 if st_dtype == "F16" else 0x7F80)
+        u = flat.view(np.uint16)
+        for i in range(0, u.size, _CHUNK_ELEMS):
+            c = u[i:i + _CHUNK_ELEMS]
+            n += int(np.count_nonzero((c & mask) == mask))
+        return n
+    for i in range(0, flat.size, _CHUNK_ELEMS):
+        c = flat[i:i + _CHUNK_ELEMS]
+        n += int(c.size - np.count_nonzero(np.isfinite(c)))
+    return n
+
+
+def weight_stats(w) -> dict:
+    """{"mean", "std", "absmax", "nonfinite", "numel"} of a float array; NaN/Inf are counted, not averaged.
+
+    float16 (every dequantized weight) goes through one parallel Numba pass on the bit patterns
+    (``exl2fmt._stats``); other dtypes through chunked NumPy with float64 accumulation.
+    """
+    import numpy as np
+
+    if np.asarray(w).dtype == np.float16:
+        from ._stats import f16_stats
+
+        return f16_stats(w)
+    flat = np.asarray(w).reshape(-1)
+    n = flat.size
+    s = ss = 0.0
+    amax = 0.0
+    bad = 0
+    for i in range(0, n, _CHUNK_ELEMS):
+        c = flat[i:i + _CHUNK_ELEMS].astype(np.float32)
+        fin = np.isfinite(c)
+        nb = int(c.size - np.count_nonzero(fin))
+        if nb:
+            bad += nb
+            c = c[fin]
+        if c.size:
+            s += float(c.sum(dtype=np.float64))
+            ss += float(np.dot(c, c))
+            amax = max(amax, float(np.abs(c).max()))
+    m = n - bad
+    mean = s / m if m else 0.0
+    var = max(ss / m - mean * mean, 0.0) if m else 0.0
+    return {"mean": mean, "std": math.sqrt(var), "absmax": amax, "nonfinite": bad, "numel": int(n)}
+
+
+def compare_weights(w, ref) -> dict:
+    """Relative Frobenius error, max abs error and cosine similarity of ``w`` against ``ref`` (same shape),
+    accumulated in float64, chunk by chunk."""
+    import numpy as np
+
+    a = np.asarray(w).reshape(-1)
+    b = np.asarray(ref).reshape(-1)
+    ee = rr = ww = wr = 0.0
+    mx = 0.0
+    for i in range(0, a.size, _CHUNK_ELEMS):
+        x = a[i:i + _CHUNK_ELEMS].astype(np.float64)
+        y = b[i:i + _CHUNK_ELEMS].astype(np.float64)
+        d = x - y
+        ee += float(np.dot(d, d))
+        rr += float(np.dot(y, y))
+        ww += float(np.dot(x, x))
+        wr += float(np.dot(x, y))
+        if d.size:
+            mx = max(mx, float(np.abs(d).max()))
+    rel = math.sqrt(ee / rr) if rr > 0 else (0.0 if ee == 0 else math.inf)
+    cos = wr / math.sqrt(ww * rr) if ww > 0 and rr > 0 else (1.0 if ww == rr == 0 else 0.0)
+    return {"rel_fro": rel, "max_abs": mx, "cosine": cos}
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _layer_bits_fractions(layer, fmt: str) -> dict[int, float]:
+    if fmt == "exl2":
+        per = layer.groups.rows_per_bits()
+        k = sum(per.values())
+        return {b: r / k for b, r in per.items()} if k else {}
+    if fmt == "gptq":
+        return {int(layer.bits): 1.0}
+    return {16: 1.0}
+
+
+_CONFIG_FIELDS = {
+    "q_proj": ("hidden_size", "num_attention_heads x head_dim"),
+    "k_proj": ("hidden_size", "num_key_value_heads x head_dim"),
+    "v_proj": ("hidden_size", "num_key_value_heads x head_dim"),
+    "o_proj": ("num_attention_heads x head_dim", "hidden_size"),
+    "gate_proj": ("hidden_size", "intermediate_size"),
+    "up_proj": ("hidden_size", "intermediate_size"),
+    "down_proj": ("intermediate_size", "hidden_size"),
+    "lm_head": ("hidden_size", "vocab_size"),
+}
+_EMBED = ("embed_tokens", "wte", "word_embeddings", "tok_embeddings")
+
+
+def _config_issues(config: dict, det, tensors, config_file: str) -> tuple[list[Issue], int]:
+    """config.json <-> tensor shapes.  Returns (issues, number of comparisons made)."""
+    from .arch import expected_features
+    from .inspect import block_of
+    from .layout import pad32
+
+    issues: list[Issue] = []
+    n = 0
+    cfg = dict(config)
+    if isinstance(config.get("text_config"), dict):
+        cfg.update(config["text_config"])
+
+    def cint(name):
+        v = cfg.get(name)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    hidden, vocab, nl = cint("hidden_size"), cint("vocab_size"), cint("num_hidden_layers")
+    for name, t in tensors.items():
+        leaf_key = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and len(t.shape) == 2 and any(leaf_key.endswith(e) for e in _EMBED):
+            rows, cols = t.shape
+            if vocab is not None:
+                n += 1
+                if rows != vocab:
+                    issues.append(Issue(ErrorCode.CONFIG_MISMATCH, f"embedding has {rows} rows but config.json "
+                                        f"vocab_size is {vocab}", tensor=name, file=config_file))
+            if hidden is not None:
+                n += 1
+                if cols != hidden:
+                    issues.append(Issue(ErrorCode.CONFIG_MISMATCH, f"embedding has {cols} columns but config.json "
+                                        f"hidden_size is {hidden}", tensor=name, file=config_file))
+    for key, info in det.layers.items():
+        k_exp, n_exp = expected_features(config, key)
+        leaf = key.rsplit(".", 1)[-1]
+        f_in, f_out = _CONFIG_FIELDS.get(leaf, ("in_features", "out_features"))
+        if k_exp is not None and info.in_features is not None:
+            n += 1
+            if info.in_features != k_exp:
+                issues.append(Issue(ErrorCode.CONFIG_MISMATCH, f"in_features {info.in_features} but config.json "
+                                    f"{f_in} = {k_exp}", tensor=key, file=config_file))
+        if n_exp is not None and info.out_features is not None:
+            n += 1
+            if info.format.value == "exl2":
+                if info.out_features != pad32(n_exp):
+                    issues.append(Issue(ErrorCode.CONFIG_MISMATCH, f"{info.out_features} stored columns (N_pad) but "
+                                        f"config.json {f_out} = {n_exp} pads to {pad32(n_exp)}", tensor=key,
+                                        file=config_file))
+            elif info.out_features != n_exp:
+                issues.append(Issue(ErrorCode.CONFIG_MISMATCH, f"out_features {info.out_features} but config.json "
+                                    f"{f_out} = {n_exp}", tensor=key, file=config_file))
+    if nl is not None:
+        blocks = {block_of(k) for k in det.layers if block_of(k) is not None}
+        if blocks:
+            n += 1
+            if len(blocks) != nl:
+                issues.append(Issue(ErrorCode.CONFIG_MISMATCH, f"the tensors hold {len(blocks)} decoder blocks but "
+                                    f"config.json num_hidden_layers = {nl}", file=config_file))
+    return issues, n
+
+
+def _build_layer(model, info, config):
+    """The layer object of a detected EXL2 / GPTQ / dense layer (lazy memory maps), with the hints config.json
+    gives.  Like ``exl2fmt.model.load_layer`` but with the config already read (it may be invalid: None)."""
+    from .arch import expected_features, gptq_config
+    from .layers import layer_from_tensors
+    from .layout import Format
+
+    fmt = Format(info.format.value)
+    tensors = {s: model.get(t.name) for s, t in info.slots.items()}
+    dtypes = {s: t.dtype for s, t in info.slots.items()}
+    files = {str(t.file) for t in info.slots.values()}
+    file = files.pop() if len(files) == 1 else str(model.root)
+    hints = {}
+    if fmt is Format.EXL2:
+        hints["out_features"] = expected_features(config, info.key)[1]
+    elif fmt is Format.GPTQ:
+        gc = gptq_config(config)
+        hints.update(bits=gc.bits, v2=gc.v2, group_size=gc.group_size)
+    return layer_from_tensors(info.key, tensors, dtypes, fmt=fmt, file=file, **hints)
+
+
+def _awq_issues(info, file) -> list[Issue]:
+    from .layout import RECOGNISED_LAYOUTS, AwqGeometry, SlotStatus
+
+    issues = []
+    slots = RECOGNISED_LAYOUTS["awq"]
+    for s in slots:
+        t = info.slots.get(s.name)
+        if t is None:
+            if s.status is SlotStatus.REQUIRED:
+                issues.append(Issue(ErrorCode.SLOT_MISSING, f"required awq tensor '{s.name}' is missing",
+                                    tensor=f"{info.key}.{s.name}", file=file))
+        elif t.dtype not in s.dtypes:
+            issues.append(Issue(ErrorCode.SLOT_DTYPE, f"dtype {t.dtype}; expected {' or '.join(s.dtypes)}",
+                                tensor=t.name, file=t.file))
+    if issues:
+        return issues
+    if info.bits not in (2, 3, 4, 8) or not info.groups or not info.in_features or info.in_features % info.groups:
+        return [Issue(ErrorCode.SLOT_SHAPE, f"shapes give {info.bits} bits and {info.groups} groups for "
+                      f"K = {info.in_features}; expected 4 bits (AWQ GEMM) and G dividing K",
+                      tensor=f"{info.key}.qweight", file=file)]
+    g = AwqGeometry(K=info.in_features, N=info.out_features, bits=info.bits, G=info.groups)
+    for s in slots:
+        t = info.slots.get(s.name)
+        if t is not None and tuple(t.shape) != tuple(s.shape(g)):
+            issues.append(Issue(ErrorCode.SLOT_SHAPE, f"shape {list(t.shape)}; expected {list(s.shape(g))} "
+                                f"{s.shape_text}", tensor=t.name, file=t.file))
+    return issues
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot write: {e.strerror or e}", file=str(path)) from None
+
+
+# ------------------------------------------------------------------------------------------------ fix-index
+
+
+def fix_index(path: str | os.PathLike) -> dict:
+    """Write a correct ``model.safetensors.index.json`` for the model directory ``path``, atomically.
+
+    The weight map is built from the headers of every ``*.safetensors`` file in the directory (what ExLlamaV2
+    loads); ``metadata.total_size`` is the sum of tensor bytes.  Tensor files are never touched.  Raises
+    ``DUPLICATE_TENSOR`` when a name occurs in two shards (no correct index exists), or the header error of a
+    broken shard.  Returns {"path", "tensors", "shards", "total_size", "replaced"}.
+    """
+    from .container import INDEX_NAME, read_header
+
+    d = Path(os.fspath(path))
+    if not d.is_dir():
+        raise Exl2Error(ErrorCode.USAGE, "--fix-index needs a model directory, not a file", file=str(d))
+    try:
+        files = sorted(q for q in d.glob("*.safetensors") if q.is_file())
+    except OSError as e:
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot list the directory: {e.strerror or e}", file=str(d)) from None
+    if not files:
+        raise Exl2Error(ErrorCode.NO_SAFETENSORS, "expected at least one .safetensors file, found none", file=str(d))
+    weight_map: dict[str, str] = {}
+    total = 0
+    for f in files:
+        hdr = read_header(f)
+        for name, t in hdr.tensors.items():
+            if name in weight_map:
+                raise Exl2Error(ErrorCode.DUPLICATE_TENSOR, f"in both {weight_map[name]} and {f.name}; remove one "
+                                "copy before writing an index", tensor=name, file=str(f))
+            weight_map[name] = f.name
+            total += t.nbytes
+    doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    out = d / INDEX_NAME
+    replaced = out.exists()
+    _atomic_write_text(out, json.dumps(doc, indent=2) + "\n")
+    return {"path": str(out), "tensors": len(weight_map), "shards": len(files), "total_size": total,
+            "replaced": replaced}
+
+
+# ------------------------------------------------------------------------------------------------ validate
+
+
+def _container_check_for(code: ErrorCode) -> CheckId:
+    v = code.value
+    if v.startswith("INDEX_") or v == "DUPLICATE_TENSOR":
+        return CheckId.INDEX
+    if v.startswith("CONFIG_"):
+        return CheckId.CONFIG
+    return CheckId.CONTAINER
+
+
+def validate_model(path: str | os.PathLike, deep: bool = False, reference: str | os.PathLike | None = None,
+                   strict: bool = False, progress: Progress | None = None) -> Report:
+    """Validate a ``.safetensors`` file or model directory; see the module docstring for the checks.
+
+    ``reference`` implies ``deep``.  ``progress(done_bytes, total_bytes, what)`` is called during the data
+    pass.  Raises ``Exl2Error`` for inputs that cannot be read at all (missing path, not safetensors, I/O
+    errors: category UNREADABLE) and for an unreadable reference model.
+    """
+    from .container import open_model
+    from .inspect import is_gguf
+
+    t0 = time.perf_counter()
+    deep = bool(deep or reference is not None)
+    rep = Report(path=str(path), deep=deep, reference=None if reference is None else str(reference), strict=strict)
+    if is_gguf(path):
+        raise Exl2Error(ErrorCode.UNSUPPORTED_INPUT, "validate checks safetensors models; this is a GGUF file "
+                        "(exl2fmt inspect summarises it)", file=str(path))
+    try:
+        model = open_model(path)
+    except Exl2Error as e:
+        if e.code.category is not Category.INVALID:
+            raise
+        rep.add(_container_check_for(e.code), Status.FAIL, e.code, e.message, tensor=e.tensor, file=e.file)
+        rep.apply_strict()
+        rep.seconds = time.perf_counter() - t0
+        return rep
+    try:
+        _validate_open(rep, model, Path(os.fspath(path)), deep, reference, progress)
+    finally:
+        model.close()
+    rep.apply_strict()
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def _validate_open(rep: Report, model, path: Path, deep: bool, reference, progress) -> None:
+    from .detect import ModelFormat, detect_model
+
+    tensors = model.tensors
+    first_file = str(model.files[0]) if model.files else str(path)
+    rep.ok(CheckId.CONTAINER, PassCode.CONTAINER_OK,
+           f"{len(model.files)} file(s), {len(tensors)} tensors: every header passes the hardened parser "
+           "(size cap, UTF-8 JSON, no duplicate keys, contiguous in-range offsets, shape x dtype = bytes, "
+           "complete data, no trailing bytes)", count=len(model.files))
+
+    # --- index ------------------------------------------------------------------------------------------
+    idx_issues = model.index_issues()
+    for i in idx_issues:
+        rep.add_issue(CheckId.INDEX, i)
+    if model.index_path is not None:
+        if not idx_issues:
+            rep.ok(CheckId.INDEX, PassCode.INDEX_OK, f"index matches the shards both ways ({len(tensors)} tensors, "
+                   f"{len(model.files)} shard(s), total_size right)", file=model.index_path)
+    elif len(model.files) > 1:
+        rep.add(CheckId.INDEX, Status.WARN, ErrorCode.INDEX_ABSENT, f"{len(model.files)} shards and no "
+                "model.safetensors.index.json (third-party loaders need one; --fix-index writes it)",
+                file=model.root)
+    elif not idx_issues:
+        rep.ok(CheckId.INDEX, PassCode.INDEX_OK, "single file: no index needed", file=first_file)
+
+    # --- names ------------------------------------------------------------------------------------------
+    from .inspect import has_control_chars
+
+    bad_names = [n for n in tensors if has_control_chars(n)]
+    for n in bad_names:
+        rep.add(CheckId.NAMES, Status.FAIL, ErrorCode.NAME_CONTROL_CHARS,
+                "tensor name contains control characters (shown escaped)", tensor=n, file=tensors[n].file)
+    if not bad_names:
+        rep.ok(CheckId.NAMES, PassCode.NAMES_OK, f"{len(tensors)} tensor names free of control characters",
+               count=len(tensors))
+
+    # --- config -----------------------------------------------------------------------------------------
+    config = None
+    config_file = str(model.config_path)
+    try:
+        config = model.config
+    except Exl2Error as e:
+        rep.add(CheckId.CONFIG, Status.FAIL, e.code, e.message, tensor=e.tensor, file=e.file)
+    else:
+        if config is None and path.is_dir():
+            rep.add(CheckId.CONFIG, Status.WARN, ErrorCode.CONFIG_MISSING,
+                    "no config.json: architecture and sizes cannot be cross-checked", file=config_file)
+
+    # --- format -----------------------------------------------------------------------------------------
+    det = detect_model(tensors, config, root=model.root, file=first_file)
+    rep.format = det.format.value
+    for i in det.issues:
+        rep.add_issue(CheckId.FORMAT, i)
+    if det.format is ModelFormat.UNKNOWN:
+        rep.add(CheckId.FORMAT, Status.WARN, ErrorCode.FORMAT_UNKNOWN,
+                "no linear layer of a known format (q_weight, qweight, trellis or a 2-D weight) found",
+                file=first_file)
+    elif det.format is ModelFormat.EXL3:
+        rep.add(CheckId.FORMAT, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED,
+                f"EXL3 model ({len(det.layers)} layers): recognised, but exl2fmt does not check EXL3 layers",
+                file=first_file)
+    elif not det.issues:
+        rep.ok(CheckId.FORMAT, PassCode.FORMAT_OK, f"{det.label}: {len(det.layers)} linear layers, one format each",
+               count=len(det.layers))
+    if deep and any(l.format is ModelFormat.AWQ for l in det.layers.values()):
+        rep.add(CheckId.FORMAT, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED,
+                "AWQ layers are checked for shapes only: exl2fmt does not decode AWQ data", file=first_file)
+
+    # --- config <-> shapes ------------------------------------------------------------------------------
+    if isinstance(config, dict):
+        issues, n = _config_issues(config, det, tensors, config_file)
+        for i in issues:
+            rep.add_issue(CheckId.CONFIG, i)
+        if not issues and n:
+            rep.ok(CheckId.CONFIG, PassCode.CONFIG_OK, f"config.json sizes (hidden, intermediate, vocab, heads, "
+                   f"layers) match the tensor shapes ({n} comparisons)", count=n, file=config_file)
+
+    # --- layers -----------------------------------------------------------------------------------------
+    from .arch import gptq_config
+
+    gc = gptq_config(config)
+    passed: dict[str, int] = {}
+    loaded = {}
+    for key in sorted(det.layers, key=_natural):
+        info = det.layers[key]
+        fmt = info.format
+        if fmt is ModelFormat.EXL3:
+            continue
+        layer = None
+        if info.marker not in info.slots:
+            issues = [Issue(ErrorCode.SLOT_MISSING, f"required {fmt.value} tensor '{info.marker}' is missing (the "
+                            f"layer's other tensors are present)", tensor=f"{key}.{info.marker}",
+                            file=next(iter(info.slots.values())).file)]
+        elif fmt is ModelFormat.AWQ:
+            issues = _awq_issues(info, first_file)
+        else:
+            try:
+                layer = _build_layer(model, info, config)
+                issues = layer.validate(deep=deep)
+            except Exl2Error as e:
+                issues, layer = [e.as_issue()], None
+            if layer is not None and fmt is ModelFormat.GPTQ and not any(
+                    i.severity is Severity.ERROR for i in issues) and gc.group_size is not None:
+                want_g = 1 if gc.group_size == -1 else math.ceil(layer.K / gc.group_size)
+                if layer.G != want_g:
+                    issues.append(Issue(ErrorCode.SLOT_SHAPE, f"{layer.G} groups in qzeros/scales but config "
+                                        f"group_size {gc.group_size} with K = {layer.K} gives {want_g}",
+                                        tensor=f"{key}.scales", file=layer.file))
+            if layer is not None and not any(i.severity is Severity.ERROR for i in issues):
+                loaded[key] = layer
+        for i in issues:
+            rep.add_issue(CheckId.LAYERS, i)
+        if not any(i.severity is Severity.ERROR for i in issues):
+            passed[fmt.value] = passed.get(fmt.value, 0) + 1
+    if passed:
+        what = ", ".join(f"{n} {f}" for f, n in sorted(passed.items()))
+        rules = "slots, dtypes, shapes"
+        if "exl2" in passed:
+            rules += ", q_groups bits/order/qrow/rows/limits, K"
+            if deep:
+                rules += ", q_invperm permutation, q_scale_max finite and >= 0"
+        if "gptq" in passed:
+            rules += ", GPTQ bits and groups" + (", g_idx range, v1 zeros" if deep else "")
+        rep.ok(CheckId.LAYERS, PassCode.LAYERS_OK, f"{what} layer(s) valid ({rules})", count=sum(passed.values()))
+    if (not deep and det.format is ModelFormat.GPTQ and det.variant.get("sym") is False
+            and det.variant.get("version") == 1):
+        rep.add(CheckId.LAYERS, Status.WARN, ErrorCode.GPTQ_ZEROS_AMBIGUOUS, "asymmetric GPTQ in the v1 zero "
+                "convention: a zero field of 2**bits-1 is read differently by different tools (--deep counts them)",
+                file=first_file)
+
+    # --- bits -------------------------------------------------------------------------------------------
+    if det.format is ModelFormat.EXL2:
+        target = det.variant.get("target_bits")
+        from .inspect import block_of
+
+        dec = [l for l in det.layers.values() if l.format is ModelFormat.EXL2 and block_of(l.key) is not None
+               and l.in_features and l.out_features]
+        numel = sum(l.in_features * l.out_features + (l.out_features if l.has_bias else 0) for l in dec)
+        if target is not None and numel:
+            measured = sum(l.stored_bytes * 8 for l in dec) / numel
+            if abs(measured - target) > BITS_TOLERANCE:
+                rep.add(CheckId.BITS, Status.WARN, ErrorCode.BITS_MISMATCH, f"quantization_config.bits = {target} but "
+                        f"the decoder linears measure {measured:.4f} bpw (overhead included; tolerance "
+                        f"{BITS_TOLERANCE})", file=config_file)
+            else:
+                rep.ok(CheckId.BITS, PassCode.BITS_OK, f"quantization_config.bits = {target}; decoder linears "
+                       f"measure {measured:.4f} bpw", file=config_file)
+
+    if deep:
+        _deep_pass(rep, model, det, loaded, reference, progress)
+
+
+def _natural(key: str):
+    from .inspect import layer_order_key
+
+    return layer_order_key(key)
+
+
+def _deep_pass(rep: Report, model, det, loaded: dict, reference, progress) -> None:
+    import numpy as np
+
+    # tensors not belonging to a layer that was checked in depth: scan every float tensor for NaN/Inf
+    # (the float tensors of EXL2 / GPTQ / dense layers are checked by the layers' own deep validation)
+    from .detect import ModelFormat
+
+    in_layers = set()
+    for info in det.layers.values():
+        if info.format in (ModelFormat.EXL2, ModelFormat.GPTQ, ModelFormat.DENSE):
+            in_layers.update(t.name for t in info.slots.values())
+    floats = [t for n, t in model.tensors.items() if n not in in_layers and t.dtype in ("F16", "BF16", "F32", "F64")]
+    layer_bytes = {k: det.layers[k].stored_bytes for k in loaded}
+    total = sum(t.nbytes for t in floats) + sum(layer_bytes.values())
+    done = 0
+    ref_model = None
+    if reference is not None:
+        from .container import open_model
+
+        ref_model = open_model(reference)
+
+    def tick(n, what):
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total, what)
+
+    if progress is not None:
+        progress(0, total, "")
+    n_finite = 0
+    for t in floats:
+        try:
+            bad = _nonfinite_count(model.get(t.name), t.dtype)
+        except Exl2Error as e:
+            rep.add(CheckId.FINITE, Status.FAIL, e.code, e.message, tensor=e.tensor, file=e.file)
+        else:
+            if bad:
+                rep.add(CheckId.FINITE, Status.FAIL, ErrorCode.NONFINITE_VALUES, f"{bad} of {t.numel} values are "
+                        "NaN or Inf", tensor=t.name, file=t.file)
+            else:
+                n_finite += 1
+        tick(t.nbytes, t.name)
+    if n_finite:
+        rep.ok(CheckId.FINITE, PassCode.FINITE_OK, f"{n_finite} other floating-point tensor(s) (embeddings, norms, "
+               "...) hold no NaN or Inf", count=n_finite)
+
+    n_dec = n_ref = 0
+    order = sorted(loaded, key=_natural)
+    ahead = _Prefetcher()
+    if order:
+        ahead.want(det.layers[order[0]].slots.values())
+    for idx, key in enumerate(order):
+        if idx + 1 < len(order):  # let the kernel read the next layer while this one decodes
+            ahead.want(det.layers[order[idx + 1]].slots.values())
+        layer = loaded[key]
+        fmt = det.layers[key].format.value
+        res = LayerResult(key, fmt)
+        rep.layers.append(res)
+        try:
+            w = layer.dequantize()
+        except Exl2Error as e:
+            rep.add(CheckId.DECODE, Status.FAIL, e.code, e.message, tensor=e.tensor or key, file=e.file)
+            tick(layer_bytes[key], key)
+            continue
+        res.shape = [int(x) for x in w.shape]
+        res.stats = weight_stats(w)
+        if res.stats["nonfinite"]:
+            rep.add(CheckId.DECODE, Status.FAIL, ErrorCode.NONFINITE_VALUES, f"the dequantized weight holds "
+                    f"{res.stats['nonfinite']} NaN/Inf of {w.size}", tensor=key, file=layer.file)
+        else:
+            n_dec += 1
+        if ref_model is not None:
+            n_ref += _compare_reference(rep, res, layer, fmt, w, ref_model, key)
+        del w
+        tick(layer_bytes[key], key)
+    if n_dec:
+        rep.ok(CheckId.DECODE, PassCode.DECODE_OK, f"{n_dec} layer(s) dequantize to finite float16 [out, in] "
+               "(statistics in the layer list)", count=n_dec)
+    if n_ref:
+        rep.ok(CheckId.REFERENCE, PassCode.REFERENCE_OK, f"{n_ref} layer(s) within the per-bit-width error "
+               f"threshold of the reference {reference}", count=n_ref)
+    rep.bytes_read = done
+    ahead.close()
+    if ref_model is not None:
+        ref_model.close()
+
+
+class _Prefetcher:
+    """Asks the kernel to read tensors ahead (posix_fadvise WILLNEED) so that disk reads overlap decoding.
+    A no-op where posix_fadvise does not exist."""
+
+    def __init__(self):
+        self._fds: dict[str, int] = {}
+        self._ok = hasattr(os, "posix_fadvise")
+
+    def want(self, infos) -> None:
+        if not self._ok:
+            return
+        for t in infos:
+            try:
+                fd = self._fds.get(str(t.file))
+                if fd is None:
+                    fd = self._fds[str(t.file)] = os.open(t.file, os.O_RDONLY)
+                if t.nbytes:
+                    os.posix_fadvise(fd, t.abs_begin, t.nbytes, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass  # a hint only
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
+
+
+def _compare_reference(rep: Report, res: LayerResult, layer, fmt: str, w, ref_model, key: str) -> int:
+    from .layout import Format, marker_slot
+
+    name = f"{key}.{marker_slot(Format.DENSE)}"
+    ref_file = str(ref_model.root)
+    if name not in ref_model:
+        rep.add(CheckId.REFERENCE, Status.WARN, ErrorCode.LAYER_NOT_FOUND, f"the reference has no {name}; layer "
+                "not compared", tensor=key, file=ref_file)
+        return 0
+    info = ref_model.info(name)
+    if info.dtype not in ("F16", "BF16", "F32") or tuple(info.shape) != tuple(w.shape):
+        rep.add(CheckId.REFERENCE, Status.FAIL, ErrorCode.REFERENCE_MISMATCH, f"reference {info.dtype} "
+                f"{list(info.shape)} cannot be compared with the dequantized float16 {list(w.shape)}",
+                tensor=key, file=info.file)
+        return 0
+    ref = _to_f32(ref_model.get(name), info.dtype)
+    m = compare_weights(w, ref)
+    fr = _layer_bits_fractions(layer, fmt)
+    thr = reference_threshold(fr)
+    m["threshold"] = thr
+    m["bits"] = {str(b): round(f, 6) for b, f in sorted(fr.items(), reverse=True)}
+    res.reference = m
+    if not (m["rel_fro"] <= thr):
+        rep.add(CheckId.REFERENCE, Status.FAIL, ErrorCode.REFERENCE_MISMATCH, f"relative Frobenius error "
+                f"{m['rel_fro']:.4f} exceeds the threshold {thr:.4f} for its bit widths (max abs "
+                f"{m['max_abs']:.4g}, cosine {m['cosine']:.5f})", tensor=key, file=layer.file)
+        return 0
+    return 1
+
+
+# ------------------------------------------------------------------------------------------------ oracle
+
+
+def compare_with_oracle(path: str | os.PathLike, keys: list[str] | None = None) -> list[dict]:
+    """Dequantize every EXL2 layer of a model with the Numba codec and with the slow NumPy oracle
+    (``exl2fmt.codec.oracle``, no shared code) and compare the float16 results bit for bit.
+
+    Returns one row per layer: {"key", "shape", "plan", "mismatches", "bit_exact", "seconds_fast",
+    "seconds_oracle"}.  Meant for small models (the oracle is pure Python per element).
+    """
+    import numpy as np
+
+    from .codec import oracle
+    from .container import open_model
+    from .detect import ModelFormat, detect_layers
+    from .model import load_layer
+
+    model = open_model(path)
+    rows = []
+    try:
+        layers = detect_layers(model.tensors)
+        todo = [k for k, l in layers.items() if l.format is ModelFormat.EXL2] if keys is None else list(keys)
+        for key in sorted(todo, key=_natural):
+            layer = load_layer(model, key)
+            t0 = time.perf_counter()
+            fast = layer.dequantize()
+            t1 = time.perf_counter()
+            t = layer.tensors
+            slow = oracle.dequantize(np.asarray(t["q_weight"]), np.asarray(t["q_scale"]),
+                                     np.asarray(t["q_scale_max"]), layer.groups.bits_rows(),
+                                     np.asarray(t["q_invperm"]), out_features=layer.out_features)
+            t2 = time.perf_counter()
+            same_shape = fast.shape == slow.shape
+            mism = int(np.count_nonzero(fast.view(np.uint16) != slow.view(np.uint16))) if same_shape else int(fast.size)
+            rows.append({"key": key, "shape": [int(x) for x in fast.shape], "plan": layer.plan(),
+                         "mismatches": mism, "bit_exact": same_shape and mism == 0,
+                         "seconds_fast": t1 - t0, "seconds_oracle": t2 - t1})
+    finally:
+        model.close()
+    return rows

@@ -1,0 +1,459 @@
+"""Tests of the exl2fmt command line: exit codes, JSON schema, escaping, --fix-index, --reference, demo, imports,
+and the malformed-input catalogue (spec/malformed/index.json).
+
+JSON output is checked against spec/inspect.schema.json with the small JSON-Schema subset checker below (no
+third-party dependency).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from exl2fmt.cli.app import app
+from exl2fmt.container import INDEX_NAME, write_safetensors, write_sharded
+from exl2fmt.errors import ErrorCode
+from exl2fmt.sample import SAMPLE_CONFIG, sample_dense_tensors, write_sample
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = json.loads((ROOT / "spec" / "inspect.schema.json").read_text())
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def sample_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sample")
+    write_sample(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def sample_tensors(sample_dir):
+    from safetensors.numpy import load_file
+
+    return load_file(str(sample_dir / "output.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------------ schema checker
+
+
+class SchemaError(AssertionError):
+    pass
+
+
+_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+
+
+def _type_ok(v, t) -> bool:
+    if t == "integer":
+        return isinstance(v, int) and not isinstance(v, bool)
+    if t == "number":
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, _TYPES[t])
+
+
+def check_schema(v, s, root=SCHEMA, path="$"):
+    """The JSON-Schema subset spec/inspect.schema.json uses: $ref, type, enum, const, properties, required,
+    additionalProperties, propertyNames.pattern, items, oneOf, anyOf, minimum, maximum, pattern."""
+    if "$ref" in s:
+        node = root
+        for part in s["$ref"].lstrip("#/").split("/"):
+            node = node[part]
+        return check_schema(v, node, root, path)
+    if "oneOf" in s:
+        ok = [i for i, sub in enumerate(s["oneOf"]) if _valid(v, sub, root, path)]
+        if len(ok) != 1:
+            raise SchemaError(f"{path}: matches {len(ok)} of oneOf")
+    if "anyOf" in s and not any(_valid(v, sub, root, path) for sub in s["anyOf"]):
+        raise SchemaError(f"{path}: matches none of anyOf")
+    if "type" in s:
+        types = s["type"] if isinstance(s["type"], list) else [s["type"]]
+        if not any(_type_ok(v, t) for t in types):
+            raise SchemaError(f"{path}: {v!r} is not {types}")
+    if "const" in s and v != s["const"]:
+        raise SchemaError(f"{path}: {v!r} != {s['const']!r}")
+    if "enum" in s and v not in s["enum"]:
+        raise SchemaError(f"{path}: {v!r} not in {s['enum']}")
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if "minimum" in s and v < s["minimum"]:
+            raise SchemaError(f"{path}: {v} < {s['minimum']}")
+        if "maximum" in s and v > s["maximum"]:
+            raise SchemaError(f"{path}: {v} > {s['maximum']}")
+    if isinstance(v, str) and "pattern" in s and not re.search(s["pattern"], v):
+        raise SchemaError(f"{path}: {v!r} !~ {s['pattern']}")
+    if isinstance(v, dict):
+        for r in s.get("required", []):
+            if r not in v:
+                raise SchemaError(f"{path}: missing {r}")
+        props = s.get("properties", {})
+        for k, x in v.items():
+            if "propertyNames" in s:
+                check_schema(k, s["propertyNames"], root, f"{path}.<key {k}>")
+            if k in props:
+                check_schema(x, props[k], root, f"{path}.{k}")
+            else:
+                ap = s.get("additionalProperties", True)
+                if ap is False:
+                    raise SchemaError(f"{path}: unexpected property {k!r}")
+                if isinstance(ap, dict):
+                    check_schema(x, ap, root, f"{path}.{k}")
+    if isinstance(v, list) and "items" in s:
+        for i, x in enumerate(v):
+            check_schema(x, s["items"], root, f"{path}[{i}]")
+
+
+def _valid(v, s, root, path) -> bool:
+    try:
+        check_schema(v, s, root, path)
+        return True
+    except SchemaError:
+        return False
+
+
+def test_schema_checker_rejects():
+    good = {"report": "error", "schema_version": "1", "tool": {"name": "exl2fmt", "version": "0"},
+            "error": {"code": "X", "category": None, "message": "m", "file": None, "tensor": None}, "exit_code": 3}
+    check_schema(good, SCHEMA)
+    for bad in ({**good, "exit_code": 0}, {**good, "extra": 1}, {k: v for k, v in good.items() if k != "error"},
+                {**good, "tool": {"name": "other", "version": "0"}}):
+        with pytest.raises(SchemaError):
+            check_schema(bad, SCHEMA)
+
+
+# ------------------------------------------------------------------------------------------------ exit codes
+
+
+def test_help_has_examples_and_exit_codes():
+    for cmd in ("inspect", "validate", "sample", "dequantize", "demo"):
+        r = run(cmd, "--help")
+        assert r.exit_code == 0 and "Examples" in r.stdout, cmd
+    text = re.sub(r"\s+", " ", run("validate", "--help").stdout)
+    assert all(s in text for s in ("0 every check passed", "1 a check failed", "2 usage error", "3 unreadable"))
+    r = run("--version")
+    assert r.exit_code == 0 and r.stdout.startswith("exl2fmt ")
+
+
+def test_good_input_exits_0(sample_dir):
+    r = run("inspect", sample_dir)
+    assert r.exit_code == 0 and "model.layers.0.mlp.down_proj" in r.stdout and "0.091:8b_32g" in r.stdout
+    r = run("validate", sample_dir)
+    assert r.exit_code == 0 and "PASS LAYERS_OK" in r.stdout and "Traceback" not in r.output
+
+
+def test_invalid_input_exits_1(tmp_path, sample_tensors):
+    t = dict(sample_tensors)
+    qg = t["lm_head.q_groups"].copy()
+    qg[0] = 7
+    t["lm_head.q_groups"] = qg
+    write_safetensors(tmp_path / "m.safetensors", t)
+    r = run("validate", tmp_path / "m.safetensors")
+    assert r.exit_code == 1
+    line = next(l for l in r.stdout.splitlines() if l.startswith("FAIL"))
+    assert "GROUPS_BITS" in line and "m.safetensors" in line and "lm_head.q_groups" in line
+    # a malformed header is exit 1 for inspect too (no report possible), with code and file on stderr
+    (tmp_path / "t.safetensors").write_bytes(b"\x10\0\0\0\0\0\0\0{}")
+    r = run("inspect", tmp_path / "t.safetensors")
+    assert r.exit_code == 1 and "[HEADER_PAST_EOF]" in r.stderr and "t.safetensors" in r.stderr
+
+
+def test_usage_errors_exit_2(sample_dir):
+    assert run("inspect", sample_dir, "--json", "--markdown").exit_code == 2
+    assert run("validate").exit_code == 2
+    assert run("validate", sample_dir, "--bogus").exit_code == 2
+    assert run("validate", sample_dir / "output.safetensors", "--fix-index").exit_code == 2
+
+
+def test_unreadable_exits_3(tmp_path):
+    r = run("inspect", tmp_path / "missing")
+    assert r.exit_code == 3 and "[PATH_NOT_FOUND]" in r.stderr
+    (tmp_path / "w.bin").write_bytes(b"\0" * 64)
+    r = run("validate", tmp_path / "w.bin")
+    assert r.exit_code == 3 and "[UNSUPPORTED_INPUT]" in r.stderr
+    (tmp_path / "empty").mkdir()
+    assert run("validate", tmp_path / "empty").exit_code == 3
+
+
+def test_oserror_exits_3_without_traceback(monkeypatch, sample_dir):
+    import exl2fmt.inspect as ins
+
+    def boom(*a, **k):
+        raise PermissionError(13, "Permission denied", str(sample_dir))
+
+    monkeypatch.setattr(ins, "inspect_model", boom)
+    r = run("inspect", sample_dir)
+    assert r.exit_code == 3 and "IO_ERROR" in r.stderr and "Traceback" not in r.output
+
+
+def test_broken_pipe_is_quiet(monkeypatch, sample_dir):
+    import exl2fmt.inspect as ins
+
+    def closed(*a, **k):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(ins, "inspect_model", closed)
+    r = run("inspect", sample_dir)
+    assert r.exit_code == 141 and r.output == ""
+
+
+def test_internal_error_exits_4(monkeypatch, sample_dir):
+    import exl2fmt.inspect as ins
+
+    def boom(*a, **k):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(ins, "inspect_model", boom)
+    monkeypatch.delenv("EXL2FMT_DEBUG", raising=False)
+    r = run("inspect", sample_dir)
+    assert r.exit_code == 4 and "internal error: RuntimeError: kaboom" in r.stderr
+    assert "Traceback" not in r.output and "--debug" in r.stderr
+    r = run("--debug", "inspect", sample_dir)
+    assert r.exit_code == 4 and "Traceback" in r.stderr
+    monkeypatch.setenv("EXL2FMT_DEBUG", "1")
+    r = run("inspect", sample_dir)
+    assert r.exit_code == 4 and "Traceback" in r.stderr
+    r = run("inspect", sample_dir, "--json")
+    doc = json.loads(r.stdout)
+    check_schema(doc, SCHEMA)
+    assert doc["error"]["code"] == "INTERNAL" and doc["exit_code"] == 4
+
+
+def test_strict_turns_warnings_into_exit_1(tmp_path, sample_dir):
+    cfg = json.loads((sample_dir / "config.json").read_text())
+    cfg["quantization_config"]["bits"] = 1.0
+    d = tmp_path / "m"
+    d.mkdir()
+    os.symlink(sample_dir / "output.safetensors", d / "output.safetensors")
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert run("validate", d).exit_code == 0
+    r = run("validate", d, "--strict")
+    assert r.exit_code == 1 and "FAIL BITS_MISMATCH" in r.stdout and "escalated" in r.stdout
+
+
+# ------------------------------------------------------------------------------------------------ JSON
+
+
+def test_inspect_json_matches_schema(sample_dir):
+    r = run("inspect", sample_dir, "--json")
+    assert r.exit_code == 0
+    doc = json.loads(r.stdout)
+    check_schema(doc, SCHEMA)
+    check_schema(doc, SCHEMA["$defs"]["inspect"])
+    assert len(doc["layers"]) == 15 and r.stderr == ""
+    doc = json.loads(run("inspect", sample_dir, "--json", "--no-layers").stdout)
+    check_schema(doc, SCHEMA)
+    assert doc["layers"] == []
+
+
+def test_validate_json_matches_schema(sample_dir, tmp_path):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    write_safetensors(ref / "model.safetensors", sample_dense_tensors())
+    for args in ([], ["--deep"], ["--reference", ref], ["--strict"]):
+        r = run("validate", sample_dir, "--json", *args)
+        doc = json.loads(r.stdout)
+        check_schema(doc, SCHEMA["$defs"]["validate"])
+        assert r.exit_code == doc["exit_code"]
+        assert r.stderr == ""  # no progress bar, no chatter: stdout is one JSON document
+        for c in doc["checks"]:
+            if c["status"] != "PASS":
+                assert ErrorCode(c["code"])  # every failure code is a real ErrorCode
+    assert all(l["reference"]["rel_fro"] <= l["reference"]["threshold"] for l in doc["layers"] if l["reference"])
+
+
+def test_error_json_matches_schema(tmp_path):
+    r = run("validate", tmp_path / "nope", "--json")
+    doc = json.loads(r.stdout)
+    check_schema(doc, SCHEMA)
+    assert doc["error"]["code"] == "PATH_NOT_FOUND" and doc["exit_code"] == r.exit_code == 3
+
+
+def test_gptq_and_gguf_json(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), arch="llama")
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((64, 32), np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = run("inspect", tmp_path / "t.gguf", "--json")
+    check_schema(json.loads(r.stdout), SCHEMA)
+    r = run("inspect", tmp_path / "t.gguf")
+    assert r.exit_code == 0 and "GGUF" in r.stdout
+    assert run("validate", tmp_path / "t.gguf").exit_code == 3
+
+
+# ------------------------------------------------------------------------------------------------ escaping
+
+
+EVIL = "model.layers.0.mlp.\x1b[2J\x1b]52;c;AAAA\x07up_proj\nFAIL fake.weight"
+
+
+@pytest.fixture
+def evil_model(tmp_path):
+    d = tmp_path / "evil"
+    d.mkdir()
+    write_safetensors(d / "model.safetensors", {EVIL: np.zeros((32, 32), np.float16),
+                                                "model.layers.0.mlp.up_proj.weight": np.zeros((32, 32), np.float16)})
+    return d
+
+
+@pytest.mark.parametrize("args", [["inspect"], ["inspect", "--markdown"], ["validate"], ["validate", "--markdown"]])
+def test_names_are_escaped(evil_model, args):
+    r = run(args[0], evil_model, *args[1:])
+    out = r.output
+    assert "\x1b" not in out and "\x07" not in out
+    assert "\\x1b" in out and "\\x0a" in out and "\\x07" in out
+    # the embedded newline cannot forge an output line
+    assert not any(l.startswith("FAIL fake.weight") for l in out.splitlines())
+    if args[0] == "validate":
+        assert r.exit_code == 1 and "NAME_CONTROL_CHARS" in out
+
+
+def test_json_keeps_exact_names(evil_model):
+    r = run("inspect", evil_model, "--json")
+    assert "\x1b" not in r.stdout  # JSON escapes it
+    doc = json.loads(r.stdout)
+    assert any(i["tensor"] == EVIL for i in doc["issues"])
+    assert EVIL.rsplit(".", 1)[0] in {l["key"] for l in doc["layers"]}
+
+
+# ------------------------------------------------------------------------------------------------ --fix-index
+
+
+def test_fix_index_round_trip(tmp_path, sample_tensors):
+    d = tmp_path / "sh"
+    write_sharded(d, sample_tensors, max_shard_bytes=400_000, prefix="model")
+    (d / "config.json").write_text(json.dumps(dict(SAMPLE_CONFIG)))
+    idx = json.loads((d / INDEX_NAME).read_text())
+    idx["weight_map"]["lm_head.q_weight"] = "model-00009-of-00009.safetensors"
+    (d / INDEX_NAME).write_text(json.dumps(idx))
+    r = run("validate", d)
+    assert r.exit_code == 1 and "INDEX_MISSING_SHARD" in r.stdout
+    r = run("validate", d, "--fix-index", "--json")
+    doc = json.loads(r.stdout)
+    check_schema(doc, SCHEMA)
+    assert r.exit_code == 0 and doc["index_written"]["replaced"] is True
+    assert doc["index_written"]["tensors"] == len(sample_tensors)
+    assert run("validate", d).exit_code == 0
+
+
+# ------------------------------------------------------------------------------------------------ --reference
+
+
+def test_reference_pass_and_fail(tmp_path, sample_dir):
+    dense = sample_dense_tensors()
+    good = tmp_path / "good"
+    good.mkdir()
+    write_safetensors(good / "model.safetensors", dense)
+    r = run("validate", sample_dir, "--reference", good)
+    assert r.exit_code == 0 and "REFERENCE_OK" in r.stdout and "rel err" in r.stdout
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    dense["model.layers.1.self_attn.k_proj.weight"] = (-dense["model.layers.1.self_attn.k_proj.weight"]).copy()
+    write_safetensors(bad / "model.safetensors", dense)
+    r = run("validate", sample_dir, "--reference", bad)
+    assert r.exit_code == 1
+    [line] = [l for l in r.stdout.splitlines() if l.startswith("FAIL ")]
+    assert "REFERENCE_MISMATCH" in line and "model.layers.1.self_attn.k_proj" in line
+
+
+# ------------------------------------------------------------------------------------------------ other commands
+
+
+def test_sample_command(tmp_path):
+    d = tmp_path / "s"
+    r = run("sample", d)
+    assert r.exit_code == 0 and (d / "config.json").exists() and (d / "output.safetensors").exists()
+    r = run("sample", d)
+    assert r.exit_code == 2 and "OUTPUT_EXISTS" in r.stderr
+    assert run("sample", d, "--force").exit_code == 0
+
+
+def test_dequantize_command(tmp_path, sample_dir):
+    from exl2fmt import dequantize_layer
+
+    out = tmp_path / "w.npy"
+    r = run("dequantize", sample_dir, "model.layers.0.mlp.down_proj", "-o", out)
+    assert r.exit_code == 0 and "256, 704" in r.stdout
+    w = np.load(out)
+    assert w.dtype == np.float16 and w.shape == (256, 704)
+    assert np.array_equal(w.view(np.uint16), dequantize_layer(sample_dir, "model.layers.0.mlp.down_proj").view(np.uint16))
+    assert run("dequantize", sample_dir, "model.layers.0.mlp.down_proj", "-o", out).exit_code == 2
+    r = run("dequantize", sample_dir, "model.layers.9.mlp.down_proj")
+    assert r.exit_code == 1 and "LAYER_NOT_FOUND" in r.stderr
+    doc = json.loads(run("dequantize", sample_dir, "lm_head", "--json").stdout)
+    assert doc["shape"] == [1000, 256] and doc["nonfinite"] == 0
+
+
+def test_demo_exits_0(tmp_path):
+    r = run("demo", "--dir", tmp_path / "demo")
+    assert r.exit_code == 0, r.output
+    assert "demo PASS" in r.stdout and "15/15 layers bit-exact" in r.stdout
+    assert run("demo", "--dir", tmp_path / "demo").exit_code == 2  # refuses to overwrite without --force
+
+
+# ------------------------------------------------------------------------------------------------ imports
+
+
+@pytest.mark.parametrize("args", [["--help"], ["inspect", "{sample}", "--json"], ["validate", "{sample}"]])
+def test_cli_imports_no_torch_triton_numba(sample_dir, args):
+    args = [a.replace("{sample}", str(sample_dir)) for a in args]
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "exl2fmt.cli.app", *args], capture_output=True,
+                       text=True, cwd=str(ROOT))
+    assert p.returncode == 0, p.stderr[-2000:]
+    mods = {m.group(1).split(".")[0] for m in re.finditer(r"import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", p.stderr)}
+    assert "numpy" in mods or args == ["--help"]  # the parser actually recorded imports
+    assert not mods & {"torch", "triton", "numba"}
+
+
+def test_console_script_entry_point():
+    from importlib.metadata import entry_points
+
+    eps = [e for e in entry_points(group="console_scripts") if e.name == "exl2fmt"]
+    assert eps and eps[0].value == "exl2fmt.cli.app:main"
+
+
+# ------------------------------------------------------------------------------------------------ catalogue
+
+CATALOGUE = ROOT / "spec" / "malformed" / "index.json"
+
+
+def _catalogue():
+    if not CATALOGUE.exists():
+        return []
+    return json.loads(CATALOGUE.read_text())
+
+
+@pytest.mark.skipif(not CATALOGUE.exists(), reason="spec/malformed/index.json not built yet")
+@pytest.mark.parametrize("entry", _catalogue(), ids=lambda e: e.get("path", "?"))
+def test_malformed_catalogue(entry):
+    """Every catalogued bad input: its code in the output, the catalogued exit code, no traceback, the file
+    named in the message."""
+    path = CATALOGUE.parent / entry["path"]
+    r = run("validate", "--deep", path)
+    out = r.output
+    assert "Traceback" not in out
+    assert entry["code"] in out, out[-2000:]
+    if re.search(rf"^WARN {entry['code']}\b", r.stdout, re.M) and not re.search(rf"^FAIL {entry['code']}\b", r.stdout, re.M):
+        # the core rates this finding a warning (e.g. q_scale_max = 0, a wrong total_size): exit 0 unless --strict
+        assert r.exit_code == 0, out[-2000:]
+        r = run("validate", "--deep", "--strict", path)
+        out = r.output
+        assert re.search(rf"^FAIL {entry['code']}\b", r.stdout, re.M), out[-2000:]
+    assert r.exit_code == entry["exit"], out[-2000:]
+    # the line carrying the code names the file (the entry itself, or a file inside the entry's directory)
+    lines = [l for l in out.splitlines() if entry["code"] in l]
+    names = {path.name} | ({p.name for p in path.iterdir()} if path.is_dir() else set())
+    assert any(n in l for l in lines for n in names), lines
