@@ -72,10 +72,22 @@ def _is_head(key: str) -> bool:
     return last in ("lm_head", "output") or key.endswith("lm_head")
 
 
+# Within a block, list projections in the order a forward pass uses them.
+_LEAF_ORDER = {name: i for i, name in enumerate(
+    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"))}
+
+
+_MODULE_ORDER = {"self_attn": 0, "attn": 0, "attention": 0, "mlp": 1, "feed_forward": 1, "block_sparse_moe": 1}
+
+
 def layer_order_key(key: str):
+    parent, _, leaf = key.rpartition(".")
+    block, _, module = parent.rpartition(".")
+    order = (natural_key(block), _MODULE_ORDER.get(module, 2), natural_key(module),
+             _LEAF_ORDER.get(leaf, len(_LEAF_ORDER)), natural_key(leaf))
     if block_of(key) is not None:
-        return (0, natural_key(key))
-    return (2 if _is_head(key) else 1, natural_key(key))
+        return (0, *order)
+    return (2 if _is_head(key) else 1, *order)
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
