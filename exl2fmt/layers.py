@@ -245,6 +245,16 @@ class Exl2Linear(_Base):
             raise Exl2Error(ErrorCode.PERM_INVALID if "permutation" in str(e) else ErrorCode.SLOT_SHAPE, str(e),
                             tensor=self.key, file=self.file) from None
 
+    def stats(self) -> dict:
+        """Decode every weight and return {"mean", "std", "absmax", "nonfinite", "numel"} of the dequantized
+        ``nn.Linear`` weight (exact fp16 values, padding excluded) without materializing it."""
+        from .codec.exl2_stats import layer_stats
+
+        self.raise_if_invalid(deep=False)
+        t = self.tensors
+        return layer_stats(np.asarray(t["q_weight"]), np.asarray(t["q_scale"]), np.asarray(t["q_scale_max"]),
+                           self.groups, out_features=self.out_features)
+
     def bias(self) -> np.ndarray | None:
         if "bias" not in self.tensors:
             return None
