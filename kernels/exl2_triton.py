@@ -1,0 +1,1008 @@
+"""Triton kernels for EXL2 layers: dequantize, and a fused dequantize-matmul ``y = x @ W (+ bias)``.
+
+Importing this module imports torch and triton.  Import it through ``exl2fmt.kernels.load_triton(device)``,
+which switches Triton to its CPU interpreter (``TRITON_INTERPRET=1``) for CPU tensors *before* the kernels
+below are decorated: the interpreter mode is fixed when a ``@triton.jit`` function is created.
+
+Layout (spec/exl2.md §2-§3; the numbers come from ``exl2fmt.layout``, never from this file)
+---------------------------------------------------------------------------------------------
+``q_weight`` int32 [Q, N_pad] holds the codes of K stored rows.  Every group holds a multiple of
+``ROW_MULTIPLE`` (32) rows, so the rows split into K/32 *blocks* of 32 stored rows that each lie in one group,
+at one bit width b.  A block at b bits occupies b consecutive q_weight rows (32 * b / 32 words per column), and
+inside it stored row t (0 <= t < 32) is the little-endian bit field [t*b, t*b + b) of the 32*b-bit string made
+of those words, low word first (the packing units of every width tile a block exactly, so the unit rule of
+§2.2 reduces to this).  A field whose bits cross a word boundary takes its low bits from the lower word.
+
+The kernels never decode ``q_groups``.  The host turns the ``GroupTable`` into small int32 tables, one entry per
+32-row block (``Exl2Tables``): its first q_weight row and its group (and its width); plus the [start, end) block
+range of each width (tiers are contiguous, widths in ``EXL2_BITS`` order) and q_perm = argsort(q_invperm).  Every
+kernel runs one loop per width over that width's blocks, so inside a loop the width is a compile-time constant:
+the block's words are loaded once each and every row is cut out with constant shifts.
+
+Arithmetic, bit for bit as the reference (``exl2fmt.codec.exl2.dequantize_stored``):
+    m = fp16(q_scale_max[g] / 256)             (f32 multiply by 2^-8, exact, then one rounding to fp16)
+    s = fp16(fp16((c + 1)^2) * m)             (c = 4-bit scale code of column n in q_scale[g])
+    w = fp16(fp16(q - 2^(b-1)) * s)           (q - 2^(b-1) formed exactly as (0x6400 | q) - (1024 + z) in fp16)
+The matmul kernels use exactly these fp16 weights and accumulate ``x * w`` in fp32 (every product of an
+fp16/bf16 activation and an fp16 weight is exact in fp32); the only roundings are the fp32 additions and the
+final conversion of y to x's dtype.
+
+Paths of ``exl2_matmul`` (all produce y [M, N] in x's dtype; ``choose_path(M)`` picks one, ``path=`` forces):
+* ``"gemv"``  (M <= GEMV_MAX_M): one program per (BLOCK_N columns, K split); rows are consumed one by one as
+  outer products with fp32 activations on CUDA cores.
+* ``"dot"``   (M <= DOT_MAX_M): the block's 32 rows are assembled in registers (``tl.join`` tree) into an fp16
+  [BLOCK_N, 32] tile, the A operand of ``tl.dot`` against the x block (tensor cores, y^T accumulated).  bf16 x:
+  both operands go through tf32, which holds bf16 x and fp16 w exactly, so the products stay exact.
+* ``"dense"`` (larger M): the dequantize kernel writes W_stored (held as W^T [N, K]) in x's dtype, then
+  ``torch.addmm`` / ``torch.matmul`` with x gathered into stored order.  bf16 x: each weight is rounded once to
+  bf16 (relative 2^-8), the one place where the weights are not used exactly.
+gemv and dot are preceded by ``_prep_kernel`` (x gathered into stored order, in the kernel's dtype, and the
+split-K workspace zeroed) and, when K is split over programs, followed by ``_finalize_kernel`` (fp32 sums +
+bias, rounded).  Act-order therefore costs one gather of x (M x K), never a pass over the weights.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ..groups import GroupTable, decode_q_groups
+from ..layout import BIT_WIDTHS, EXL2_BITS, MAX_K, N_PAD_MULTIPLE, ROW_MULTIPLE, SCALE_CODE_BITS, SCALE_DIVISOR
+
+__all__ = [
+    "Exl2Tables", "Exl2KernelLinear", "build_tables", "exl2_dequantize", "exl2_matmul", "exl2_linear",
+    "choose_path", "launch_config", "check_layer", "interpreted", "GEMV_MAX_M", "DOT_MAX_M",
+]
+
+# ---------------------------------------------------------------------------------------------------
+# Layout constants the kernels are specialised on (imported, checked, never redefined)
+# ---------------------------------------------------------------------------------------------------
+
+#: Rows per block: every group is a multiple of this many stored rows (spec rule G4).
+_ROWS = ROW_MULTIPLE
+#: 4-bit scale codes per int32 word of q_scale.
+_CODES_PER_WORD = 32 // SCALE_CODE_BITS
+#: Number of width slots of the kernels (one loop specialised per width).
+_N_SLOTS = 6
+
+if len(EXL2_BITS) > _N_SLOTS:  # pragma: no cover - a layout change needs a kernel change
+    raise RuntimeError(f"exl2fmt.layout.EXL2_BITS has {len(EXL2_BITS)} widths; the kernels have {_N_SLOTS} slots")
+for _b in EXL2_BITS:
+    _bw = BIT_WIDTHS[_b]
+    if _ROWS % _bw.rows_per_unit or (_ROWS * _b) % 32 or (_ROWS // _bw.rows_per_unit) * _bw.words_per_unit * 32 \
+            != _ROWS * _b:  # pragma: no cover
+        raise RuntimeError(f"{_b}-bit packing units do not tile a {_ROWS}-row block; the kernels assume they do")
+if _CODES_PER_WORD & (_CODES_PER_WORD - 1) or SCALE_DIVISOR & (SCALE_DIVISOR - 1) or _ROWS & (_ROWS - 1) \
+        or max(EXL2_BITS) > 8:  # pragma: no cover
+    raise RuntimeError("the kernels assume power-of-two block rows, scale codes per word and scale divisor, and "
+                       "at most 8 words per block")
+#: log2 of the block rows (number of trailing dims of 2 of a decoded block).
+_LOG_ROWS = _ROWS.bit_length() - 1
+#: Width of each kernel slot (0 = unused slot).
+_SLOT_BITS = tuple(EXL2_BITS) + (0,) * (_N_SLOTS - len(EXL2_BITS))
+#: log2 of codes per q_scale word, the nibble mask, 1 / SCALE_DIVISOR (a power of two, exact in fp32).
+_CPW_SHIFT = _CODES_PER_WORD.bit_length() - 1
+_CODE_MASK = (1 << SCALE_CODE_BITS) - 1
+_INV_DIV = 1.0 / SCALE_DIVISOR
+
+#: Default path thresholds (M = rows of x): gemv for M <= GEMV_MAX_M, dot for M <= DOT_MAX_M, dense above.
+#: Chosen from SASS instruction counts only (no GPU timing yet); ``bench/kernel.py`` times every candidate.
+GEMV_MAX_M = 1
+DOT_MAX_M = 64
+
+
+def interpreted() -> bool:
+    """True when the kernels of this module run in Triton's CPU interpreter."""
+    return _INTERPRETED
+
+
+# ---------------------------------------------------------------------------------------------------
+# Device helpers (inlined into the kernels)
+# ---------------------------------------------------------------------------------------------------
+#
+# Block decoding.  A block of ROWS (32) stored rows at width B (a compile-time constant in every kernel: each
+# kernel runs one loop per width, over that width's block range) occupies NW = ROWS*B/32 q_weight rows.  Its NW
+# words of BLOCK_N columns are loaded once (w0 .. w7, unused ones are dummies) and every row's field is cut out
+# with constant shifts; a field that straddles two words joins the top of one with the bottom of the next.  The
+# tensor-core and dequantize kernels assemble the ROWS per-row vectors into one [BLOCK_N, 2, .., 2] tensor with a
+# binary tree of ``tl.join`` (even rows, odd rows), which keeps them in registers (no shuffles, as long as every
+# column has its own thread: BLOCK_N >= 32 * num_warps) and in row order.  The GEMV kernel consumes the rows one
+# by one instead (outer products with scalar activations).
+
+
+@triton.jit
+def _code_minus_z(q, hz):
+    """fp16(q - z) for codes q (uint32 < 256) without an int->float conversion: the fp16 bit pattern
+    0x6400 | q is the number 1024 + q, and (1024 + q) - hz with hz = 1024 + z is exact in fp16."""
+    hq = (q | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    return hq - hz
+
+
+@triton.jit
+def _scale_row(qs_ptr, stride_qs, qsm_ptr, g, offs_n, n_mask,
+               CPW_SHIFT: tl.constexpr, CODE_BITS: tl.constexpr, CODE_MASK: tl.constexpr, INV_DIV: tl.constexpr):
+    """fp16 [BLOCK_N] scales of group ``g`` (int32 scalar) for columns ``offs_n``:
+    s = fp16(fp16((c+1)^2) * fp16(q_scale_max[g] / SCALE_DIVISOR))."""
+    m = (tl.load(qsm_ptr + g).to(tl.float32) * INV_DIV).to(tl.float16)
+    word = tl.load(qs_ptr + g.to(tl.int64) * stride_qs + (offs_n >> CPW_SHIFT), mask=n_mask, other=0)
+    word = word.to(tl.uint32, bitcast=True)
+    sh = ((offs_n & ((1 << CPW_SHIFT) - 1)) * CODE_BITS).to(tl.uint32)
+    c = ((word >> sh) & CODE_MASK).to(tl.int32)
+    return ((c + 1) * (c + 1)).to(tl.float16) * m
+
+
+@triton.jit
+def _pick(w0, w1, w2, w3, w4, w5, w6, w7, I: tl.constexpr):
+    """Word I of the block (compile-time choice, no code)."""
+    if I == 0:
+        r = w0
+    elif I == 1:
+        r = w1
+    elif I == 2:
+        r = w2
+    elif I == 3:
+        r = w3
+    elif I == 4:
+        r = w4
+    elif I == 5:
+        r = w5
+    elif I == 6:
+        r = w6
+    else:
+        r = w7
+    return r
+
+
+@triton.jit
+def _row_code(w0, w1, w2, w3, w4, w5, w6, w7, T: tl.constexpr, B: tl.constexpr):
+    """uint32 [BLOCK_N] codes of block row T: bits [T*B, T*B + B) of the little-endian word string."""
+    W: tl.constexpr = (T * B) // 32
+    SH: tl.constexpr = (T * B) % 32
+    lo = _pick(w0, w1, w2, w3, w4, w5, w6, w7, W)
+    if SH + B > 32:  # straddles words W and W+1: low bits at the top of W, high bits at the bottom of W+1
+        hi = _pick(w0, w1, w2, w3, w4, w5, w6, w7, W + 1)
+        v = (lo >> SH) | (hi << (32 - SH))
+    else:
+        v = lo >> SH
+    return v & ((1 << B) - 1)
+
+
+@triton.jit
+def _weights_tree(w0, w1, w2, w3, w4, w5, w6, w7, s, T0: tl.constexpr, STEP: tl.constexpr, CNT: tl.constexpr,
+                  B: tl.constexpr):
+    """fp16 weights of the CNT block rows T0, T0 + STEP, T0 + 2*STEP, ... as a [BLOCK_N, 2, .., 2] tensor
+    (log2(CNT) trailing dims of 2).  Built by ``tl.join`` of the even and the odd rows, so the trailing dims stay
+    in registers and, read row-major, are in row order: reshaped to [BLOCK_N, CNT], column c is row
+    T0 + c*STEP.  w = fp16(fp16(q - 2^(B-1)) * s)."""
+    if CNT == 1:
+        r = _code_minus_z(_row_code(w0, w1, w2, w3, w4, w5, w6, w7, T0, B), 1024 + (1 << (B - 1))) * s
+    else:
+        a = _weights_tree(w0, w1, w2, w3, w4, w5, w6, w7, s, T0, 2 * STEP, CNT // 2, B)
+        b = _weights_tree(w0, w1, w2, w3, w4, w5, w6, w7, s, T0 + STEP, 2 * STEP, CNT // 2, B)
+        r = tl.join(a, b)
+    return r
+
+
+@triton.jit
+def _block_weights(qw_ptr, stride_qw, qbase, s, offs_n, n_mask, B: tl.constexpr, ROWS: tl.constexpr):
+    """fp16 weights of the block whose first q_weight row is ``qbase`` (int32 scalar) as a
+    [BLOCK_N, 2, .., 2] tensor (see ``_weights_tree``); ``s`` fp16 [BLOCK_N] its scales.  Each of the block's
+    words is loaded once."""
+    NW: tl.constexpr = ROWS * B // 32
+    p = qw_ptr + qbase.to(tl.int64) * stride_qw + offs_n
+    w0 = tl.load(p, mask=n_mask, other=0).to(tl.uint32, bitcast=True)
+    w1 = tl.load(p + 1 * stride_qw, mask=n_mask, other=0).to(tl.uint32, bitcast=True) if NW > 1 else w0
+    w2 = tl.load(p + 2 * stride_qw, mask=n_mask, other=0).to(tl.uint32, bitcast=True) if NW > 2 else w0
+    w3 = tl.load(p + 3 * stride_qw, mask=n_mask, other=0).to(tl.uint32, bitcast=True) if NW > 3 else w0
+    w4 = tl.load(p + 4 * stride_qw, mask=n_mask, other=0).to(tl.uint32, bitcast=True) if NW > 4 else w0
+    w5 = tl.load(p + 5 * stride_qw, mask=n_mask, other=0).to(tl.uint32, bitcast=True) if NW > 5 else w0
+    w6 = tl.load(p + 6 * stride_qw, mask=n_mask, other=0).to(tl.uint32, bitcast=True) if NW > 6 else w0
+    w7 = tl.load(p + 7 * stride_qw, mask=n_mask, other=0).to(tl.uint32, bitcast=True) if NW > 7 else w0
+    return _weights_tree(w0, w1, w2, w3, w4, w5, w6, w7, s, 0, 1, ROWS, B)
+
+
+@triton.jit
+def _index_tree(T0: tl.constexpr, STEP: tl.constexpr, CNT: tl.constexpr):
+    """int32 [1, 2, .., 2] block-row numbers laid out like ``_weights_tree``."""
+    if CNT == 1:
+        r = tl.full([1], T0, tl.int32)
+    else:
+        r = tl.join(_index_tree(T0, 2 * STEP, CNT // 2), _index_tree(T0 + STEP, 2 * STEP, CNT // 2))
+    return r
+
+
+@triton.jit
+def _expand_trailing(x, LOG: tl.constexpr):
+    """x[:, None, ..., None] with LOG new trailing dims."""
+    for i in tl.static_range(LOG):
+        x = tl.expand_dims(x, i + 1)
+    return x
+
+
+@triton.jit
+def _slot_range(seg_ptr, SLOT: tl.constexpr, kb0, kb1):
+    """[start, end) blocks of the width in SLOT, clipped to this program's blocks [kb0, kb1)."""
+    start = tl.maximum(tl.load(seg_ptr + 2 * SLOT), kb0)
+    end = tl.minimum(tl.load(seg_ptr + 2 * SLOT + 1), kb1)
+    return start, end
+
+
+@triton.jit
+def _gemv_row(acc, v, s, xk_ptrs, m_mask, Z: tl.constexpr):
+    """acc[BLOCK_M, BLOCK_N] += x_stored[:, k] (outer) w[k, :] with w = fp16(fp16(v - Z) * s), in fp32
+    (``v`` uint32 codes [BLOCK_N], ``s`` fp16 scales [BLOCK_N]; ``xk_ptrs`` [BLOCK_M] point at column k of the
+    fp32 stored-order activations)."""
+    xv = tl.load(xk_ptrs, mask=m_mask, other=0)
+    w = (_code_minus_z(v, 1024 + Z) * s).to(tl.float32)
+    return acc + xv[:, None] * w[None, :]
+
+
+@triton.jit
+def _gemv_slot(acc, xrow_ptrs, m_mask,
+               qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr, blk_group_ptr, seg_ptr, kb0, kb1,
+               offs_n, n_mask, B: tl.constexpr, SLOT: tl.constexpr, ROWS: tl.constexpr,
+               CPW_SHIFT: tl.constexpr, CODE_BITS: tl.constexpr, CODE_MASK: tl.constexpr, INV_DIV: tl.constexpr):
+    """CUDA-core path: acc[BLOCK_M, BLOCK_N] += x_block @ W_block over the blocks of width B in [kb0, kb1).
+
+    ``xrow_ptrs`` [BLOCK_M]: rows of the fp32 activations in stored order (made by ``_prep_kernel``).
+    Each of the block's words is loaded once; its rows are cut out with constant shifts, row by row, and a row
+    that straddles words W and W+1 is finished when word W+1 arrives."""
+    if B != 0:
+        NW: tl.constexpr = ROWS * B // 32
+        MASK: tl.constexpr = (1 << B) - 1
+        Z: tl.constexpr = 1 << (B - 1)
+        start, end = _slot_range(seg_ptr, SLOT, kb0, kb1)
+        for blk in range(start, end):
+            g = tl.load(blk_group_ptr + blk)
+            qbase = tl.load(blk_qrow_ptr + blk)
+            s = _scale_row(qs_ptr, stride_qs, qsm_ptr, g, offs_n, n_mask, CPW_SHIFT, CODE_BITS, CODE_MASK, INV_DIV)
+            wptr = qw_ptr + qbase.to(tl.int64) * stride_qw + offs_n
+            xk = xrow_ptrs + blk * ROWS
+            prev = tl.zeros_like(offs_n).to(tl.uint32)
+            for w in tl.static_range(NW):
+                cur = tl.load(wptr + w * stride_qw, mask=n_mask, other=0).to(tl.uint32, bitcast=True)
+                for t in tl.static_range(ROWS):
+                    if (t * B) // 32 == w:
+                        if (t * B) % 32 + B <= 32:  # the whole field lies in this word
+                            v = (cur >> ((t * B) % 32)) & MASK
+                            acc = _gemv_row(acc, v, s, xk + t, m_mask, Z)
+                    if (t * B) // 32 + 1 == w:
+                        if (t * B) % 32 + B > 32:  # low bits at the top of prev, high bits at the bottom of cur
+                            v = ((prev >> ((t * B) % 32)) | (cur << (32 - (t * B) % 32))) & MASK
+                            acc = _gemv_row(acc, v, s, xk + t, m_mask, Z)
+                prev = cur
+    return acc
+
+
+@triton.jit
+def _dot_slot(acc, x_ptr, stride_xm, offs_m, m_mask, offs_r,
+              qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr, blk_group_ptr, seg_ptr, kb0, kb1,
+              offs_n, n_mask, B: tl.constexpr, SLOT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+              X_BF16: tl.constexpr,
+              CPW_SHIFT: tl.constexpr, CODE_BITS: tl.constexpr, CODE_MASK: tl.constexpr, INV_DIV: tl.constexpr):
+    """Tensor-core path: acc[BLOCK_N, BLOCK_M] += (x_block @ W_block)^T over the blocks of width B in [kb0, kb1).
+
+    The block's weights come as [BLOCK_N, 2, .., 2] (``_block_weights``), reshaped to [BLOCK_N, ROWS] in row
+    order; ``x_ptr`` holds the activations in stored order (``_prep_kernel``) in x's dtype.  bf16 x goes through
+    tf32, which holds bf16 x and fp16 w exactly, like the fp16 x fp16 products."""
+    if B != 0:
+        start, end = _slot_range(seg_ptr, SLOT, kb0, kb1)
+        for blk in range(start, end):
+            g = tl.load(blk_group_ptr + blk)
+            qbase = tl.load(blk_qrow_ptr + blk)
+            s = _scale_row(qs_ptr, stride_qs, qsm_ptr, g, offs_n, n_mask, CPW_SHIFT, CODE_BITS, CODE_MASK, INV_DIV)
+            w = tl.reshape(_block_weights(qw_ptr, stride_qw, qbase, s, offs_n, n_mask, B, ROWS), [BLOCK_N, ROWS])
+            xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (blk * ROWS + offs_r)[:, None],
+                         mask=m_mask[None, :], other=0)  # [ROWS, BLOCK_M]: x block, transposed
+            # acc is y^T [BLOCK_N, BLOCK_M]: the weight tile is the A operand (it can stay in registers)
+            if X_BF16:
+                acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="tf32")
+            else:
+                acc = tl.dot(w, xt, acc)
+    return acc
+
+
+@triton.jit
+def _dequant_slot(qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr, blk_group_ptr, seg_ptr, perm_ptr,
+                  out_ptr, stride_ok, stride_on, kb0, kb1, offs_n, n_mask, rows_t,
+                  B: tl.constexpr, SLOT: tl.constexpr, ROWS: tl.constexpr, LOG_ROWS: tl.constexpr,
+                  UNPERMUTE: tl.constexpr, OUT_BF16: tl.constexpr,
+                  CPW_SHIFT: tl.constexpr, CODE_BITS: tl.constexpr, CODE_MASK: tl.constexpr, INV_DIV: tl.constexpr):
+    """Write the blocks of width B in [kb0, kb1) to their rows (stored row k, or q_perm[k] when UNPERMUTE).
+    ``rows_t`` int32 [1, 2, .., 2]: block-row numbers in the layout of ``_block_weights``."""
+    if B != 0:
+        start, end = _slot_range(seg_ptr, SLOT, kb0, kb1)
+        n_off = _expand_trailing(offs_n.to(tl.int64) * stride_on, LOG_ROWS)
+        n_ok = _expand_trailing(n_mask, LOG_ROWS)
+        for blk in range(start, end):
+            g = tl.load(blk_group_ptr + blk)
+            qbase = tl.load(blk_qrow_ptr + blk)
+            s = _scale_row(qs_ptr, stride_qs, qsm_ptr, g, offs_n, n_mask, CPW_SHIFT, CODE_BITS, CODE_MASK, INV_DIV)
+            w = _block_weights(qw_ptr, stride_qw, qbase, s, offs_n, n_mask, B, ROWS)  # [BLOCK_N, 2, .., 2]
+            k = blk * ROWS + rows_t
+            if UNPERMUTE:
+                rows = tl.load(perm_ptr + k)
+            else:
+                rows = k
+            optr = out_ptr + rows.to(tl.int64) * stride_ok + n_off
+            if OUT_BF16:
+                tl.store(optr, _round_out(w.to(tl.float32), True), mask=n_ok)
+            else:
+                tl.store(optr, w, mask=n_ok)
+
+
+@triton.jit
+def _round_out(acc, OUT_BF16: tl.constexpr):
+    """fp32 -> fp16 or bf16, round to nearest even.  The bf16 rounding is spelled out on the bits so that the
+    interpreter (whose bf16 cast truncates) rounds exactly like the GPU."""
+    if OUT_BF16:
+        u = acc.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where(acc != acc, 0x7FC0, r)  # NaN stays a quiet NaN
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return acc.to(tl.float16)
+
+
+@triton.jit
+def _epilogue(acc, offs_m, m_mask, offs_n, n_mask, bias_ptr, out_ptr, stride_om, stride_on, ws_ptr, N,
+              HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, OUT_BF16: tl.constexpr):
+    """Not ATOMIC: out = (acc + bias) rounded to out's dtype.  ATOMIC (K is split): add acc atomically to the
+    fp32 workspace [M, N] (row-major); ``_finalize_kernel`` then adds the bias and rounds."""
+    mask = m_mask[:, None] & n_mask[None, :]
+    if not ATOMIC:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0).to(tl.float32)[None, :]
+        optr = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+        tl.store(optr, _round_out(acc, OUT_BF16), mask=mask)
+    else:
+        tl.atomic_add(ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dequant_kernel(
+    qw_ptr, stride_qw,          # int32 [Q, N_pad] q_weight, row stride in elements (column stride 1)
+    qs_ptr, stride_qs,          # int32 [G, N_pad/8] q_scale, row stride (column stride 1)
+    qsm_ptr,                    # fp16 [G] q_scale_max
+    blk_qrow_ptr,               # int32 [KB] first q_weight row of each 32-row block (KB = K / 32)
+    blk_group_ptr,              # int32 [KB] group of each block
+    seg_ptr,                    # int32 [2 * 6] [start, end) blocks of the width of each slot
+    perm_ptr,                   # int32 [K] q_perm (read only when UNPERMUTE)
+    out_ptr, stride_ok, stride_on,  # fp16/bf16 output W[k, n] at out_ptr + k*stride_ok + n*stride_on
+    N_out,                      # int: columns written (N_pad for stored order, N for the un-permuted W)
+    KB,                         # int: number of 32-row blocks
+    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,  # slot widths (EXL2_BITS order; 0 = unused)
+    B3: tl.constexpr, B4: tl.constexpr, B5: tl.constexpr,
+    BLOCKS_PER_PROG: tl.constexpr,  # 32-row blocks per program along K
+    BLOCK_N: tl.constexpr,      # columns per program
+    ROWS: tl.constexpr, LOG_ROWS: tl.constexpr,  # rows per block (ROW_MULTIPLE) and its log2
+    UNPERMUTE: tl.constexpr,    # False: out row k = stored row k; True: out row q_perm[k] = stored row k
+    OUT_BF16: tl.constexpr,     # output dtype: bf16 (each fp16 weight rounded once) or fp16 (exact)
+    # scale-code layout from exl2fmt.layout: log2(codes per q_scale word), bits per code, code mask, 1/256
+    CPW_SHIFT: tl.constexpr, CODE_BITS: tl.constexpr, CODE_MASK: tl.constexpr, INV_DIV: tl.constexpr,
+):
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N_out
+    rows_t = _index_tree(0, 1, ROWS)
+    kb0 = pid_k * BLOCKS_PER_PROG
+    kb1 = tl.minimum(kb0 + BLOCKS_PER_PROG, KB)
+    _dequant_slot(qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr, blk_group_ptr, seg_ptr, perm_ptr,
+                  out_ptr, stride_ok, stride_on, kb0, kb1, offs_n, n_mask, rows_t, B0, 0, ROWS, LOG_ROWS,
+                  UNPERMUTE, OUT_BF16, CPW_SHIFT, CODE_BITS, CODE_MASK, INV_DIV)
+    _dequant_slot(qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr, blk_group_ptr, seg_ptr, perm_ptr,
+                  out_ptr, stride_ok, stride_on, kb0, kb1, offs_n, n_mask, rows_t, B1, 1, ROWS, LOG_ROWS,
+                  UNPERMUTE, OUT_BF16, CPW_SHIFT, CODE_BITS, CODE_MASK, INV_DIV)
+    _dequant_slot(qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr, blk_group_ptr, seg_ptr, perm_ptr,
+                  out_ptr, stride_ok, stride_on, kb0, kb1, offs_n, n_mask, rows_t, B2, 2, ROWS, LOG_ROWS,
+                  UNPERMUTE, OUT_BF16, CPW_SHIFT, CODE_BITS, CODE_MASK, INV_DIV)
+    _dequant_slot(qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr, blk_group_ptr, seg_ptr, perm_ptr,
+                  out_ptr, stride_ok, stride_on, kb0, kb1, offs_n, n_mask, rows_t, B3, 3, ROWS, LOG_ROWS,
+                  UNPERMUTE, OUT_BF16, CPW_SHIFT, CODE_BITS, CODE_MASK, INV_DIV)
+    _dequant_slot(qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr, blk_group_ptr, seg_ptr, perm_ptr,
+                  out_ptr, stride_ok, stride_on, kb0, kb1, offs_n, n_mask, rows_t, B4, 4, ROWS, LOG_ROWS,
+                  UNPERMUTE, OUT_BF16, CPW_SHIFT, CODE_BITS, CODE_MASK, INV_DIV)
+    _dequant_slot(qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr, blk_group_ptr, seg_ptr, perm_ptr,
+                  out_ptr, stride_ok, stride_on, kb0, kb1, offs_n, n_mask, rows_t, B5, 5, ROWS, LOG_ROWS,
+                  UNPERMUTE, OUT_BF16, CPW_SHIFT, CODE_BITS, CODE_MASK, INV_DIV)
+
+
+@triton.jit
+def _matmul_kernel(
+    x_ptr, stride_xm,               # [M, K] activations from _prep_kernel (stored order, bit-reversed in each
+                                    # block; fp32 when not USE_DOT, else x's dtype), unit column stride
+    qw_ptr, stride_qw,              # int32 [Q, N_pad] q_weight
+    qs_ptr, stride_qs,              # int32 [G, N_pad/8] q_scale
+    qsm_ptr,                        # fp16 [G] q_scale_max
+    blk_qrow_ptr, blk_group_ptr,    # int32 [KB] per 32-row block: first q_weight row, group
+    seg_ptr,                        # int32 [2 * 6] [start, end) blocks of the width of each slot
+    bias_ptr,                       # fp16/bf16/fp32 [>= N] bias (read only when HAS_BIAS)
+    out_ptr, stride_om, stride_on,  # [M, N] output in x's dtype (not ATOMIC)
+    ws_ptr,                         # fp32 [M, N] zeroed workspace, row-major (ATOMIC)
+    M, N, KB,                       # rows of x, output columns, number of 32-row blocks
+    blocks_per_split,               # 32-row blocks per K split (program axis 2)
+    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,  # slot widths (EXL2_BITS order; 0 = unused)
+    B3: tl.constexpr, B4: tl.constexpr, B5: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    USE_DOT: tl.constexpr,          # tensor cores (tl.dot) or CUDA-core FMAs
+    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, OUT_BF16: tl.constexpr,
+    # scale-code layout from exl2fmt.layout: log2(codes per q_scale word), bits per code, code mask, 1/256
+    CPW_SHIFT: tl.constexpr, CODE_BITS: tl.constexpr, CODE_MASK: tl.constexpr, INV_DIV: tl.constexpr,
+):
+    """y[m, n] = sum_k x[m, k] W[k, n] (+ bias[n]) for a BLOCK_M x BLOCK_N tile over one K split."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_r = tl.arange(0, ROWS)
+    kb0 = pid_k * blocks_per_split
+    kb1 = tl.minimum(kb0 + blocks_per_split, KB)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc = _dot_slot(acc, x_ptr, stride_xm, offs_m, m_mask, offs_r, qw_ptr, stride_qw, qs_ptr, stride_qs,
+                        qsm_ptr, blk_qrow_ptr, blk_group_ptr, seg_ptr, kb0, kb1, offs_n, n_mask, B0, 0, ROWS,
+                        BLOCK_N, OUT_BF16, CPW_SHIFT, CODE_BITS, CODE_MASK, INV_DIV)
+        acc = _dot_slot(acc, x_ptr, stride_xm, offs_m, m_mask, offs_r, qw_ptr, stride_qw, qs_ptr, stride_qs,
+                        qsm_ptr, blk_qrow_ptr, blk_group_ptr, seg_ptr, kb0, kb1, offs_n, n_mask, B1, 1, ROWS,
+                        BLOCK_N, OUT_BF16, CPW_SHIFT, CODE_BITS, CODE_MASK, INV_DIV)
+        acc = _dot_slot(acc, x_ptr, stride_xm, offs_m, m_mask, offs_r, qw_ptr, stride_qw, qs_ptr, stride_qs,
+                        qsm_ptr, blk_qrow_ptr, blk_group_ptr, seg_ptr, kb0, kb1, offs_n, n_mask, B2, 2, ROWS,
+                        BLOCK_N, OUT_BF16, CPW_SHIFT, CODE_BITS, CODE_MASK, INV_DIV)
+        acc = _dot_slot(acc, x_ptr, stride_xm, offs_m, m_mask, offs_r, qw_ptr, stride_qw, qs_ptr, stride_qs,
+                        qsm_ptr, blk_qrow_ptr, blk_group_ptr, seg_ptr, kb0, kb1, offs_n, n_mask, B3, 3, ROWS,
+                        BLOCK_N, OUT_BF16, CPW_SHIFT, CODE_BITS, CODE_MASK, INV_DIV)
+        acc = _dot_slot(acc, x_ptr, stride_xm, offs_m, m_mask, offs_r, qw_ptr, stride_qw, qs_ptr, stride_qs,
+                        qsm_ptr, blk_qrow_ptr, blk_group_ptr, seg_ptr, kb0, kb1, offs_n, n_mask, B4, 4, ROWS,
+                        BLOCK_N, OUT_BF16, CPW_SHIFT, CODE_BITS, CODE_MASK, INV_DIV)
+        acc = _dot_slot(acc, x_ptr, stride_xm, offs_m, m_mask, offs_r, qw_ptr, stride_qw, qs_ptr, stride_qs,
+                        qsm_ptr, blk_qrow_ptr, blk_group_ptr, seg_ptr, kb0, kb1, offs_n, n_mask, B5, 5, ROWS,
+                        BLOCK_N, OUT_BF16, CPW_SHIFT, CODE_BITS, CODE_MASK, INV_DIV)
+        acc = tl.trans(acc)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        xrow = x_ptr + offs_m.to(tl.int64) * stride_xm
+        acc = _gemv_slot(acc, xrow, m_mask, qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr,
+                         blk_group_ptr, seg_ptr, kb0, kb1, offs_n, n_mask, B0, 0, ROWS, CPW_SHIFT, CODE_BITS,
+                         CODE_MASK, INV_DIV)
+        acc = _gemv_slot(acc, xrow, m_mask, qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr,
+                         blk_group_ptr, seg_ptr, kb0, kb1, offs_n, n_mask, B1, 1, ROWS, CPW_SHIFT, CODE_BITS,
+                         CODE_MASK, INV_DIV)
+        acc = _gemv_slot(acc, xrow, m_mask, qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr,
+                         blk_group_ptr, seg_ptr, kb0, kb1, offs_n, n_mask, B2, 2, ROWS, CPW_SHIFT, CODE_BITS,
+                         CODE_MASK, INV_DIV)
+        acc = _gemv_slot(acc, xrow, m_mask, qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr,
+                         blk_group_ptr, seg_ptr, kb0, kb1, offs_n, n_mask, B3, 3, ROWS, CPW_SHIFT, CODE_BITS,
+                         CODE_MASK, INV_DIV)
+        acc = _gemv_slot(acc, xrow, m_mask, qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr,
+                         blk_group_ptr, seg_ptr, kb0, kb1, offs_n, n_mask, B4, 4, ROWS, CPW_SHIFT, CODE_BITS,
+                         CODE_MASK, INV_DIV)
+        acc = _gemv_slot(acc, xrow, m_mask, qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr,
+                         blk_group_ptr, seg_ptr, kb0, kb1, offs_n, n_mask, B5, 5, ROWS, CPW_SHIFT, CODE_BITS,
+                         CODE_MASK, INV_DIV)
+    _epilogue(acc, offs_m, m_mask, offs_n, n_mask, bias_ptr, out_ptr, stride_om, stride_on, ws_ptr, N,
+              HAS_BIAS, ATOMIC, OUT_BF16)
+
+
+@triton.jit
+def _prep_kernel(
+    x_ptr, stride_xm, stride_xk,    # fp16/bf16 [M, K] activations (original feature order), strides in elements
+    perm_ptr,                       # int32 [K] q_perm (read only when HAS_PERM)
+    xs_ptr,                         # [M, K] out (fp32 or x's dtype), row-major: xs[m, k] = x[m, q_perm[k]]
+    ws_ptr,                         # fp32 [M, N] workspace, set to zero (only when ZERO_WS)
+    K,                              # columns of x
+    MK, MN,                         # element counts M*K and M*N (int64 when large)
+    BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, ZERO_WS: tl.constexpr,
+):
+    """One launch before the matmul kernel: gather x into stored row order (act-order) in the kernel's dtype and
+    zero the K-split workspace."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MK
+    m = offs // K
+    k = (offs % K).to(tl.int32)
+    if HAS_PERM:
+        src = tl.load(perm_ptr + k, mask=mask, other=0)
+    else:
+        src = k
+    v = tl.load(x_ptr + m * stride_xm + src.to(tl.int64) * stride_xk, mask=mask, other=0)
+    tl.store(xs_ptr + offs, v.to(xs_ptr.dtype.element_ty), mask=mask)
+    if ZERO_WS:
+        tl.store(ws_ptr + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < MN)
+
+
+@triton.jit
+def _finalize_kernel(
+    ws_ptr,                         # fp32 [M, N] row-major sums
+    bias_ptr,                       # [>= N] bias (read only when HAS_BIAS)
+    out_ptr, stride_om, stride_on,  # [M, N] output
+    N, MN,                          # columns, element count M*N (int64 when large)
+    BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+):
+    """out = round(ws + bias) after a K-split matmul."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    m = offs // N
+    n = offs % N
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + n * stride_on, _round_out(acc, OUT_BF16), mask=mask)
+
+
+_INTERPRETED = type(_matmul_kernel).__name__ == "InterpretedFunction"
+_LAYOUT_CONSTS = dict(CPW_SHIFT=_CPW_SHIFT, CODE_BITS=SCALE_CODE_BITS, CODE_MASK=_CODE_MASK, INV_DIV=_INV_DIV)
+_SLOTS = {f"B{i}": b for i, b in enumerate(_SLOT_BITS)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host side: tables, checks, launches
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Exl2Tables:
+    """Launch tables of one layer, built on the host from its ``GroupTable`` and ``q_invperm``.
+
+    ``blk_bits``, ``blk_qrow``, ``blk_group``: int32 [K/32] on ``device``: bit width, first q_weight row and
+    group of each 32-row block of stored rows.  ``segments``: int32 [12] on ``device``: [start, end) block range
+    of the width in each slot of the GEMV kernel (``EXL2_BITS`` order; empty ranges for absent widths).
+    ``q_perm``: int32 [K] on ``device`` (original input feature of stored row k), None when the permutation
+    is the identity.  ``K``, ``Q``, ``G``: the layer geometry (ints).
+    """
+
+    K: int
+    Q: int
+    G: int
+    blk_bits: torch.Tensor
+    blk_qrow: torch.Tensor
+    blk_group: torch.Tensor
+    segments: torch.Tensor
+    q_perm: torch.Tensor | None
+    device: torch.device
+
+    @property
+    def KB(self) -> int:
+        return self.K // _ROWS
+
+
+def _host_perm(q_invperm, K: int) -> np.ndarray:
+    """q_invperm (int16 read as uint16, int32, int64; tensor or array) -> q_perm int64 [K]; ValueError if it is
+    not a permutation of 0..K-1."""
+    if isinstance(q_invperm, torch.Tensor):
+        t = q_invperm.detach().cpu()
+        inv = t.numpy().view(np.uint16) if t.dtype == torch.int16 else t.numpy()
+    else:
+        inv = np.asarray(q_invperm)
+        if inv.dtype == np.int16:
+            inv = inv.view(np.uint16)
+    if inv.dtype.kind not in "iu":
+        raise ValueError(f"q_invperm must be an integer array, got dtype {inv.dtype}")
+    inv = inv.astype(np.int64).ravel()
+    if inv.shape != (K,):
+        raise ValueError(f"q_invperm has {inv.size} entries; the groups hold K = {K} rows")
+    if K and (inv.min() < 0 or inv.max() >= K or np.bincount(inv, minlength=K).max() != 1):
+        raise ValueError(f"q_invperm is not a permutation of 0..{K - 1}")
+    perm = np.empty(K, dtype=np.int64)
+    perm[inv] = np.arange(K, dtype=np.int64)
+    return perm
+
+
+def build_tables(groups: GroupTable, q_invperm=None, device: torch.device | str = "cpu") -> Exl2Tables:
+    """Per-block launch tables of one layer (see ``Exl2Tables``).  ``q_invperm`` None = identity.
+
+    Raises ValueError when a group is not a multiple of 32 rows, a width is not an EXL2 width, the widths do not
+    form contiguous tiers, K exceeds the format limit, or q_invperm is not a permutation of 0..K-1.
+    """
+    device = torch.device(device)
+    bits_l, qrow_l, grp_l = [], [], []
+    for g, (b, r, q0, nq) in enumerate(zip(groups.bits.tolist(), groups.rows.tolist(), groups.qrow.tolist(),
+                                          groups.qrows.tolist())):
+        if b not in EXL2_BITS:
+            raise ValueError(f"group {g}: bit width {b} is not one of {sorted(EXL2_BITS)}")
+        if r % _ROWS or r <= 0:
+            raise ValueError(f"group {g}: {r} rows; the kernels need a positive multiple of {_ROWS}")
+        words = _ROWS * b // 32
+        if nq != r // _ROWS * words:
+            raise ValueError(f"group {g}: {nq} packed rows for {r} rows at {b} bits; expected {r // _ROWS * words}")
+        for j in range(r // _ROWS):
+            bits_l.append(b)
+            qrow_l.append(q0 + j * words)
+            grp_l.append(g)
+    K = groups.K
+    if K > MAX_K:
+        raise ValueError(f"K = {K} rows exceeds the format limit {MAX_K}")
+    blk_bits = np.asarray(bits_l, dtype=np.int64)
+    seg = np.zeros(2 * _N_SLOTS, dtype=np.int64)
+    for i, b in enumerate(_SLOT_BITS):
+        idx = np.flatnonzero(blk_bits == b) if b else np.zeros(0, np.int64)
+        if idx.size:
+            if idx[-1] - idx[0] + 1 != idx.size:
+                raise ValueError(f"the {b}-bit groups are not contiguous (blocks {idx[0]}..{idx[-1]} hold "
+                                 f"{idx.size} {b}-bit blocks); tiers must be contiguous")
+            seg[2 * i], seg[2 * i + 1] = idx[0], idx[-1] + 1
+    perm = None
+    if q_invperm is not None:
+        p = _host_perm(q_invperm, K)
+        if not np.array_equal(p, np.arange(K)):
+            perm = torch.from_numpy(p.astype(np.int32)).to(device)
+
+    def dev(a):
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
+
+    return Exl2Tables(K=K, Q=groups.Q, G=groups.G, blk_bits=dev(blk_bits), blk_qrow=dev(qrow_l),
+                      blk_group=dev(grp_l), segments=dev(seg), q_perm=perm, device=device)
+
+
+def _groups_of(q_groups, Q: int) -> GroupTable:
+    if isinstance(q_groups, GroupTable):
+        if q_groups.Q != Q:
+            raise ValueError(f"the groups need {q_groups.Q} q_weight rows; q_weight has {Q}")
+        return q_groups
+    qg = q_groups.detach().cpu().numpy() if isinstance(q_groups, torch.Tensor) else np.asarray(q_groups)
+    try:
+        return decode_q_groups(qg, Q)
+    except Exception as e:  # Exl2Error: report as the wrapper's ValueError
+        raise ValueError(f"q_groups: {e}") from None
+
+
+def _check_layer(q_weight, q_scale, q_scale_max, tables: Exl2Tables, out_features, bias, device) -> int:
+    """Check the packed tensors against the tables; return N (out_features).  Raises ValueError."""
+    for name, t, dt, nd in (("q_weight", q_weight, torch.int32, 2), ("q_scale", q_scale, torch.int32, 2),
+                            ("q_scale_max", q_scale_max, torch.float16, 1)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dt or t.dim() != nd:
+            raise ValueError(f"{name} must be {dt} with {nd} dims, got {t.dtype} with shape {list(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}; expected {device}")
+    Q, n_pad = q_weight.shape
+    if n_pad <= 0 or n_pad % N_PAD_MULTIPLE:
+        raise ValueError(f"q_weight has {n_pad} columns; N_pad must be a positive multiple of {N_PAD_MULTIPLE}")
+    if Q != tables.Q:
+        raise ValueError(f"q_weight has {Q} rows; the groups need {tables.Q}")
+    if q_weight.stride(1) != 1 or q_scale.stride(1) != 1:
+        raise ValueError(f"q_weight and q_scale need unit column stride, got strides {q_weight.stride()} and "
+                         f"{q_scale.stride()}")
+    if tuple(q_scale.shape) != (tables.G, n_pad // _CODES_PER_WORD):
+        raise ValueError(f"q_scale has shape {list(q_scale.shape)}; expected [{tables.G}, {n_pad // _CODES_PER_WORD}]")
+    if tuple(q_scale_max.shape) != (tables.G,):
+        raise ValueError(f"q_scale_max has shape {list(q_scale_max.shape)}; expected [{tables.G}]")
+    if not q_scale_max.is_contiguous():
+        raise ValueError("q_scale_max must be contiguous")
+    if tables.device != device:
+        raise ValueError(f"the launch tables are on {tables.device}; expected {device}")
+    N = n_pad if out_features is None else int(out_features)
+    if not (n_pad - N_PAD_MULTIPLE < N <= n_pad):
+        raise ValueError(f"out_features = {N} does not pad to N_pad = {n_pad} (need {n_pad - N_PAD_MULTIPLE} < N "
+                         f"<= {n_pad})")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dim() != 1:
+            raise ValueError(f"bias must be a 1-D torch.Tensor, got {getattr(bias, 'shape', type(bias).__name__)}")
+        if bias.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"bias must be float16, bfloat16 or float32, got {bias.dtype}")
+        if bias.shape[0] not in (N, n_pad):
+            raise ValueError(f"bias has {bias.shape[0]} entries; expected N = {N} or N_pad = {n_pad}")
+        if bias.device != device or bias.stride(0) != 1:
+            raise ValueError(f"bias must be a contiguous tensor on {device}, got {bias.device}, stride {bias.stride()}")
+    return N
+
+
+def _check_device(device: torch.device) -> None:
+    if device.type == "cpu" and not _INTERPRETED:
+        raise ValueError("CPU tensors need Triton's interpreter: load the kernels with "
+                         "exl2fmt.kernels.load_triton('cpu') (sets TRITON_INTERPRET=1) in a fresh process")
+    if device.type != "cpu" and _INTERPRETED:
+        raise ValueError(f"tensors are on {device} but the kernels were loaded in interpreter mode (CPU only)")
+
+
+def _tables_for(q_weight, q_groups, q_invperm, tables):
+    if tables is not None:
+        return tables
+    if q_groups is None:
+        raise ValueError("pass q_groups (int16 [2G] or a GroupTable) or prepared tables=")
+    groups = _groups_of(q_groups, int(q_weight.shape[0]))
+    return build_tables(groups, q_invperm, q_weight.device)
+
+
+def exl2_dequantize(q_weight: torch.Tensor, q_scale: torch.Tensor, q_scale_max: torch.Tensor, q_groups=None,
+                    q_invperm=None, *, out_features: int | None = None, unpermute: bool = False,
+                    dtype: torch.dtype = torch.float16, tables: Exl2Tables | None = None,
+                    block_n: int | None = None, blocks_per_prog: int | None = None) -> torch.Tensor:
+    """Dequantize an EXL2 layer on the device.
+
+    q_weight     int32 [Q, N_pad], unit column stride (row stride free)
+    q_scale      int32 [G, N_pad/8], unit column stride
+    q_scale_max  float16 [G], contiguous
+    q_groups     int16 [2G] (tensor or array, read on the host) or a ``GroupTable``; unused with ``tables=``
+    q_invperm    integer [K] (int16 read as uint16), read on the host; None = identity; ignored with ``tables=``
+    out_features N (default N_pad); only the un-permuted output drops the padding columns
+    unpermute    False: W_stored float [K, N_pad], row k = stored row k (equals ``dequantize_stored`` bit for bit);
+                 True: W float [K, N], row j = original input feature j, i.e. ``dequantize(...).T``
+    dtype        torch.float16 (exact) or torch.bfloat16 (each fp16 weight rounded once to bf16)
+    Returns a new contiguous tensor on q_weight's device.  Raises ValueError for inconsistent inputs.
+    """
+    device = q_weight.device
+    _check_device(device)
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    tables = _tables_for(q_weight, q_groups, q_invperm, tables)
+    N = _check_layer(q_weight, q_scale, q_scale_max, tables, out_features, None, device)
+    n_pad = q_weight.shape[1]
+    n_out = N if unpermute else n_pad
+    out = torch.empty((tables.K, n_out), dtype=dtype, device=device)
+    _launch_dequant(q_weight, q_scale, q_scale_max, tables, out, unpermute, block_n, blocks_per_prog)
+    return out
+
+
+def _launch_dequant(q_weight, q_scale, q_scale_max, tables: Exl2Tables, out: torch.Tensor, unpermute: bool,
+                    block_n: int | None = None, blocks_per_prog: int | None = None) -> None:
+    """Write W [K, n_out] into ``out`` (any strides; a transposed view gives W^T storage, contiguous along K).
+    Row k = stored row k, or original feature q_perm[k] when ``unpermute``."""
+    K, n_out = out.shape
+    if K == 0 or n_out == 0:
+        return
+    _, bn, nw = launch_config("dequant", 0)
+    bn = block_n or bn
+    bpp = blocks_per_prog or 4
+    perm = tables.q_perm if (unpermute and tables.q_perm is not None) else tables.blk_bits  # dummy when unused
+    grid = (triton.cdiv(tables.KB, bpp), triton.cdiv(n_out, bn))
+    _dequant_kernel[grid](
+        q_weight, q_weight.stride(0), q_scale, q_scale.stride(0), q_scale_max,
+        tables.blk_qrow, tables.blk_group, tables.segments, perm, out, out.stride(0), out.stride(1), n_out,
+        tables.KB, **_SLOTS, BLOCKS_PER_PROG=bpp, BLOCK_N=bn, ROWS=_ROWS, LOG_ROWS=_LOG_ROWS,
+        UNPERMUTE=bool(unpermute and tables.q_perm is not None), OUT_BF16=out.dtype == torch.bfloat16,
+        num_warps=nw, **_LAYOUT_CONSTS)
+
+
+def choose_path(M: int) -> str:
+    """Default path for M rows of x: "gemv" (M <= GEMV_MAX_M), "dot" (M <= DOT_MAX_M) or "dense"."""
+    if M <= GEMV_MAX_M:
+        return "gemv"
+    if M <= DOT_MAX_M:
+        return "dot"
+    return "dense"
+
+
+def launch_config(path: str, M: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) the wrapper uses for ``path`` and M rows of x.
+
+    The tensor-core and dequantize kernels keep a block's rows in registers per column, so BLOCK_N must be at
+    least 32 * num_warps; more columns per thread amortise the per-block work (SASS of sm_90 builds: about 6
+    instructions per weight with 2 columns per thread, 9-10 with 1).  Under the interpreter the blocks are
+    small, to keep the CPU tests fast."""
+    if path == "dot":
+        bm = 16 if M <= 16 else 32 if M <= 32 else 64
+        bn = 64 if _INTERPRETED else (256 if bm <= 32 else 128)
+        return bm, bn, 4
+    if path == "gemv":
+        bm = min(16, triton.next_power_of_2(M))
+        return bm, 64 if _INTERPRETED else max(64, 512 // bm), 4
+    if path == "dequant":
+        return 0, 64 if _INTERPRETED else 128, 4
+    raise ValueError(f"no launch configuration for path {path!r}")
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def _split_for(KB: int, programs: int, device: torch.device, split_k: int | None) -> tuple[int, int]:
+    """(split count, blocks per split).  Heuristic: about 4 programs per SM, each with >= 4 blocks of K."""
+    if split_k is None:
+        if device.type == "cuda":
+            want = max(1, (4 * _sm_count(device)) // max(programs, 1))
+            split_k = max(1, min(want, KB // 4))
+        else:
+            split_k = 1
+    split_k = max(1, min(int(split_k), max(KB, 1)))
+    per = triton.cdiv(KB, split_k)
+    return triton.cdiv(KB, per), per
+
+
+def exl2_matmul(x: torch.Tensor, q_weight: torch.Tensor, q_scale: torch.Tensor, q_scale_max: torch.Tensor,
+                q_groups=None, q_invperm=None, out_features: int | None = None, bias: torch.Tensor | None = None,
+                *, tables: Exl2Tables | None = None, path: str | None = None, split_k: int | None = None,
+                block_n: int | None = None, block_m: int | None = None,
+                num_warps: int | None = None) -> torch.Tensor:
+    """y = x @ W (+ bias) straight from the packed EXL2 tensors, W the layer's [K, N] weight (``nn.Linear``
+    weight transposed, act-order undone).
+
+    x            float16 or bfloat16 [..., K] (any strides); leading dims are flattened to M rows
+    q_weight     int32 [Q, N_pad], unit column stride
+    q_scale      int32 [G, N_pad/8], unit column stride
+    q_scale_max  float16 [G], contiguous
+    q_groups     int16 [2G] (tensor or array, read on the host) or a ``GroupTable``; ignored with ``tables=``
+    q_invperm    integer [K] (int16 read as uint16; tensor or array, read on the host); None = identity;
+                 ignored with ``tables=``
+    out_features N with N_pad - 32 < N <= N_pad (default N_pad)
+    bias         float16 / bfloat16 / float32 [N] or [N_pad], contiguous, same device; added in fp32
+    tables       ``build_tables(...)`` result, to skip the host work (what ``Exl2KernelLinear`` does)
+    path         "gemv", "dot", "dense" or None (``choose_path(M)``); split_k / block_n / block_m / num_warps:
+                 tuning overrides (None = heuristics)
+    Returns y [..., N] in x's dtype, fp32 accumulation.  Raises ValueError with the offending numbers.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be float16 or bfloat16, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension [..., K]")
+    device = x.device
+    _check_device(device)
+    tables = _tables_for(q_weight, q_groups, q_invperm, tables)
+    N = _check_layer(q_weight, q_scale, q_scale_max, tables, out_features, bias, device)
+    K = tables.K
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} features (shape {list(x.shape)}); the layer has K = {K}")
+    lead = tuple(x.shape[:-1])
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=device)
+    if M == 0:
+        return out.reshape(*lead, N)
+    path = path or choose_path(M)
+    if path not in ("gemv", "dot", "dense"):
+        raise ValueError(f"path must be 'gemv', 'dot' or 'dense', got {path!r}")
+    has_perm = tables.q_perm is not None
+    perm = tables.q_perm if has_perm else tables.blk_bits  # dummy pointer when unused
+    bias_arg = bias if bias is not None else out
+
+    if path == "dense":
+        # W in stored row order, held transposed (W^T [N, K], contiguous along K: the dequantize kernel's stores
+        # vectorise) and x gathered into stored order: y = x[:, q_perm] @ W_stored[:, :N]
+        wt = torch.empty((N, K), dtype=x.dtype, device=device)
+        _launch_dequant(q_weight, q_scale, q_scale_max, tables, wt.t(), False)
+        xs = x2
+        if has_perm:
+            xs = torch.empty((M, K), dtype=x.dtype, device=device)
+            _prep_kernel[(triton.cdiv(M * K, 1024),)](x2, x2.stride(0), x2.stride(1), perm, xs, xs, K, M * K, 0,
+                                                     BLOCK=1024, HAS_PERM=True, ZERO_WS=False, num_warps=4)
+        if bias is not None:
+            torch.addmm(bias[:N].to(x.dtype), xs, wt.t(), out=out)
+        else:
+            torch.matmul(xs, wt.t(), out=out)
+        return out.reshape(*lead, N)
+
+    use_dot = path == "dot"
+    bm, bn, nw = launch_config(path, M)
+    bm, bn, nw = block_m or bm, block_n or bn, num_warps or nw
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
+    splits, per = _split_for(tables.KB, grid[0] * grid[1], device, split_k)
+    ws = torch.empty((M, N), dtype=torch.float32, device=device) if splits > 1 else out
+    # One launch gathers x into stored row order (act-order; M x K elements, small next to the weights) in the
+    # kernel's dtype and zeroes the K-split workspace.
+    xs = torch.empty((M, K), dtype=x.dtype if use_dot else torch.float32, device=device)
+    pb = 1024
+    _prep_kernel[(triton.cdiv(max(M * K, M * N if splits > 1 else 0), pb),)](
+        x2, x2.stride(0), x2.stride(1), perm, xs, ws, K, M * K, M * N, BLOCK=pb, HAS_PERM=has_perm,
+        ZERO_WS=splits > 1, num_warps=4)
+    _matmul_kernel[grid + (splits,)](
+        xs, xs.stride(0), q_weight, q_weight.stride(0), q_scale, q_scale.stride(0), q_scale_max,
+        tables.blk_qrow, tables.blk_group, tables.segments, bias_arg, out, out.stride(0), out.stride(1),
+        ws, M, N, tables.KB, per, **_SLOTS, BLOCK_M=bm, BLOCK_N=bn, ROWS=_ROWS, USE_DOT=use_dot,
+        HAS_BIAS=bias is not None, ATOMIC=splits > 1, OUT_BF16=x.dtype == torch.bfloat16,
+        num_warps=nw, **_LAYOUT_CONSTS)
+    if splits > 1:
+        blk = 1024
+        _finalize_kernel[(triton.cdiv(M * N, blk),)](ws, bias_arg, out, out.stride(0), out.stride(1), N, M * N,
+                                                     BLOCK=blk, HAS_BIAS=bias is not None,
+                                                     OUT_BF16=x.dtype == torch.bfloat16, num_warps=4)
+    return out.reshape(*lead, N)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layer objects
+# ---------------------------------------------------------------------------------------------------
+
+
+class Exl2KernelLinear:
+    """One EXL2 layer on a device, ready for the kernels: the packed tensors as torch tensors plus the launch
+    tables (built once).  ``layer(x)`` = ``exl2_matmul``; ``layer.dequantize()`` = the [K, N] weight."""
+
+    def __init__(self, q_weight: torch.Tensor, q_scale: torch.Tensor, q_scale_max: torch.Tensor, q_groups,
+                 q_invperm=None, out_features: int | None = None, bias: torch.Tensor | None = None):
+        device = q_weight.device
+        self.tables = _tables_for(q_weight, q_groups, q_invperm, None)
+        self.out_features = _check_layer(q_weight, q_scale, q_scale_max, self.tables, out_features, bias, device)
+        self.q_weight, self.q_scale, self.q_scale_max, self.bias = q_weight, q_scale, q_scale_max, bias
+        self.in_features = self.tables.K
+        self.device = device
+
+    @classmethod
+    def from_layer(cls, layer: Any, device: torch.device | str | None = None) -> "Exl2KernelLinear":
+        """From an ``exl2fmt.layers.Exl2Linear`` (NumPy arrays or memory maps).  ``device`` default: cuda when
+        available, else cpu (interpreter)."""
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() and not _INTERPRETED else "cpu"
+        device = torch.device(device)
+        layer.raise_if_invalid(deep=False)
+        t = layer.tensors
+
+        def dev(name):  # a private copy: the arrays may be read-only memory maps
+            return torch.from_numpy(np.array(np.asarray(t[name]), copy=True, order="C")).to(device)
+
+        bias = None
+        if "bias" in t:
+            bias = dev("bias")
+        inv = np.asarray(t["q_invperm"])
+        if layer.dtypes.get("q_invperm") == "I16":
+            inv = inv.view(np.uint16)
+        return cls(dev("q_weight"), dev("q_scale"), dev("q_scale_max"), layer.groups, inv,
+                   out_features=layer.out_features, bias=bias)
+
+    def __call__(self, x: torch.Tensor, **kw) -> torch.Tensor:
+        return exl2_matmul(x, self.q_weight, self.q_scale, self.q_scale_max, out_features=self.out_features,
+                           bias=self.bias, tables=self.tables, **kw)
+
+    forward = __call__
+
+    def dequantize(self, unpermute: bool = True, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        """unpermute: W [K, N] (= ``Exl2Linear.dequantize().T``); else W_stored [K, N_pad]."""
+        return exl2_dequantize(self.q_weight, self.q_scale, self.q_scale_max, tables=self.tables,
+                               out_features=self.out_features, unpermute=unpermute, dtype=dtype)
+
+
+_PREPARED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def exl2_linear(x: torch.Tensor, layer: Any, **kw) -> torch.Tensor:
+    """y = x @ W (+ bias) for an ``exl2fmt.layers.Exl2Linear``; its tensors are moved to x's device once
+    (cached per layer object and device)."""
+    per = _PREPARED.setdefault(layer, {})
+    key = str(x.device)
+    if key not in per:
+        per[key] = Exl2KernelLinear.from_layer(layer, x.device)
+    return per[key](x, **kw)
+
+
+def check_layer(layer: Any, device: torch.device | str | None = None, ms: tuple[int, ...] = (1, 16),
+                paths: tuple[str, ...] | None = None, seed: int = 0) -> dict:
+    """Run one ``exl2fmt.layers.Exl2Linear`` through the kernels on random inputs and compare with the reference
+    (what ``exl2fmt validate --kernel`` reports per layer).
+
+    Returns {"dequant_exact": bool (the kernel's W [K, N] equals ``layer.dequantize().T`` bit for bit),
+    "results": [{"path", "M", "max_rel_err", "within_bound"}]}, where max_rel_err = max |y - y_ref| / max |y_ref|
+    over the outputs, y_ref = x @ W_ref (+ bias) in float64, and within_bound says whether every output lies
+    within u_out * |y_ref| + 2 (K + 1) 2^-24 (|x| @ |W_ref| + |bias|) (fp32 accumulation of exact products, one
+    rounding to fp16).  x is fp16 with unit-normal entries.  ``paths`` default: ``choose_path`` for each M.
+    """
+    lin = Exl2KernelLinear.from_layer(layer, device)
+    w_ref = np.asarray(layer.dequantize(), dtype=np.float16)  # [N, K] Numba reference
+    got = lin.dequantize(unpermute=True).cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+    exact = bool(np.array_equal(got, np.ascontiguousarray(w_ref.T).view(np.uint16)))
+    W = w_ref.T.astype(np.float64)
+    b = layer.bias()
+    b64 = None if b is None else np.asarray(b, dtype=np.float64)
+    gen = torch.Generator().manual_seed(seed)
+    results = []
+    for M in ms:
+        x = torch.randn(M, lin.in_features, generator=gen).half()
+        xd = x.double().numpy()
+        ref = xd @ W
+        A = np.abs(xd) @ np.abs(W)
+        if b64 is not None:
+            ref = ref + b64[None, :]
+            A = A + np.abs(b64)[None, :]
+        tol = 2.0 ** -11 * np.abs(ref) * (1 + 2.0 ** -10) + 2 * (lin.in_features + 1) * 2.0 ** -24 * A
+        for path in (paths or (choose_path(M),)):
+            y = lin(x.to(lin.device), path=path).double().cpu().numpy()
+            err = np.abs(y - ref)
+            results.append({"path": path, "M": M, "max_rel_err": float(err.max() / max(np.abs(ref).max(), 1e-300)),
+                            "within_bound": bool((err <= tol).all())})
+    return {"dequant_exact": exact, "results": results}
