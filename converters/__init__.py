@@ -1,20 +1,42 @@
 """Converters between weight formats (``exl2fmt.converters``).
 
-A converter is registered for one (source format, target format) pair with ``@register``; ``get`` looks a
-pair up and, for an unknown pair, raises ``Exl2Error(USAGE)`` listing the pairs that exist.  Registration of
-the same pair twice is a programming error and raises at import time.  No dynamic plugin loading.
+A converter is registered for one (source format, target) pair with ``@register``; ``get`` looks a pair up
+and, for an unknown pair, raises ``Exl2Error(USAGE)`` listing the pairs that exist.  Registration of the same
+pair twice is a programming error and raises at import time.  No dynamic plugin loading.
 
-The converters themselves (EXL2 -> FP16/BF16, EXL2 <-> GPTQ, FP16 -> EXL2 ...) land in this package module by
-module; this file holds only the registry they share.
+Source formats are detected from the model (``exl2fmt.detect``): ``exl2``, ``gptq`` or ``dense``.  Targets are
+``fp16``, ``bf16``, ``gptq`` and ``exl2``.  Registered pairs:
+
+=================  =========================================================================================
+``exl2 -> fp16``   bit-exact dequantization (ExLlamaV2's fp16 reconstruction), N/vocab padding removed
+``exl2 -> bf16``   the fp16 reconstruction rounded to bfloat16 (round to nearest even)
+``gptq -> fp16``   ``fp16(fp16(q - z) * scale)``; 2/3/4/8 bits, v1/v2 zeros, sym/asym, act-order, group -1
+``gptq -> bf16``   the fp16 reconstruction rounded to bfloat16
+``exl2 -> gptq``   exact wherever the math allows (groups of <= target bits embed with their scales), the rest
+                   re-quantized with the best fp16 scale; the EXL2 permutation becomes act-order ``g_idx``
+``gptq -> exl2``   the GPTQ integers kept as far as EXL2's 4-bit scale grid allows; error reported per layer
+``dense -> fp16``  a cast (F16 kept bit for bit; BF16/F32 rounded, out-of-range values reported); ``-> bf16`` too
+=================  =========================================================================================
+
+Library entry point::
+
+    from exl2fmt.converters import convert
+    report = convert("Llama-exl2-4.0bpw", "Llama-fp16", "fp16")
+    print(report.summary_lines())
+
+Every conversion plans, runs and verifies (see ``exl2fmt.converters.base``): SRC is never modified, DST
+appears only complete (temporary sibling + rename), an existing DST is replaced only with ``force``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from ..errors import ErrorCode, Exl2Error
 
-__all__ = ["register", "get", "registered"]
+__all__ = ["register", "get", "registered", "convert", "ConversionReport", "LayerReport", "TARGETS",
+           "DEFAULT_SHARD_SIZE"]
 
 _REGISTRY: dict[tuple[str, str], Callable] = {}
 
@@ -32,13 +54,118 @@ def register(source: str, target: str) -> Callable[[Callable], Callable]:
     return deco
 
 
+def _load() -> None:
+    """Import the converter modules (they register themselves).  Deferred so that importing this package, or
+    ``exl2fmt.converters.cli`` for the CLI, costs nothing: numba, the codecs and the converters load on first
+    use."""
+    from . import exl2_to_gptq, gptq_to_exl2, to_dense  # noqa: F401
+
+
 def registered() -> list[tuple[str, str]]:
+    _load()
     return sorted(_REGISTRY)
 
 
 def get(source: str, target: str) -> Callable:
+    _load()
     try:
         return _REGISTRY[(source, target)]
     except KeyError:
         have = ", ".join(f"{s}->{t}" for s, t in registered()) or "none yet"
         raise Exl2Error(ErrorCode.USAGE, f"no converter from {source} to {target}; available: {have}") from None
+
+
+_LAZY = {"ConversionReport": "base", "LayerReport": "base", "TARGETS": "base", "DEFAULT_SHARD_SIZE": "base",
+         "Options": "base"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_ALIASES = {"float16": "fp16", "half": "fp16", "f16": "fp16", "bfloat16": "bf16"}
+_DEFAULT_SHARD_SIZE = 5_000_000_000  # = base.DEFAULT_SHARD_SIZE (kept here so the signature needs no import)
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: bool = False,
+            shard_size: int | str = _DEFAULT_SHARD_SIZE, dtype: str | None = None, bits: int | None = None,
+            group_size: int | None = None, sym: bool | None = None, progress: Progress | None = None,
+            verify: str = "auto", _fail_after: int | None = None) -> "ConversionReport":
+    """Convert the model at ``src`` (a model directory or one ``.safetensors`` file) into a new model
+    directory ``dst`` in format ``to`` (``fp16``, ``bf16``, ``gptq``, ``exl2``).
+
+    ``force``       replace an existing ``dst`` (only after the new one is complete and verified)
+    ``shard_size``  maximum tensor bytes per output shard (int, or text such as ``"5GB"``, ``"2GiB"``)
+    ``dtype``       dtype of the unquantized tensors of a GPTQ/EXL2 output (``fp16``/``bf16``; default: kept)
+    ``bits``        GPTQ target bits (2/3/4/8, default 4) or EXL2 target bits (2/3/4/5/6/8, default: the
+                    source's GPTQ bits)
+    ``group_size``  GPTQ target group size (default: the largest of 128/64/32 that splits every EXL2 group, so
+                    the conversion stays exact; -1 = one group) or EXL2 group size (default: the GPTQ one when
+                    it is a multiple of 32, else 128)
+    ``sym``         GPTQ target symmetric (default True; False writes v1 zeros clamped to >= 1)
+    ``progress``    ``progress(done_bytes, total_bytes, what)``, called per unit written and verified
+    ``verify``      ``auto`` (default): the output is re-read through the reader and the validator, every tensor's
+                    bytes are matched (Fletcher-64 checksum) against what was produced from the source, and the re-packing
+                    conversions (to GPTQ / EXL2) decode every output layer and compare it with the source's
+                    decode; ``full``: every unit is decoded again from SRC and compared element by element
+
+    Returns a ``ConversionReport``; raises ``Exl2Error`` (USAGE for an unknown pair, listing what exists;
+    OUTPUT_EXISTS; the reader's and validator's codes; REFERENCE_MISMATCH if the verify pass finds a claimed
+    exact layer that is not).
+    """
+    from ..container import open_model
+    from ..detect import ModelFormat, detect_model
+    from .base import ConversionReport as Report
+    from .base import check_paths, parse_size, run_conversion
+
+    from .base import TARGETS, VERIFY_MODES, Options
+
+    if verify not in VERIFY_MODES:
+        raise Exl2Error(ErrorCode.USAGE, f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+    target = str(to).strip().lower()
+    target = _ALIASES.get(target, target)
+    if target not in TARGETS:
+        raise Exl2Error(ErrorCode.USAGE, f"unknown target {to!r}; expected one of {', '.join(TARGETS)}")
+    size = parse_size(shard_size)
+    if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int)):
+        raise Exl2Error(ErrorCode.USAGE, f"bits must be an integer, got {bits!r}")
+    if dtype is not None:
+        d = _ALIASES.get(str(dtype).lower(), str(dtype).lower())
+        if d not in ("fp16", "bf16"):
+            raise Exl2Error(ErrorCode.USAGE, f"dtype must be fp16 or bf16, got {dtype!r}")
+        dtype = d
+    model = open_model(src)
+    try:
+        check_paths(_path(src), _path(dst), force)
+        config = model.config
+        det = detect_model(model.tensors, config, root=model.root)
+        fatal = [i for i in det.issues if i.code is ErrorCode.FORMAT_AMBIGUOUS]
+        if fatal:
+            raise fatal[0].to_error()
+        fmt = det.format
+        if fmt is ModelFormat.UNKNOWN:
+            raise Exl2Error(ErrorCode.FORMAT_UNKNOWN, "no linear layer of a known format found", file=str(src))
+        cls = get(fmt.value, target)
+    except BaseException:
+        model.close()
+        raise
+    opts = Options(target=target, shard_size=size, dtype=dtype, bits=bits, group_size=group_size, sym=sym)
+    report = Report(source=str(src), destination=str(dst), source_format=fmt.value, target=target,
+                    options={"shard_size": size, "dtype": dtype, "bits": bits, "group_size": group_size, "sym": sym,
+                             "force": force, "verify": verify})
+    for i in det.issues:
+        report.warnings.append(f"detect: [{i.code.value}] {i.message}")
+    return run_conversion(cls, src, dst, opts, force=force, progress=progress, model=model, detection=det,
+                          report=report, verify=verify, _fail_after=_fail_after)
+
+
+def _path(p):
+    from pathlib import Path
+
+    return Path(os.fspath(p))

@@ -27,7 +27,7 @@ EXIT_CODES_HELP = (
 
 app = typer.Typer(
     name="exl2fmt",
-    help="Reference toolkit for the EXL2 quantized-LLM format: inspect, validate, dequantize.",
+    help="Reference toolkit for the EXL2 quantized-LLM format: inspect, validate, dequantize, convert.",
     epilog=EXIT_CODES_HELP,
     add_completion=False,
     no_args_is_help=True,
@@ -54,7 +54,7 @@ def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of internal errors "
                                         "(also EXL2FMT_DEBUG=1).")] = False,
 ) -> None:
-    """Reference toolkit for the EXL2 quantized-LLM format: inspect, validate, dequantize."""
+    """Reference toolkit for the EXL2 quantized-LLM format: inspect, validate, dequantize, convert."""
     _STATE["debug"] = debug
 
 
@@ -322,6 +322,14 @@ def demo(
         return EXIT_OK if ok else EXIT_INVALID
 
     _run(out, body)
+
+
+# ------------------------------------------------------------------------------------------------ convert
+
+# The converters own their command (exl2fmt.converters.cli); importing it loads neither numpy nor numba.
+from ..converters.cli import convert_command  # noqa: E402
+
+app.command("convert", epilog=EXIT_CODES_HELP)(convert_command)
 
 
 # ------------------------------------------------------------------------------------------------ entry

@@ -1,0 +1,154 @@
+"""``exl2fmt convert``: the command-line face of ``exl2fmt.converters.convert``.
+
+``convert_command`` is a plain typer-compatible function; the CLI registers it with
+``app.command("convert", epilog=...)(convert_command)``.  Imports stay inside the function so that
+registering it costs nothing at CLI start-up.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Optional
+
+import typer
+
+__all__ = ["convert_command", "Target"]
+
+
+class Target(str, enum.Enum):
+    fp16 = "fp16"
+    bf16 = "bf16"
+    gptq = "gptq"
+    exl2 = "exl2"
+
+
+class VerifyMode(str, enum.Enum):
+    auto = "auto"
+    full = "full"
+
+
+class PlainDtype(str, enum.Enum):
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+def convert_command(
+    src: Annotated[str, typer.Argument(help="The source model: a model directory (sharded or not) or one "
+                                       ".safetensors file. Never modified.", show_default=False)],
+    dst: Annotated[str, typer.Argument(help="The new model directory. Must not exist (see --force) and must lie "
+                                       "outside SRC.", show_default=False)],
+    to: Annotated[Target, typer.Option("--to", "-t", case_sensitive=False, show_default=False,
+                                       help="Target format: fp16 / bf16 (a plain Hugging Face model), gptq, exl2.")],
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing DST (only once the new model is "
+                                        "complete and verified).")] = False,
+    shard_size: Annotated[str, typer.Option("--shard-size", metavar="SIZE", help="Maximum tensor bytes per "
+                                            "output shard: 5GB (10^9), 500MB, 2GiB (2^30) or a byte count. Several "
+                                            "shards are named model-0000i-of-0000N.safetensors with an index.")] = "5GB",
+    bits: Annotated[Optional[int], typer.Option("--bits", show_default=False, help="--to gptq: 2, 3, 4 or 8 "
+                                                "(default 4). --to exl2: 2, 3, 4, 5, 6 or 8 (default: the GPTQ "
+                                                "bits).")] = None,
+    group_size: Annotated[Optional[int], typer.Option("--group-size", show_default=False, help="--to gptq: rows "
+                                                      "per group, -1 = one group (default: the largest of 128/64/32 "
+                                                      "that splits every EXL2 group, so the result stays exact). "
+                                                      "--to exl2: a multiple of 32 (default: the GPTQ group "
+                                                      "size).")] = None,
+    sym: Annotated[Optional[bool], typer.Option("--sym/--asym", show_default=False, help="--to gptq: symmetric "
+                                                "(default; Marlin needs it) or asymmetric (v1 zeros clamped to "
+                                                ">= 1) for re-quantized groups.")] = None,
+    dtype: Annotated[Optional[PlainDtype], typer.Option("--dtype", case_sensitive=False, show_default=False,
+                                                        help="--to gptq / exl2: cast the unquantized tensors "
+                                                        "(embeddings, norms, dense head) to this dtype (default: "
+                                                        "kept as they are).")] = None,
+    verify: Annotated[VerifyMode, typer.Option("--verify", case_sensitive=False, help="auto: re-read the output "
+                                               "through the reader and validator, match every tensor's bytes "
+                                               "against what was produced (checksum), and decode every re-packed "
+                                               "(GPTQ / EXL2) layer against the source. full: also decode every "
+                                               "dequantized layer again from SRC and compare element by "
+                                               "element.")] = VerifyMode.auto,
+    json_: Annotated[bool, typer.Option("--json", help="Print the conversion report as JSON on stdout.")] = False,
+) -> None:
+    """Convert a model between formats: EXL2 -> FP16/BF16, GPTQ -> FP16/BF16, EXL2 -> GPTQ, GPTQ -> EXL2.
+
+    The source format is detected from the tensors. Every conversion plans the whole output first, streams
+    layer by layer (peak memory about one layer), writes into a hidden temporary directory next to DST and
+    renames it at the end (an interrupted run leaves no DST), re-reads the result through the reader and the
+    validator, compares it with the source (bit for bit where the conversion is exact, an error per layer
+    where it is not), and prints a summary. SRC is only read.
+
+    * **EXL2 -> fp16/bf16**: ExLlamaV2's fp16 reconstruction bit for bit (bf16: rounded once), `*.weight`
+      in nn.Linear orientation with the N / vocab padding removed; quantization_config dropped; tokenizer and
+      other files copied (a stale index is not).
+    * **GPTQ -> fp16/bf16**: 2/3/4/8 bits, v1/v2 zeros, sym/asym, act-order g_idx, group size -1.
+    * **EXL2 -> gptq**: exact where the math allows (groups of <= target bits keep their scale, codes
+      shifted; the EXL2 permutation becomes act-order g_idx); wider groups are re-quantized and reported;
+      Marlin compatibility is stated.
+    * **GPTQ -> exl2**: the GPTQ integers kept as far as EXL2's 4-bit scale grid allows; error per layer.
+
+    **Examples**
+
+    * `exl2fmt convert ./Llama-3-8B-exl2-4.0bpw ./Llama-3-8B-fp16 --to fp16`
+    * `exl2fmt convert ./model-exl2 ./model-bf16 --to bf16 --shard-size 2GB`
+    * `exl2fmt convert ./model-exl2 ./model-gptq --to gptq --bits 4`
+    * `exl2fmt convert ./model-exl2 ./model-gptq --to gptq --bits 8 --group-size 32 --force`
+    * `exl2fmt convert ./model-gptq ./model-exl2 --to exl2 --bits 6`
+    * `exl2fmt convert ./model-gptq ./model-fp16 --to fp16 --json > report.json`
+
+    **Exit codes**: 0 converted and verified · 1 the source breaks a rule or the output failed verification ·
+    2 usage error (unknown pair, DST exists without --force, DST inside SRC) · 3 unreadable source ·
+    4 internal error.
+    """
+    from exl2fmt.cli.errors import EXIT_OK, handle_exception
+    from exl2fmt.cli.output import Output
+
+    out = Output("json" if json_ else "human")
+    try:
+        from exl2fmt.converters import convert
+
+        with out.progress(f"convert -> {to.value}") as cb:
+            rep = convert(src, dst, to.value, force=force, shard_size=shard_size, dtype=None if dtype is None else
+                          dtype.value, bits=bits, group_size=group_size, sym=sym, progress=cb, verify=verify.value)
+        _render(out, rep)
+        code = EXIT_OK
+    except typer.Exit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the command's one exception boundary
+        if isinstance(e, SystemExit):
+            raise
+        code = handle_exception(e, out)
+    raise typer.Exit(code or 0)
+
+
+def _fmt_err(x) -> str:
+    return "-" if x is None else ("0" if x == 0 else f"{x:.3e}")
+
+
+def _render(out, rep) -> None:
+    if out.mode == "json":
+        out.json(rep.as_dict())
+        return
+    for w in rep.warnings:
+        out.warn(w)
+    rows = [[l.key, " x ".join(map(str, l.shape)), l.source_plan, l.target_plan,
+             "exact" if l.exact else "lossy", _fmt_err(l.rel_error if not l.exact else 0),
+             _fmt_err(l.max_abs_error if not l.exact else 0), "yes" if l.verified else "no"]
+            for l in rep.layers]
+    out.table(f"{rep.source_format} -> {rep.target}: layers", ["layer", "out x in", "source plan", "target plan",
+                                                                 "result", "rel. error", "max abs error", "verified"],
+              rows)
+    cast = [t for t in rep.tensors if t.source_dtype != t.target_dtype]
+    if cast:
+        out.table("cast tensors", ["tensor", "from", "to", "exact", "max abs error"],
+                  [[t.name, t.source_dtype, t.target_dtype, "yes" if t.exact else "no", _fmt_err(t.max_abs_error)]
+                   for t in cast])
+    for c in rep.config_changes:
+        out.line(f"config.json: {c}")
+    if rep.compatibility:
+        out.line(f"GPTQ consumers: {rep.compatibility.get('summary', '')}")
+        for name, v in rep.compatibility.items():
+            if isinstance(v, dict) and not v.get("compatible", True):
+                out.line(f"  {name}: not compatible ({'; '.join(v['reasons'])})")
+    if rep.files_copied:
+        out.line(f"copied: {', '.join(rep.files_copied)}")
+    out.line(f"wrote {rep.destination}: {', '.join(rep.files_written)}")
+    for line in rep.summary_lines():
+        out.line(line, "bold")

@@ -1,0 +1,358 @@
+"""EXL2 -> GPTQ: exact wherever the formats allow it.
+
+Both formats dequantize a weight as ``fp16(fp16(q - z) * s)`` with an fp16 scale ``s`` per (group, output
+column): EXL2 with ``s = fp16(fp16((c+1)^2) * fp16(q_scale_max / 256))`` and the implicit zero ``z_b =
+2^(b-1)``, GPTQ with a stored fp16 scale and zero point.  So a GPTQ group that lies inside one EXL2 group of
+``b <= bits`` bits embeds it exactly:
+
+* scale: the EXL2 group's fp16 scale ``s[g, n]``, unchanged;
+* codes: ``q_gptq = q_exl2 - z_b + z_t`` with ``z_t = 2^(bits-1)`` (symmetric GPTQ); the range
+  ``[z_t - z_b, z_t + z_b - 1]`` fits in ``[0, 2^bits - 1]``, and ``q_gptq - z_t = q_exl2 - z_b`` exactly;
+* rows: GPTQ groups are cut in EXL2's *stored* (act-order) row order, ``group_size`` rows each, so that they
+  split the EXL2 groups; qweight rows are written in the ORIGINAL input order and
+  ``g_idx[j] = q_invperm[j] // group_size`` (GPTQ act-order: non-monotonic ``g_idx``, every group
+  ``group_size`` rows).
+
+The default group size is the largest of 128, 64, 32 that divides every EXL2 group boundary (and K) of every
+converted layer, so the default conversion is exact except for groups wider than the target bits.  Those (and
+any GPTQ group that straddles EXL2 groups because of a forced ``--group-size``) are re-quantized from the EXL2
+reconstruction with the best fp16 scale per (group, column) (``gptq_quant.fit_group``), and the layer's error
+against the EXL2 reconstruction is reported.
+
+Layers outside the decoder blocks (``lm_head``) and layers whose N is not a multiple of 32 are written as
+dense fp16 ``weight`` (exact: the EXL2 reconstruction, padding removed); in-block ones are then listed in
+``modules_in_block_to_quantize``.  ``config.json`` gets ``quantization_config`` and ``quantize_config.json`` is
+written (A6); the report says which GPTQ kernels can run the result (A9, A10).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+
+from .. import __version__
+from ..detect import ModelFormat
+from ..errors import ErrorCode, Exl2Error
+from . import register
+from .base import (Converter, LayerReport, OutSpec, SourceReader, Unit, build_layer, error_stats,
+                   layer_issues_or_raise, natural_key)
+from .gptq_quant import fit_group, gptq_layer_tensors
+from .slots import BIAS, G_IDX, GPTQ_BIAS, Q_GROUPS, Q_INVPERM, Q_SCALE, Q_SCALE_MAX, Q_WEIGHT, QWEIGHT, QZEROS, SCALES, WEIGHT
+
+__all__ = ["Exl2ToGptq", "exl2_layer_to_gptq", "auto_group_size"]
+
+GPTQ_TARGET_BITS = (2, 3, 4, 8)
+_AUTO_SIZES = (128, 64, 32)
+
+
+def _exl2_scales(scale_codes: np.ndarray, q_scale_max: np.ndarray) -> np.ndarray:
+    """EXL2 fp16 scales [G, N_pad]: fp16(fp16((c+1)^2) * fp16(q_scale_max * 2^-8)) (ExLlamaV2's rounding)."""
+    m = (np.asarray(q_scale_max, dtype=np.float16).astype(np.float32) * np.float32(1 / 256)).astype(np.float16)
+    c = scale_codes.astype(np.float32) + 1
+    return ((c * c) * m.astype(np.float32)[:, None]).astype(np.float16)
+
+
+def _boundaries(rows: list[int]) -> list[int]:
+    out, acc = [], 0
+    for r in rows:
+        out.append(acc)
+        acc += r
+    return out + [acc]
+
+
+def auto_group_size(layers_rows: list[list[int]]) -> int:
+    """Largest of 128/64/32 dividing every group boundary and K of every layer (32 always does)."""
+    for gs in _AUTO_SIZES:
+        if all(b % gs == 0 for rows in layers_rows for b in _boundaries(rows)):
+            return gs
+    return 32
+
+
+def exl2_layer_to_gptq(layer, N: int, bits: int, group_size: int, sym: bool = True):
+    """Convert one ``Exl2Linear`` to GPTQ arrays.
+
+    Returns (codes uint8 [K, N] original row order, scales float16 [G, N], zeros int32 [G, N], g_idx int32 [K],
+    stats) where stats = {rows_requantized, sq_err, ref_sq, max_abs} measured against the EXL2 reconstruction.
+    """
+    from ..codec.exl2 import dequantize_stored
+
+    gt = layer.groups
+    K = gt.K
+    gs = K if group_size == -1 else group_size
+    t = layer.tensors
+    codes_s = layer.codes()[:, :N]                                   # [K, N] stored order
+    s_exl2 = _exl2_scales(layer.scale_codes(), np.asarray(t[Q_SCALE_MAX]))[:, :N]
+    z_t = 1 << (bits - 1)
+    G = -(-K // gs)
+    codes = np.empty((K, N), dtype=np.uint8)
+    scales = np.empty((G, N), dtype=np.float16)
+    zeros = np.full((G, N), z_t, dtype=np.int32)
+    row_group = np.repeat(np.arange(gt.G), gt.rows)                  # EXL2 group of each stored row
+    w_stored = None
+    stats = {"rows_requantized": 0, "sq_err": 0.0, "max_abs": 0.0}
+    for h in range(G):
+        r0, r1 = h * gs, min((h + 1) * gs, K)
+        g0, g1 = int(row_group[r0]), int(row_group[r1 - 1])
+        b = int(gt.bits[g0])
+        if g0 == g1 and b <= bits:
+            codes[r0:r1] = (codes_s[r0:r1].astype(np.int32) - (1 << (b - 1)) + z_t).astype(np.uint8)
+            scales[h] = s_exl2[g0]
+            continue
+        if w_stored is None:
+            w_stored = dequantize_stored(np.asarray(t[Q_WEIGHT]), np.asarray(t[Q_SCALE]),
+                                         np.asarray(t[Q_SCALE_MAX]), gt)[:, :N].astype(np.float32)
+        x = w_stored[r0:r1]
+        extra = []
+        if g0 == g1:  # the coarser lattice of the same group: s * 2^(b - bits) keeps every other level
+            with np.errstate(over="ignore"):
+                extra.append(s_exl2[g0].astype(np.float32) * np.float32(2 ** (b - bits)))
+        c, s, z = fit_group(x, bits, sym, extra)
+        codes[r0:r1], scales[h], zeros[h] = c, s, z
+        rec = ((c.astype(np.float32) - z[None, :]) * s.astype(np.float32)[None, :]).astype(np.float16).astype(np.float32)
+        d = rec - x
+        stats["rows_requantized"] += r1 - r0
+        stats["sq_err"] += float(np.sum(d.astype(np.float64) ** 2))
+        stats["max_abs"] = max(stats["max_abs"], float(np.max(np.abs(d))) if d.size else 0.0)
+    inv = layer._perm(Q_INVPERM)                                    # stored row of original row j
+    return codes[inv], scales, zeros, (inv // gs).astype(np.int32), stats
+
+
+class Exl2ToGptq(Converter):
+    source, target = "exl2", "gptq"
+
+    def plan(self) -> list[Unit]:
+        from ..inspect import block_of
+
+        o = self.options
+        bits = 4 if o.bits is None else o.bits
+        if bits not in GPTQ_TARGET_BITS:
+            raise Exl2Error(ErrorCode.USAGE, f"GPTQ bits must be one of {GPTQ_TARGET_BITS}, got {bits}")
+        self.bits = bits
+        self.sym = True if o.sym is None else bool(o.sym)
+        if o.dtype is not None and o.dtype not in ("fp16", "bf16"):  # pragma: no cover - convert() checks
+            raise Exl2Error(ErrorCode.USAGE, f"dtype {o.dtype!r}")
+        self.plain_dtype = {"fp16": "F16", "bf16": "BF16", None: None}[o.dtype]
+        units: list[Unit] = []
+        gptq_infos, dense_infos = [], []
+        for key, info in self.detection.layers.items():
+            if info.format is ModelFormat.EXL2:
+                n = self._true_n(info)
+                if block_of(key) is not None and n % 32 == 0 and info.in_features % 32 == 0:
+                    gptq_infos.append((info, n))
+                else:
+                    dense_infos.append((info, n))
+            elif info.format is not ModelFormat.DENSE:
+                raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layer in an EXL2 model",
+                                tensor=key)
+        if o.group_size is None:
+            rows = []
+            for info, _ in gptq_infos:
+                from ..groups import decode_q_groups
+
+                qg = self.reader.read(info.slots[Q_GROUPS].name)
+                rows.append(decode_q_groups(qg, info.slots[Q_WEIGHT].shape[0], tensor=info.key).rows.tolist())
+            self.group_size = auto_group_size(rows) if rows else 128
+        else:
+            gs = int(o.group_size)
+            if gs != -1 and gs <= 0:
+                raise Exl2Error(ErrorCode.USAGE, f"group size must be positive or -1, got {gs}")
+            self.group_size = gs
+        self.act_order = False
+        self.dense_in_block: list[str] = []
+        for info, n in gptq_infos:
+            units.append(self._gptq_unit(info, n))
+        for info, n in dense_infos:
+            units.append(self._dense_unit(info, n))
+            if block_of(info.key) is not None:
+                self.dense_in_block.append(info.key)
+                self.report.warnings.append(f"{info.key}: N = {n} is not a multiple of 32: written as a dense "
+                                            "fp16 layer")
+        handled = {info.key for info, _ in gptq_infos + dense_infos}
+        units += [self.cast_unit(nm, self.plain_dtype) for nm in self.plain_tensor_names(handled)]
+        units.sort(key=lambda u: (u.key.startswith("lm_head"), natural_key(u.key)))
+        return units
+
+    def _true_n(self, info) -> int:
+        from ..arch import expected_features
+        from ..layout import pad32
+
+        n = expected_features(self.config, info.key)[1]
+        return n if n is not None and pad32(n) == info.out_features else info.out_features
+
+    # ---------------------------------------------------------------------------------------------------
+    def _gptq_unit(self, info, N: int) -> Unit:
+        key, K, bits, gs = info.key, info.in_features, self.bits, self.group_size
+        G = 1 if gs == -1 else -(-K // gs)
+        outs = [OutSpec(f"{key}.{QWEIGHT}", "I32", (K * bits // 32, N)),
+                OutSpec(f"{key}.{QZEROS}", "I32", (G, N * bits // 32)),
+                OutSpec(f"{key}.{SCALES}", "F16", (G, N)),
+                OutSpec(f"{key}.{G_IDX}", "I32", (K,))]
+        if info.has_bias:
+            outs.append(OutSpec(f"{key}.{GPTQ_BIAS}", "F16", (N,)))
+        rep = LayerReport(key, "exl2", "gptq", (N, K))
+        self.report.layers.append(rep)
+        reader, config, report, sym = self.reader, self.config, self.report, self.sym
+
+        def produce():
+            layer = build_layer(reader, info, config)
+            layer_issues_or_raise(layer, report)
+            rep.source_plan = layer.plan()
+            codes, scales, zeros, g_idx, st = exl2_layer_to_gptq(layer, N, bits, gs, sym)
+            trivial = np.array_equal(g_idx, np.arange(K) // (K if gs == -1 else gs))
+            self.act_order = self.act_order or not trivial
+            rep.target_plan = f"1:{bits}b_{'all' if gs == -1 else gs}g" + ("" if trivial else " act-order")
+            rep.rows_requantized = st["rows_requantized"]
+            if st["rows_requantized"]:
+                ref = layer.dequantize()
+                ref_sq = float(np.sum(ref.astype(np.float64) ** 2))
+                rep.exact = st["sq_err"] == 0.0
+                rep.rel_error = (st["sq_err"] / ref_sq) ** 0.5 if ref_sq > 0 else (0.0 if st["sq_err"] == 0 else
+                                                                                   float("inf"))
+                rep.max_abs_error = st["max_abs"]
+                wide = sorted({int(b) for b in layer.groups.bits if b > bits})
+                rep.notes.append(f"{st['rows_requantized']} of {K} input rows re-quantized to {bits} bits"
+                                 + (f" (EXL2 groups of {', '.join(map(str, wide))} bits)" if wide else
+                                    " (GPTQ groups straddle EXL2 groups)"))
+            b = layer.bias()
+            t = gptq_layer_tensors(codes, scales, zeros, g_idx, bits, v2=False, bias=None if b is None else b[:N])
+            return {f"{key}.{slot}": arr for slot, arr in t.items()}
+
+        def verify(dst: SourceReader):
+            from ..layers import layer_from_tensors
+            from ..layout import Format
+
+            t = {s: dst.read(f"{key}.{s}") for s in (QWEIGHT, QZEROS, SCALES, G_IDX)}
+            got_layer = layer_from_tensors(key, t, fmt=Format.GPTQ, bits=bits, v2=False,
+                                           group_size=None if gs == -1 else gs)
+            issues = [i for i in got_layer.validate(deep=True) if i.severity.value == "error"]
+            if issues:
+                raise issues[0].to_error()
+            got = got_layer.dequantize()
+            src_layer = build_layer(reader, info, config)
+            ref = src_layer.dequantize()
+            s = error_stats(got, ref)
+            if rep.exact:
+                ok = np.array_equal(got.view(np.uint16), ref.view(np.uint16))
+            else:
+                ok = abs(s["rel_error"] - rep.rel_error) <= 1e-6 * max(1.0, rep.rel_error)
+            if ok and info.has_bias:
+                ok = np.array_equal(dst.read(f"{key}.{GPTQ_BIAS}").view(np.uint16),
+                                    src_layer.bias()[:N].view(np.uint16))
+            rep.verified = ok
+            if not ok:
+                raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, "the GPTQ layer does not decode to what the conversion "
+                                f"claimed (relative error {s['rel_error']:.3e}, claimed {rep.rel_error:.3e})",
+                                tensor=key)
+
+        return Unit(key, outs, produce, verify, rep, full_verify=True)
+
+    def _dense_unit(self, info, N: int) -> Unit:
+        key, K = info.key, info.in_features
+        outs = [OutSpec(f"{key}.{WEIGHT}", "F16", (N, K))]
+        if info.has_bias:
+            outs.append(OutSpec(f"{key}.{BIAS}", "F16", (N,)))
+        rep = LayerReport(key, "exl2", "dense", (N, K), target_plan="f16")
+        self.report.layers.append(rep)
+        reader, config, report = self.reader, self.config, self.report
+
+        def produce():
+            layer = build_layer(reader, info, config)
+            layer_issues_or_raise(layer, report)
+            rep.source_plan = layer.plan()
+            w = layer.dequantize()[:N]
+            out = {f"{key}.{WEIGHT}": np.ascontiguousarray(w)}
+            if info.has_bias:
+                out[f"{key}.{BIAS}"] = layer.bias()[:N]
+            rep.notes.append("kept unquantized: the exact fp16 EXL2 reconstruction")
+            return out
+
+        def verify(dst: SourceReader):
+            ref = build_layer(reader, info, config).dequantize()[:N]
+            ok = np.array_equal(dst.read(f"{key}.{WEIGHT}").view(np.uint16), ref.view(np.uint16))
+            rep.verified = ok
+            if not ok:
+                raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, "the dense head differs from the EXL2 reconstruction",
+                                tensor=key)
+
+        return Unit(key, outs, produce, verify, rep, full_verify=True)
+
+    # ---------------------------------------------------------------------------------------------------
+    def quant_config(self) -> dict:
+        qc = {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size,
+              "desc_act": bool(self.act_order and self.group_size != -1), "sym": self.sym,
+              "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
+              "checkpoint_format": "gptq", "format": "gptq", "lm_head": False,
+              "model_name_or_path": None, "model_file_base_name": "model",
+              "meta": {"quantizer": [f"exl2fmt:{__version__}"], "source_format": "exl2"}}
+        if self.dense_in_block:
+            mods = sorted({k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1]
+                           for key, info in self.detection.layers.items() if info.format is ModelFormat.EXL2
+                           for k in [key] if k not in self.dense_in_block and ".layers." in k})
+            qc["modules_in_block_to_quantize"] = [mods]
+        return qc
+
+    def finish(self) -> None:
+        self.report.quantization_config = self.quant_config()
+        self.report.compatibility = gptq_compatibility(self.bits, self.group_size, self.sym, self.act_order,
+                                                       [l.shape for l in self.report.layers
+                                                        if l.target_format == "gptq"])
+
+    def output_config(self) -> dict | None:
+        cfg = copy.deepcopy(self.config) if self.config is not None else {}
+        cfg["quantization_config"] = self.quant_config()
+        cfg["torch_dtype"] = "float16"
+        if "dtype" in cfg:
+            cfg["dtype"] = "float16"
+        self.report.config_changes += ["quantization_config = gptq " + json.dumps(
+            {k: cfg["quantization_config"][k] for k in ("bits", "group_size", "desc_act", "sym", "checkpoint_format")}),
+            "torch_dtype = float16"]
+        return cfg
+
+    def side_files(self) -> dict[str, str]:
+        qc = {k: v for k, v in self.quant_config().items() if k != "meta"}
+        return {"quantize_config.json": json.dumps(qc, indent=2) + "\n"}
+
+
+def gptq_compatibility(bits: int, group_size: int, sym: bool, act_order: bool, shapes) -> dict:
+    """Which GPTQ consumers can run a checkpoint with these settings (gptq-gguf-formats A9, A10)."""
+    def verdict(reasons):
+        return {"compatible": not reasons, "reasons": reasons}
+
+    bad_nk = [f"{n}x{k}" for n, k in shapes if n % 64 or k % 128]
+    marlin = []
+    if bits not in (4, 8):
+        marlin.append(f"{bits}-bit (Marlin needs 4 or 8)")
+    if not sym:
+        marlin.append("asymmetric (Marlin needs sym)")
+    if group_size not in (-1, 32, 64, 128):
+        marlin.append(f"group size {group_size} (Marlin needs -1, 32, 64 or 128)")
+    if bad_nk:
+        marlin.append(f"layers with N % 64 or K % 128 != 0: {', '.join(sorted(set(bad_nk))[:5])}")
+    if any(group_size != -1 and k % group_size for _, k in shapes):
+        marlin.append("K not a multiple of the group size")
+    old_marlin = list(marlin)
+    if bits != 4:
+        old_marlin.append("original Marlin is 4-bit only")
+    if group_size not in (-1, 128):
+        old_marlin.append("original Marlin needs group size -1 or 128")
+    if act_order and group_size != -1:
+        old_marlin.append("act-order (g_idx) is not supported by the original Marlin")
+    if any(n % 256 for n, _ in shapes):
+        old_marlin.append("original Marlin needs N % 256 == 0")
+    exllama = [] if bits == 4 else [f"{bits}-bit (exllama/exllamav2 GPTQ kernels are 4-bit only)"]
+    llamacpp = [] if bits in (2, 4, 8) else ["3-bit GPTQ is not converted by llama.cpp"]
+    return {
+        "vllm_gptq_marlin": verdict(marlin),
+        "marlin_original_autogptq": verdict(sorted(set(old_marlin), key=old_marlin.index)),
+        "exllama_v1_v2": verdict(exllama),
+        "vllm_gptq_exllama": verdict([]),
+        "autogptq_torch_triton_gptqmodel": verdict([]),
+        "llama_cpp_convert": verdict(llamacpp),
+        "summary": ("Marlin-compatible (vLLM gptq_marlin" + (", act-order sorted at load" if act_order else "") + ")"
+                    if not marlin else "NOT Marlin-compatible: " + "; ".join(marlin)),
+    }
+
+
+register("exl2", "gptq")(Exl2ToGptq)

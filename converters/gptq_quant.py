@@ -1,0 +1,134 @@
+"""GPTQ layer assembly and round-to-nearest fitting (gptq-gguf-formats A1-A5).
+
+Arrays (all C order):
+
+* ``codes``   uint8 [K, N]: code of input row j (ORIGINAL order), output column n, in [0, 2^bits)
+* ``scales``  float16 [G, N]; ``zeros`` int [G, N] (true zero points z, not the stored v1 field z - 1)
+* ``g_idx``   int32 [K]: group of each original input row
+
+Dequantization (what every GPTQ reader computes): ``W[n, j] = fp16(fp16(q[j, n] - z[g, n]) * scales[g, n])``
+with ``g = g_idx[j]``; ``q - z`` is exact in fp16 and the product of two fp16 values is exact in float32, so
+float32 arithmetic followed by one rounding to fp16 gives exactly that value.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .slots import G_IDX, GPTQ_BIAS, QWEIGHT, QZEROS, SCALES
+
+__all__ = ["gptq_layer_tensors", "fit_group", "rtn_quantize", "reconstruct", "trivial_g_idx"]
+
+#: Multipliers of the range-derived scale tried by ``fit_group`` (the best fp16 scale per column wins).
+_GRID = np.linspace(0.55, 1.25, 57, dtype=np.float32)
+
+
+def gptq_layer_tensors(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, g_idx: np.ndarray, bits: int,
+                       *, v2: bool = False, bias: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Pack one GPTQ layer: slot name -> array, dtypes as the layout table writes them (qweight/qzeros I32,
+    scales F16, g_idx I32, bias F16).  K and N must be multiples of 32; v1 needs every zero >= 1."""
+    from ..codec.gptq import fields_from_zeros, pack_qweight, pack_qzeros
+
+    out = {
+        QWEIGHT: pack_qweight(np.ascontiguousarray(codes, dtype=np.uint8), bits),
+        QZEROS: pack_qzeros(fields_from_zeros(zeros, bits, v2), bits),
+        SCALES: np.ascontiguousarray(scales, dtype=np.float16),
+        G_IDX: np.ascontiguousarray(g_idx, dtype=np.int32),
+    }
+    if bias is not None:
+        out[GPTQ_BIAS] = np.ascontiguousarray(bias, dtype=np.float16)
+    return out
+
+
+def reconstruct(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
+    """fp16(fp16(q - z) * s) for codes [R, N], scale [N] (fp16), zero [N]: float32 [R, N] of fp16 values."""
+    q = codes.astype(np.float32) - np.asarray(zero, dtype=np.float32)[None, :]
+    return (q * np.asarray(scale, dtype=np.float16).astype(np.float32)[None, :]).astype(np.float16).astype(np.float32)
+
+
+def _quant(x, s, z, maxq):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.rint(x / s[None, :]) + z[None, :]
+    q = np.where(np.isfinite(q), q, z[None, :])
+    return np.clip(q, 0, maxq)
+
+
+def fit_group(x: np.ndarray, bits: int, sym: bool = True, extra_scales=()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Round-to-nearest with the best fp16 scale per column.
+
+    ``x`` float32 [R, N]: the values of one group.  Candidates per column: the GPTQ range scale (A5: sym
+    ``2*amax/maxq``, asym ``(xmax - xmin)/maxq`` with the range including 0) times each multiplier of a grid
+    over [0.55, 1.25], plus ``extra_scales`` (float [N] arrays, e.g. the source scale times 2^k); each is
+    rounded to fp16 and the one with the smallest squared reconstruction error wins.  Asymmetric zero points
+    are clamped to [1, maxq] so that the v1 field z - 1 is never negative (A3).
+
+    Returns (codes uint8 [R, N], scales float16 [N], zeros int32 [N]).
+    """
+    x = np.asarray(x, dtype=np.float32)
+    R, N = x.shape
+    maxq = (1 << bits) - 1
+    zsym = np.float32(1 << (bits - 1))
+    xmin = np.minimum(x.min(axis=0, initial=0), 0)
+    xmax = np.maximum(x.max(axis=0, initial=0), 0)
+    if sym:
+        amax = np.maximum(np.abs(xmin), xmax)
+        rng = 2 * amax
+    else:
+        rng = xmax - xmin
+    rng = np.where(rng > 0, rng, np.float32(2)).astype(np.float32)  # A5: an all-zero group fits [-1, 1]
+    base = rng / np.float32(maxq)
+    cands = [base * p for p in _GRID] + [np.asarray(e, dtype=np.float32) for e in extra_scales]
+    best_err = np.full(N, np.inf, dtype=np.float64)
+    best_s = np.zeros(N, dtype=np.float16)
+    best_z = np.full(N, zsym, dtype=np.float32)
+    for c in cands:
+        s16 = np.asarray(c, dtype=np.float32).astype(np.float16)
+        s = s16.astype(np.float32)
+        ok = np.isfinite(s) & (s > 0)
+        s = np.where(ok, s, np.float32(1))
+        if sym:
+            z = np.full(N, zsym, dtype=np.float32)
+        else:
+            z = np.clip(np.rint(-xmin / s), 1, maxq).astype(np.float32)
+        q = _quant(x, s, z, maxq)
+        rec = ((q - z[None, :]) * s[None, :]).astype(np.float16).astype(np.float32)
+        err = np.sum((rec - x).astype(np.float64) ** 2, axis=0)
+        err = np.where(ok, err, np.inf)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_s = np.where(better, s16, best_s)
+        best_z = np.where(better, z, best_z)
+    s = best_s.astype(np.float32)
+    codes = _quant(x, s, best_z, maxq).astype(np.uint8)
+    return codes, best_s.astype(np.float16), best_z.astype(np.int32)
+
+
+def trivial_g_idx(K: int, group_size: int) -> np.ndarray:
+    gs = K if group_size == -1 else group_size
+    return (np.arange(K) // gs).astype(np.int32)
+
+
+def rtn_quantize(weight: np.ndarray, bits: int, group_size: int, *, sym: bool = True,
+                 perm: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Quantize an ``nn.Linear`` weight [N, K] to GPTQ codes by round-to-nearest (no calibration).
+
+    ``perm`` [K] (act-order): processing order of the input rows; group h holds rows perm[h*gs:(h+1)*gs], and
+    ``g_idx[perm[i]] = i // gs`` (qweight rows stay in original order, as GPTQ writes them).  ``group_size``
+    -1 = one group.  Returns (codes uint8 [K, N], scales float16 [G, N], zeros int32 [G, N], g_idx int32 [K]).
+    """
+    w = np.asarray(weight, dtype=np.float32)
+    N, K = w.shape
+    gs = K if group_size == -1 else int(group_size)
+    order = np.arange(K) if perm is None else np.asarray(perm, dtype=np.int64)
+    G = -(-K // gs)
+    codes = np.empty((K, N), dtype=np.uint8)
+    scales = np.empty((G, N), dtype=np.float16)
+    zeros = np.empty((G, N), dtype=np.int32)
+    g_idx = np.empty(K, dtype=np.int32)
+    for h in range(G):
+        rows = order[h * gs:(h + 1) * gs]
+        c, s, z = fit_group(w[:, rows].T, bits, sym)
+        codes[rows] = c
+        scales[h], zeros[h] = s, z
+        g_idx[rows] = h
+    return codes, scales, zeros, g_idx
