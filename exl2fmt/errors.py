@@ -124,6 +124,14 @@ class ErrorCode(str, enum.Enum):
     GGUF_INVALID = ("GGUF_INVALID", Category.INVALID,
                     "a .gguf file must be well-formed GGUF v2/v3 with bounded counts, strings and arrays")
 
+    # --- validate --kernel (appended; see exl2fmt/validate.py) ------------------------------------------
+    KERNEL_MISMATCH = ("KERNEL_MISMATCH", Category.INVALID,
+                       "the Triton kernel must dequantize a layer bit for bit like the reference and keep every "
+                       "output of x @ W within the documented fp32-accumulation bound")
+    KERNEL_UNAVAILABLE = ("KERNEL_UNAVAILABLE", Category.UNREADABLE,
+                          "validate --kernel needs torch and triton (pip install 'exl2fmt[kernels]') and the "
+                          "requested device")
+
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol
         return None

@@ -29,6 +29,17 @@ layer with the same layer of an FP16/BF16/FP32 model (``reference``): relative F
 error and cosine similarity; the layer FAILs (``REFERENCE_MISMATCH``) when the relative Frobenius error
 exceeds its threshold (``reference_threshold``).
 
+``kernel=True`` (``exl2fmt validate --kernel``, needs ``pip install 'exl2fmt[kernels]'``) runs every EXL2 layer that
+passed the structural checks through the bundled Triton kernels (``exl2fmt.kernels``) on seeded random inputs
+and compares with the Numba reference (``kernel``): the kernel's dequantized W [K, N] must equal the reference
+bit for bit, and for every M in ``kernel_ms`` (rows of x, fp16 unit-normal; one path per M,
+``choose_path(M)``) every output of y = x @ W (+ bias) must lie within the fp32-accumulation bound
+u_out |y_ref| + 2 (K + 1) 2^-24 (|x| @ |W_ref| + |bias|) of y_ref computed in float64 from the reference
+weights; otherwise the layer FAILs (``KERNEL_MISMATCH``).  Results per layer in ``Report.layers[i].kernel``.
+On ``device="cpu"`` the kernels run in Triton's interpreter (slow: small models only), with one column block
+per layer (BLOCK_N = N_pad rounded up to a power of two, the interpreter's cost being per program); on CUDA
+with the kernels' own launch heuristics.  torch and triton are imported only when ``kernel`` is set.
+
 Exit status (``Report.exit_code``): 0 when nothing failed (warnings allowed unless ``strict``), 1 otherwise.
 Inputs that cannot be read at all raise ``Exl2Error`` (exit 3 in the CLI); a malformed header is reported
 as a failed ``container`` check.
@@ -48,7 +59,8 @@ from typing import Callable
 from .errors import Category, ErrorCode, Exl2Error, Issue, Severity
 
 __all__ = ["Status", "CheckId", "PassCode", "Check", "LayerResult", "Report", "validate_model", "fix_index",
-           "REFERENCE_THRESHOLDS", "reference_threshold", "BITS_TOLERANCE", "weight_stats", "compare_weights"]
+           "REFERENCE_THRESHOLDS", "reference_threshold", "BITS_TOLERANCE", "weight_stats", "compare_weights",
+           "KernelSetup", "load_kernels", "KERNEL_DEFAULT_MS"]
 
 
 class Status(str, enum.Enum):
@@ -70,6 +82,7 @@ class CheckId(str, enum.Enum):
     FINITE = "finite"
     DECODE = "decode"
     REFERENCE = "reference"
+    KERNEL = "kernel"
 
 
 class PassCode(str, enum.Enum):
@@ -85,6 +98,7 @@ class PassCode(str, enum.Enum):
     FINITE_OK = "FINITE_OK"
     DECODE_OK = "DECODE_OK"
     REFERENCE_OK = "REFERENCE_OK"
+    KERNEL_OK = "KERNEL_OK"
 
 
 #: Per-bit-width ceilings on the relative Frobenius error ||W_deq - W_ref||_F / ||W_ref||_F of one layer
@@ -145,11 +159,13 @@ class LayerResult:
     shape: list[int] | None = None
     stats: dict | None = None
     reference: dict | None = None
+    kernel: dict | None = None  # validate --kernel: see _kernel_layer
 
     def as_dict(self) -> dict:
         ref = None if self.reference is None else {
             k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in self.reference.items()}
-        return {"key": self.key, "format": self.format, "shape": self.shape, "stats": self.stats, "reference": ref}
+        return {"key": self.key, "format": self.format, "shape": self.shape, "stats": self.stats, "reference": ref,
+                "kernel": self.kernel}
 
 
 @dataclass
@@ -162,6 +178,7 @@ class Report:
     checks: list[Check] = field(default_factory=list)
     layers: list[LayerResult] = field(default_factory=list)
     index_written: dict | None = None
+    kernel: dict | None = None  # validate --kernel: {"device", "interpreter", "ms", "seed"}
     seconds: float = 0.0
     bytes_read: int = 0
 
@@ -221,6 +238,7 @@ class Report:
             "checks": [c.as_dict() for c in self.checks],
             "layers": [l.as_dict() for l in self.layers],
             "index_written": self.index_written,
+            "kernel": self.kernel,
             "seconds": round(self.seconds, 3),
             "bytes_read": self.bytes_read,
         }
@@ -525,12 +543,18 @@ def _container_check_for(code: ErrorCode) -> CheckId:
 
 
 def validate_model(path: str | os.PathLike, deep: bool = False, reference: str | os.PathLike | None = None,
-                   strict: bool = False, progress: Progress | None = None) -> Report:
+                   strict: bool = False, progress: Progress | None = None, *, kernel: bool = False,
+                   device: str | None = None, kernel_ms: tuple[int, ...] | None = None,
+                   kernel_seed: int = 0) -> Report:
     """Validate a ``.safetensors`` file or model directory; see the module docstring for the checks.
 
     ``reference`` implies ``deep``.  ``progress(done_bytes, total_bytes, what)`` is called during the data
-    pass.  Raises ``Exl2Error`` for inputs that cannot be read at all (missing path, not safetensors, I/O
-    errors: category UNREADABLE) and for an unreadable reference model.
+    pass (and again, from 0, during the kernel pass).  ``kernel`` runs the EXL2 layers through the Triton
+    kernels on ``device`` ("cpu" = Triton's interpreter, "cuda", "cuda:N"; None = cuda when torch sees one, else
+    cpu) with ``kernel_ms`` rows of x (default ``KERNEL_DEFAULT_MS`` of the device) drawn from ``kernel_seed``.
+    Raises ``Exl2Error`` for inputs that cannot be read at all (missing path, not safetensors, I/O errors:
+    category UNREADABLE), for an unreadable reference model, and ``KERNEL_UNAVAILABLE`` (before reading
+    anything) when ``kernel`` is set but torch, triton or the device is missing.
     """
     from .container import open_model
     from .inspect import is_gguf
@@ -541,6 +565,12 @@ def validate_model(path: str | os.PathLike, deep: bool = False, reference: str |
     if is_gguf(path):
         raise Exl2Error(ErrorCode.UNSUPPORTED_INPUT, "validate checks safetensors models; this is a GGUF file "
                         "(exl2fmt inspect summarises it)", file=str(path))
+    kernels = None
+    if kernel:
+        kernels = load_kernels(device)
+        ms = kernels.default_ms if kernel_ms is None else _check_ms(kernel_ms)
+        rep.kernel = {"device": kernels.device, "interpreter": kernels.interpreted, "ms": list(ms),
+                      "seed": int(kernel_seed)}
     try:
         model = open_model(path)
     except Exl2Error as e:
@@ -551,7 +581,7 @@ def validate_model(path: str | os.PathLike, deep: bool = False, reference: str |
         rep.seconds = time.perf_counter() - t0
         return rep
     try:
-        _validate_open(rep, model, Path(os.fspath(path)), deep, reference, progress)
+        _validate_open(rep, model, Path(os.fspath(path)), deep, reference, progress, kernels)
     finally:
         model.close()
     rep.apply_strict()
@@ -559,7 +589,7 @@ def validate_model(path: str | os.PathLike, deep: bool = False, reference: str |
     return rep
 
 
-def _validate_open(rep: Report, model, path: Path, deep: bool, reference, progress) -> None:
+def _validate_open(rep: Report, model, path: Path, deep: bool, reference, progress, kernels=None) -> None:
     from .detect import ModelFormat, detect_model
 
     tensors = model.tensors
@@ -709,6 +739,8 @@ def _validate_open(rep: Report, model, path: Path, deep: bool, reference, progre
 
     if deep:
         _deep_pass(rep, model, det, loaded, reference, progress)
+    if kernels is not None:
+        _kernel_pass(rep, det, loaded, deep, kernels, progress)
 
 
 def _natural(key: str):
@@ -870,6 +902,169 @@ def _compare_reference(rep: Report, res: LayerResult, layer, fmt: str, w, ref_mo
                 f"{m['max_abs']:.4g}, cosine {m['cosine']:.5f})", tensor=key, file=layer.file)
         return 0
     return 1
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+
+#: Rows of x per device when ``kernel_ms`` is not given: on the CPU interpreter M = 1 (gemv path) and 16 (dot
+#: path) keep the 15-layer sample model well under 30 s on 2 cores; on CUDA also 128 (dense path).
+KERNEL_DEFAULT_MS: dict[str, tuple[int, ...]] = {"cpu": (1, 16), "cuda": (1, 16, 128)}
+#: Largest M accepted (rows of the random x).
+KERNEL_MAX_M = 4096
+_DEVICE_RE = r"cpu|cuda(:[0-9]+)?"
+
+
+@dataclass(frozen=True)
+class KernelSetup:
+    """The loaded Triton kernel module and where it runs (``load_kernels``)."""
+
+    module: object
+    device: str
+    interpreted: bool
+
+    @property
+    def default_ms(self) -> tuple[int, ...]:
+        return KERNEL_DEFAULT_MS["cpu" if self.interpreted else "cuda"]
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def load_kernels(device: str | None = None) -> KernelSetup:
+    """Import the Triton kernels for ``device`` ("cpu", "cuda", "cuda:N" or None = cuda when torch sees a CUDA
+    device, else cpu); "cpu" selects Triton's interpreter (``exl2fmt.kernels.load_triton``), so call this before
+    anything in the process imports triton.  Raises ``Exl2Error``: USAGE for a malformed device name,
+    KERNEL_UNAVAILABLE when torch or triton is missing, no CUDA device is visible, or triton is already loaded
+    in the other mode."""
+    import re
+
+    dev = None if device is None else str(device).strip().lower()
+    if dev is not None and not re.fullmatch(_DEVICE_RE, dev):
+        raise Exl2Error(ErrorCode.USAGE, f"--device must be cpu, cuda or cuda:N, not {device!r}")
+    try:
+        from .kernels import available, load_triton
+
+        missing = [k for k, ok in available().items() if not ok]
+        if missing:
+            raise Exl2Error(ErrorCode.KERNEL_UNAVAILABLE, f"--kernel needs torch and triton "
+                            f"({' and '.join(missing)} not installed): pip install 'exl2fmt[kernels]'")
+        if dev is not None and dev.startswith("cuda"):
+            import torch
+
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            idx = int(dev.split(":")[1]) if ":" in dev else 0
+            if idx >= n:
+                raise Exl2Error(ErrorCode.KERNEL_UNAVAILABLE, f"--device {dev}: torch {torch.__version__} sees "
+                                f"{n} CUDA device(s); --device cpu runs the kernels in Triton's interpreter (slow)")
+        kt = load_triton(dev)
+    except ImportError as e:
+        raise Exl2Error(ErrorCode.KERNEL_UNAVAILABLE, f"--kernel needs torch and triton, and importing them "
+                        f"failed ({_one_line(e)}): pip install 'exl2fmt[kernels]'") from None
+    except RuntimeError as e:
+        raise Exl2Error(ErrorCode.KERNEL_UNAVAILABLE, _one_line(e)) from None
+    interp = bool(kt.interpreted())
+    if dev is None:
+        dev = "cpu" if interp else "cuda"
+    return KernelSetup(kt, dev, interp)
+
+
+def _check_ms(ms) -> tuple[int, ...]:
+    out = []
+    for m in ms:
+        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= KERNEL_MAX_M:
+            raise Exl2Error(ErrorCode.USAGE, f"kernel M values must be integers in 1..{KERNEL_MAX_M}, got {m!r}")
+        if m not in out:
+            out.append(m)
+    if not out:
+        raise Exl2Error(ErrorCode.USAGE, "give at least one kernel M value")
+    return tuple(out)
+
+
+def _kernel_layer(ks: KernelSetup, layer, ms: tuple[int, ...], seed: int) -> dict:
+    """One EXL2 layer through the kernels against the Numba reference (``exl2fmt.kernels``' ``check_layer``)."""
+    return ks.module.check_layer(layer, ks.device, ms=ms, seed=seed)
+
+
+def _kernel_pass(rep: Report, det, loaded: dict, deep: bool, ks: KernelSetup, progress) -> None:
+    """Every EXL2 layer that passed the structural checks through the kernels (module docstring)."""
+    from .detect import ModelFormat
+
+    ms = tuple(rep.kernel["ms"])
+    seed = rep.kernel["seed"]
+    order = [k for k in sorted(loaded, key=_natural) if det.layers[k].format is ModelFormat.EXL2]
+    n_exl2 = sum(1 for l in det.layers.values() if l.format is ModelFormat.EXL2)
+    other: dict[str, int] = {}
+    for k in loaded:
+        f = det.layers[k].format
+        if f not in (ModelFormat.EXL2, ModelFormat.DENSE):
+            other[f.value] = other.get(f.value, 0) + 1
+    for f, n in sorted(other.items()):
+        rep.add(CheckId.KERNEL, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED, f"{n} {f} layer(s) not run: --kernel "
+                "covers EXL2 layers only")
+    if not n_exl2:
+        if not other:
+            rep.add(CheckId.KERNEL, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED, "no EXL2 layer to run through the "
+                    "kernels")
+        return
+    by_key = {l.key: l for l in rep.layers}
+    sizes = {k: det.layers[k].stored_bytes for k in order}
+    total = sum(sizes.values())
+    done = 0
+    if progress is not None:
+        progress(0, total, "")
+    n_ok = 0
+    worst = 0.0
+    where = f"{ks.device}" + (" (Triton interpreter)" if ks.interpreted else "")
+    for key in order:
+        layer = loaded[key]
+        res = by_key.get(key)
+        if res is None:
+            res = LayerResult(key, "exl2", shape=[int(layer.out_features), int(layer.in_features)])
+            rep.layers.append(res)
+        run = True
+        if not deep:  # the data invariants the kernels rely on (permutation, finite scales) were not checked yet
+            for i in layer.validate(deep=True):
+                if i.severity is Severity.ERROR:
+                    rep.add(CheckId.KERNEL, Status.FAIL, i.code, f"not run through the kernels: {i.message}",
+                            tensor=i.tensor or key, file=i.file)
+                    run = False
+        if run:
+            try:
+                kr = _kernel_layer(ks, layer, ms, seed)
+            except Exl2Error as e:
+                rep.add(CheckId.KERNEL, Status.FAIL, e.code, e.message, tensor=e.tensor or key, file=e.file)
+            except (ValueError, RuntimeError) as e:  # the kernel wrapper or the device refused the layer
+                rep.add(CheckId.KERNEL, Status.FAIL, ErrorCode.KERNEL_MISMATCH, f"the kernels failed on this "
+                        f"layer ({where}): {type(e).__name__}: {_one_line(e)}", tensor=key, file=layer.file)
+            else:
+                res.kernel = kr
+                bad = []
+                if not kr["dequant_exact"]:
+                    bad.append(f"dequantization differs from the reference in {kr['mismatches']} of "
+                               f"{layer.in_features * layer.out_features} fp16 weights")
+                for r in kr["results"]:
+                    if not r["within_bound"]:
+                        rel = "not finite" if r["max_rel_err"] is None else f"{r['max_rel_err']:.3e}"
+                        bad.append(f"M={r['M']} ({r['path']}): {r['outside']} of {r['M'] * layer.out_features} "
+                                   f"outputs outside the bound ({r['nonfinite']} NaN/Inf), max rel err {rel}")
+                    elif r["max_rel_err"] is not None:
+                        worst = max(worst, r["max_rel_err"])
+                if bad:
+                    rep.add(CheckId.KERNEL, Status.FAIL, ErrorCode.KERNEL_MISMATCH, f"Triton kernels on {where}: "
+                            + "; ".join(bad), tensor=key, file=layer.file)
+                else:
+                    n_ok += 1
+        done += sizes[key]
+        if progress is not None:
+            progress(done, total, key)
+    if n_ok:
+        paths = ", ".join(f"M={m} ({ks.module.choose_path(m)})" for m in ms)
+        skipped = n_exl2 - len(order)
+        note = f"; {skipped} EXL2 layer(s) skipped: they failed the structural checks" if skipped else ""
+        rep.ok(CheckId.KERNEL, PassCode.KERNEL_OK, f"{n_ok} EXL2 layer(s) through the Triton kernels on {where}: "
+               f"dequantization bit-exact with the reference, every output of {paths} within the fp32-accumulation "
+               f"bound; max rel err {worst:.2e}{note}", count=n_ok)
 
 
 # ------------------------------------------------------------------------------------------------ oracle

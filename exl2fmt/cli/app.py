@@ -6,13 +6,13 @@ Each command calls one library function (``exl2fmt.inspect.inspect_model``, ``ex
 
 Start-up cost matters (``inspect`` of a 70B model must take well under 1.5 s): this module imports only typer
 and exl2fmt.errors at import time; numpy, rich, the container and numba are imported inside the commands
-that need them, and torch/triton never.
+that need them, and torch/triton only for ``validate --kernel``.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Annotated, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -134,6 +134,14 @@ def validate(
     fix_index: Annotated[bool, typer.Option("--fix-index", help="First write a correct "
                          "model.safetensors.index.json (atomically; tensor files are never touched).")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Treat warnings as failures.")] = False,
+    kernel: Annotated[bool, typer.Option("--kernel", help="Run every EXL2 layer through the bundled Triton kernels "
+                      "on random inputs and compare with the reference: dequantization bit for bit, y = x @ W "
+                      "within the fp32-accumulation bound (needs pip install 'exl2fmt[kernels]').")] = False,
+    device: Annotated[Optional[str], typer.Option("--device", metavar="cpu|cuda[:N]", help="Where --kernel runs "
+                      "(default: cuda when torch sees one, else cpu = Triton's interpreter, slow: small models "
+                      "only).", show_default=False)] = None,
+    kernel_m: Annotated[Optional[List[int]], typer.Option("--kernel-m", metavar="M", help="Rows of x for "
+                        "--kernel, repeatable (default: 1 and 16; on CUDA also 128).", show_default=False)] = None,
     json_: JsonOpt = False,
     markdown: Annotated[bool, typer.Option("--markdown", help="A markdown table of the checks.")] = False,
 ) -> None:
@@ -142,7 +150,8 @@ def validate(
     Structural checks read headers only: safetensors container, index <-> shards both ways, config.json <->
     tensor shapes, every EXL2 invariant, GPTQ shapes, control characters in names, one format per layer,
     quantization_config.bits vs measured bpw.  `--deep` reads the data; `--reference DIR` adds an error
-    bound per layer against the original model.
+    bound per layer against the original model; `--kernel` proves every EXL2 layer runs through the Triton
+    kernels and matches the reference (on `--device cpu` in Triton's interpreter: slow, small models only).
 
     **Exit codes**: 0 every check passed (warnings allowed unless `--strict`) · 1 a check failed ·
     2 usage error · 3 unreadable or unsupported input · 4 internal error.
@@ -153,6 +162,7 @@ def validate(
     * `exl2fmt validate ./model/ --deep --strict`
     * `exl2fmt validate ./model-exl2/ --reference ./model-fp16/`
     * `exl2fmt validate ./model/ --fix-index`
+    * `exl2fmt validate ./model/ --kernel` (GPU; `--device cpu` for a small model)
     * `exl2fmt validate ./model/ --json | jq '.checks[] | select(.status != "PASS")'`
     """
     out = _output(json_, markdown)
@@ -161,19 +171,78 @@ def validate(
         from ..validate import fix_index as write_index
         from ..validate import validate_model
 
+        ks = None
+        if kernel:  # before anything else: torch/triton load first (interpreter mode) and fail fast
+            ks = _load_kernels(out, device, kernel_m)
+        elif device is not None or kernel_m:
+            from ..errors import ErrorCode, Exl2Error
+
+            raise Exl2Error(ErrorCode.USAGE, "--device and --kernel-m only apply with --kernel")
         written = None
         if fix_index:
             written = write_index(path)
             if out.mode == "human":
                 out.info(f"wrote {written['path']}: {written['tensors']} tensors in {written['shards']} shard(s), "
                          f"total_size {written['total_size']}")
-        with out.progress("validate --deep" if reference is None else "validate --reference") as cb:
-            rep = validate_model(path, deep=deep, reference=reference, strict=strict, progress=cb)
+        what = "validate --kernel" if kernel else "validate --deep" if reference is None else "validate --reference"
+        with out.progress(what) as cb:
+            rep = validate_model(path, deep=deep, reference=reference, strict=strict, progress=cb, kernel=kernel,
+                                 device=None if ks is None else ks.device,
+                                 kernel_ms=tuple(kernel_m) if kernel_m else None)
         rep.index_written = written
+        if kernel:
+            _kernel_table(out, rep.as_dict())
         out.validate_report(rep.as_dict())
         return rep.exit_code
 
     _run(out, body)
+
+
+def _load_kernels(out, device, kernel_m):
+    """validate --kernel: load the Triton kernels (exit 3 with a one-line reason when torch, triton or the device
+    is missing) and say when they run in the CPU interpreter."""
+    from ..validate import _check_ms, load_kernels
+
+    if kernel_m:
+        _check_ms(tuple(kernel_m))
+    ks = load_kernels(device)
+    if ks.interpreted and out.mode != "json":
+        out.info("note: --kernel on cpu runs the Triton kernels in Triton's CPU interpreter: slow (seconds per "
+                 "layer), meant for small models; a CUDA device runs them compiled")
+    return ks
+
+
+def _kernel_table(out, rep: dict) -> None:
+    """Per-layer kernel results as a plain table (human mode; JSON carries them in layers[].kernel)."""
+    rows_in = [l for l in rep["layers"] if l.get("kernel")]
+    if not rows_in:
+        return
+    cols: list[tuple[int, str]] = []
+    for l in rows_in:
+        for r in l["kernel"]["results"]:
+            if (r["M"], r["path"]) not in cols:
+                cols.append((r["M"], r["path"]))
+    rows = []
+    for l in rows_in:
+        k = l["kernel"]
+        cells = {(r["M"], r["path"]): r for r in k["results"]}
+        row = [l["key"], " x ".join(str(x) for x in l["shape"] or []),
+               "bit-exact" if k["dequant_exact"] else f"DIFFERS ({k['mismatches']})"]
+        for c in cols:
+            r = cells.get(c)
+            if r is None:
+                row.append("-")
+                continue
+            rel = "not finite" if r["max_rel_err"] is None else f"{r['max_rel_err']:.2e}"
+            row.append(rel if r["within_bound"] else f"{rel} OUT ({r['outside']})")
+        ok = k["dequant_exact"] and all(r["within_bound"] for r in k["results"])
+        row.append("ok" if ok else "FAIL")
+        rows.append(row)
+    kd = rep.get("kernel") or {}
+    where = f"{kd.get('device')}" + (", Triton interpreter" if kd.get("interpreter") else "")
+    out.table(f"Triton kernels vs reference ({where}; max relative error of y = x @ W per M and path, x fp16 "
+              f"unit-normal, seed {kd.get('seed')})",
+              ["layer", "out x in", "dequantize", *[f"M={m} {p}" for m, p in cols], ""], rows)
 
 
 # ------------------------------------------------------------------------------------------------ sample
