@@ -132,6 +132,14 @@ class ErrorCode(str, enum.Enum):
                           "validate --kernel needs torch and triton (pip install 'exl2fmt[kernels]') and the "
                           "requested device")
 
+    # --- quantizer inputs (appended; see exl2fmt/quant/forward.py and calib.py) ------------------------
+    ARCH_UNSUPPORTED = ("ARCH_UNSUPPORTED", Category.UNREADABLE,
+                        "the calibration forward supports llama, mistral, qwen2 and qwen3 configs (SiLU MLP, "
+                        "default / linear / llama3 RoPE)")
+    CALIBRATION_INVALID = ("CALIBRATION_INVALID", Category.INVALID,
+                           "calibration data must be .txt, .jsonl with a text field or token ids, and hold at "
+                           "least rows x length tokens")
+
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol
         return None
