@@ -15,9 +15,6 @@ from .layout import BIT_WIDTHS, Tier, pad32, plan_rows
 
 __all__ = ["exl2_tensors", "quantize_rtn", "find_scales"]
 
-_P_GRID = np.linspace(0.70, 1.20, 97, dtype=np.float32)
-
-
 def exl2_tensors(codes: np.ndarray, scale_codes: np.ndarray, q_scale_max: np.ndarray,
                  bits_rows: list[tuple[int, int]], q_invperm: np.ndarray,
                  bias: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -47,26 +44,23 @@ def _f16(x):
 
 
 def find_scales(x: np.ndarray, bits: int):
-    """Scale search for one group.  ``x`` float32 [rows, N_pad].
+    """Scale search for one group (ExLlamaV2's ``find_params``).  ``x`` float32 [rows, N_pad].
 
     Returns (scale_codes uint8 [N_pad] in 0..15, q_scale_max float16 scalar, s float32 [N_pad] = the exact
-    fp16 scales used to quantize).  All-zero columns get code 0.
+    fp16 scales used to quantize).  All-zero columns get code 0.  An all-zero group gets the smallest positive
+    q_scale_max (the validator requires > 0); its scales round to 0 and every code is the zero point.
     """
+    from .codec.scale_search import P_GRID, grid_errors
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
     maxq = (1 << bits) - 1
-    z = 1 << (bits - 1)
     xmax = np.abs(x).max(axis=0) + np.float32(1e-12)
     base = xmax / np.float32(maxq / 2)
     smax = base.max()
     qs = np.clip(np.round(16 * np.sqrt(base / smax)), 1, 16).astype(np.int64)
-    trial = (qs.astype(np.float32) / 16) ** 2 * smax
-    best_p, best_e = 1.0, None
-    for p in _P_GRID:
-        s = trial * p
-        q = np.clip(np.rint(x / s), -z, maxq - z)
-        e = float(np.sum(np.abs(q * s - x) ** 3.5))
-        if best_e is None or e < best_e:
-            best_p, best_e = float(p), e
-    qsm = np.float16(smax * best_p)
+    trial = ((qs.astype(np.float32) / 16) ** 2 * smax).astype(np.float32)
+    best_p = float(P_GRID[int(np.argmin(grid_errors(x, trial, bits)))])
+    qsm = np.float16(max(float(np.float16(smax * np.float32(best_p))), 2.0 ** -24))
     m = _f16(np.float32(qsm) * np.float32(1 / 256))
     s = _f16(_f16((qs * qs).astype(np.float32)) * m)
     return (qs - 1).astype(np.uint8), qsm, s
