@@ -140,6 +140,16 @@ class ErrorCode(str, enum.Enum):
                            "calibration data must be .txt, .jsonl with a text field or token ids, and hold at "
                            "least rows x length tokens")
 
+    # --- the quantizer (appended; see exl2fmt/quant) ------------------------------------------------
+    MEASUREMENT_INVALID = ("MEASUREMENT_INVALID", Category.UNREADABLE,
+                           "a measurement file must be ExLlamaV2 measurement.json for this model's layers")
+    BUDGET_INFEASIBLE = ("BUDGET_INFEASIBLE", Category.USAGE,
+                         "the target bits per weight must lie within what the candidate settings can reach")
+    QUANT_NUMERICS = ("QUANT_NUMERICS", Category.INVALID,
+                      "calibration activations and Hessians must be finite and factorizable")
+    CHECKPOINT_INVALID = ("CHECKPOINT_INVALID", Category.UNREADABLE,
+                          "a resume checkpoint must come from the same source, options and version")
+
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol
         return None
