@@ -16,6 +16,8 @@ Source formats are detected from the model (``exl2fmt.detect``): ``exl2``, ``gpt
                    re-quantized with the best fp16 scale; the EXL2 permutation becomes act-order ``g_idx``
 ``gptq -> exl2``   the GPTQ integers kept as far as EXL2's 4-bit scale grid allows; error reported per layer
 ``dense -> fp16``  a cast (F16 kept bit for bit; BF16/F32 rounded, out-of-range values reported); ``-> bf16`` too
+``* -> gguf``      EXL2 / GPTQ / dense (Llama family) -> one GGUF file (``gguf_write``; exact repacks where possible)
+``gguf -> fp16``   a ``.gguf`` file -> Hugging Face directory (``gguf_read``); ``-> bf16`` too
 =================  =========================================================================================
 
 Library entry point::
@@ -96,7 +98,7 @@ _DEFAULT_SHARD_SIZE = 5_000_000_000  # = base.DEFAULT_SHARD_SIZE (kept here so t
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: bool = False,
             shard_size: int | str = _DEFAULT_SHARD_SIZE, dtype: str | None = None, bits: int | None = None,
             group_size: int | None = None, sym: bool | None = None, progress: Progress | None = None,
-            verify: str = "auto", _fail_after: int | None = None) -> "ConversionReport":
+            verify: str = "auto", gguf_type: str = "auto", _fail_after: int | None = None) -> "ConversionReport":
     """Convert the model at ``src`` (a model directory or one ``.safetensors`` file) into a new model
     directory ``dst`` in format ``to`` (``fp16``, ``bf16``, ``gptq``, ``exl2``).
 
@@ -110,6 +112,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
                     it is a multiple of 32, else 128)
     ``sym``         GPTQ target symmetric (default True; False writes v1 zeros clamped to >= 1)
     ``progress``    ``progress(done_bytes, total_bytes, what)``, called per unit written and verified
+    ``gguf_type``   ``--to gguf``: ``auto`` (default), ``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_0`` (see
+                    ``converters.gguf_write``); a ``.gguf`` SRC converts to ``fp16``/``bf16`` (``converters.gguf_read``)
     ``verify``      ``auto`` (default): the output is re-read through the reader and the validator, every tensor's
                     bytes are matched (Fletcher-64 checksum) against what was produced from the source, and the re-packing
                     conversions (to GPTQ / EXL2) decode every output layer and compare it with the source's
@@ -133,6 +137,18 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
     if target not in TARGETS:
         raise Exl2Error(ErrorCode.USAGE, f"unknown target {to!r}; expected one of {', '.join(TARGETS)}")
     size = parse_size(shard_size)
+    from ..inspect import is_gguf
+
+    if target == "gguf" or (os.path.isfile(src) and is_gguf(src)):  # the GGUF bridge has its own driver
+        if target == "gguf":
+            from .gguf_write import convert_to_gguf
+
+            return convert_to_gguf(src, dst, gguf_type=gguf_type, force=force, progress=progress, verify=verify,
+                                   _fail_after=_fail_after)
+        from .gguf_read import convert_from_gguf
+
+        return convert_from_gguf(src, dst, target, force=force, shard_size=size, progress=progress, verify=verify,
+                                 _fail_after=_fail_after)
     if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int)):
         raise Exl2Error(ErrorCode.USAGE, f"bits must be an integer, got {bits!r}")
     if dtype is not None:

@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 #: Conversion targets (``--to``).
-TARGETS = ("fp16", "bf16", "gptq", "exl2")
+TARGETS = ("fp16", "bf16", "gptq", "exl2", "gguf")
 #: Default maximum tensor bytes per output shard (Hugging Face's "5GB").
 DEFAULT_SHARD_SIZE = 5_000_000_000
 

@@ -20,6 +20,16 @@ class Target(str, enum.Enum):
     bf16 = "bf16"
     gptq = "gptq"
     exl2 = "exl2"
+    gguf = "gguf"
+
+
+class GgufType(str, enum.Enum):
+    auto = "auto"
+    f32 = "f32"
+    f16 = "f16"
+    bf16 = "bf16"
+    q8_0 = "q8_0"
+    q4_0 = "q4_0"
 
 
 class VerifyMode(str, enum.Enum):
@@ -65,6 +75,10 @@ def convert_command(
                                                "(GPTQ / EXL2) layer against the source. full: also decode every "
                                                "dequantized layer again from SRC and compare element by "
                                                "element.")] = VerifyMode.auto,
+    gguf_type: Annotated[GgufType, typer.Option("--gguf-type", case_sensitive=False, help="--to gguf: tensor type "
+                                                "of the weights. auto: exact where possible (GPTQ sym <= 4-bit -> "
+                                                "q4_0, 8-bit -> q8_0, otherwise f16; dense keeps its dtype).")
+                         ] = GgufType.auto,
     json_: Annotated[bool, typer.Option("--json", help="Print the conversion report as JSON on stdout.")] = False,
 ) -> None:
     """Convert a model between formats: EXL2 -> FP16/BF16, GPTQ -> FP16/BF16, EXL2 -> GPTQ, GPTQ -> EXL2.
@@ -83,6 +97,10 @@ def convert_command(
       shifted; the EXL2 permutation becomes act-order g_idx); wider groups are re-quantized and reported;
       Marlin compatibility is stated.
     * **GPTQ -> exl2**: the GPTQ integers kept as far as EXL2's 4-bit scale grid allows; error per layer.
+    * **EXL2 / GPTQ / dense -> gguf** (DST is a .gguf file; llama, mistral, qwen2, qwen3): names and Q/K rows as
+      llama.cpp expects, norms F32, tokenizer and hyper-parameters as metadata; blocks repacked exactly where
+      the source's integers fit (--gguf-type), the rest quantized with gguf.quants and reported.
+    * **model.gguf -> fp16/bf16**: every type the gguf package decodes; config.json rebuilt from the metadata.
 
     **Examples**
 
@@ -92,6 +110,7 @@ def convert_command(
     * `exl2fmt convert ./model-exl2 ./model-gptq --to gptq --bits 8 --group-size 32 --force`
     * `exl2fmt convert ./model-gptq ./model-exl2 --to exl2 --bits 6`
     * `exl2fmt convert ./model-gptq ./model-fp16 --to fp16 --json > report.json`
+    * `exl2fmt convert ./model-gptq ./model.gguf --to gguf` · `exl2fmt convert ./model.gguf ./model-fp16 --to fp16`
 
     **Exit codes**: 0 converted and verified · 1 the source breaks a rule or the output failed verification ·
     2 usage error (unknown pair, DST exists without --force, DST inside SRC) · 3 unreadable source ·
@@ -106,7 +125,8 @@ def convert_command(
 
         with out.progress(f"convert -> {to.value}") as cb:
             rep = convert(src, dst, to.value, force=force, shard_size=shard_size, dtype=None if dtype is None else
-                          dtype.value, bits=bits, group_size=group_size, sym=sym, progress=cb, verify=verify.value)
+                          dtype.value, bits=bits, group_size=group_size, sym=sym, progress=cb, verify=verify.value,
+                          gguf_type=gguf_type.value)
         _render(out, rep)
         code = EXIT_OK
     except typer.Exit:

@@ -408,14 +408,26 @@ GGUF_MAX_STRING = 64 << 20
 GGUF_MAX_NAME = 1024
 GGUF_MAX_DIMS = 4
 GGUF_MAX_ARRAY_DEPTH = 2
+#: Strings in all array-valued keys together (a large vocabulary has ~256k tokens and as many merges); each one
+#: becomes Python objects in the ``gguf`` reader, so their number is capped, not only their bytes.
+GGUF_MAX_ARRAY_STRINGS = 1 << 22
+#: ``general.alignment`` must be a power of two no larger than this.
+GGUF_MAX_ALIGNMENT = 1 << 16
 
 
 def _gguf_prescan(path: str) -> dict:
     """Walk the GGUF header with bounds checks before any third-party parser sees it.
 
     Checks: magic, version 2 or 3 (either byte order), KV and tensor counts, every string and array length
-    against the bytes left and a cap, array nesting depth, tensor dims (<= 4, product < 2**63), tensor data
-    inside the file.  Raises ``GGUF_INVALID`` naming the first problem.
+    against the bytes left and a cap (and the number of strings in arrays), array nesting depth,
+    ``general.alignment`` (a UINT32 power of two), tensor dims (<= 4, product < 2**63), and - when the ``gguf``
+    package is importable - every tensor's type (known, row length a multiple of its block size), offset
+    (aligned) and data (inside the file, no two tensors overlapping).  Raises ``GGUF_INVALID`` naming the first
+    problem.
+
+    Returns ``{"version", "byte_order", "n_kv", "n_tensors", "header_end", "size", "alignment", "data_start",
+    "tensors"}``; ``tensors`` lists ``(name, ne, ggml_type, offset, numel, nbytes)`` per tensor (``ne`` in GGUF
+    order, fastest dimension first; ``nbytes`` None when the type is unknown because ``gguf`` is missing).
     """
     def bad(msg):
         raise Exl2Error(ErrorCode.GGUF_INVALID, msg, file=path)
@@ -474,8 +486,10 @@ def _gguf_prescan(path: str) -> dict:
             pos += n
             return s
 
+        n_strings = 0
+
         def value(vtype, depth, what):
-            nonlocal pos
+            nonlocal pos, n_strings
             if vtype in _GGUF_SCALAR:
                 need(_GGUF_SCALAR[vtype], what)
                 pos += _GGUF_SCALAR[vtype]
@@ -492,6 +506,10 @@ def _gguf_prescan(path: str) -> dict:
                 elif et in (_GGUF_STRING, _GGUF_ARRAY):
                     if count * (8 if et == _GGUF_STRING else 12) > size - pos:
                         bad(f"{what}: array of {count} elements cannot fit in the file")
+                    n_strings += count
+                    if n_strings > GGUF_MAX_ARRAY_STRINGS:
+                        bad(f"{what}: more than {GGUF_MAX_ARRAY_STRINGS} strings/arrays inside arrays in the file "
+                            "(cap)")
                     for _ in range(count):
                         value(et, depth + 1, what)
                 else:
@@ -500,6 +518,7 @@ def _gguf_prescan(path: str) -> dict:
                 bad(f"{what}: unknown value type {vtype}")
 
         keys = set()
+        alignment = 32
         for i in range(n_kv):
             raw = string(1 << 16, f"key {i}")
             try:
@@ -509,7 +528,15 @@ def _gguf_prescan(path: str) -> dict:
             if key in keys:
                 bad(f"key {key!r} appears twice")
             keys.add(key)
-            value(u32(), 0, f"value of {key!r}")
+            vtype = u32()
+            if key == "general.alignment":
+                if vtype != 4:
+                    bad(f"general.alignment has value type {vtype}; expected UINT32 (4)")
+                need(4, "general.alignment")
+                alignment = struct.unpack_from(bo + "I", mm, pos)[0]
+                if alignment == 0 or alignment & (alignment - 1) or alignment > GGUF_MAX_ALIGNMENT:
+                    bad(f"general.alignment = {alignment}; expected a power of two <= {GGUF_MAX_ALIGNMENT}")
+            value(vtype, 0, f"value of {key!r}")
         names = set()
         infos = []
         for i in range(n_tensors):
@@ -530,8 +557,38 @@ def _gguf_prescan(path: str) -> dict:
             ttype = u32()
             off = u64()
             infos.append((name, dims, ttype, off, numel))
+        data_start = pos + (-pos % alignment)
+        try:
+            from gguf import GGML_QUANT_SIZES  # optional extra; without it the per-type checks are skipped
+        except ImportError:  # pragma: no cover - exercised only without the gguf package
+            GGML_QUANT_SIZES = None
+        tensors = []
+        for name, dims, ttype, off, numel in infos:
+            nbytes = None
+            if GGML_QUANT_SIZES is not None:
+                try:
+                    from gguf import GGMLQuantizationType
+
+                    bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+                except (ValueError, KeyError):
+                    bad(f"tensor {name!r} has unknown ggml type {ttype}")
+                if dims and dims[0] % bs:
+                    bad(f"tensor {name!r}: row length {dims[0]} is not a multiple of the {bs}-element block of "
+                        f"type {ttype}")
+                nbytes = numel // bs * ts
+                if off % alignment:
+                    bad(f"tensor {name!r}: data offset {off} is not a multiple of the alignment {alignment}")
+                if data_start + off + nbytes > size:
+                    bad(f"tensor {name!r}: data ends at byte {data_start + off + nbytes}, past the end of the "
+                        f"{size}-byte file (truncated?)")
+            tensors.append((name, dims, ttype, off, numel, nbytes))
+        spans = sorted((t[3], t[3] + t[5], t[0]) for t in tensors if t[5])
+        for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+            if b0 < a1:
+                bad(f"the data of tensors {an!r} and {bn!r} overlap")
         return {"version": version, "byte_order": "big" if bo == ">" else "little", "n_kv": n_kv,
-                "n_tensors": n_tensors, "header_end": pos, "size": size}
+                "n_tensors": n_tensors, "header_end": pos, "size": size, "alignment": alignment,
+                "data_start": data_start, "tensors": tensors}
     finally:
         mm.close()
 

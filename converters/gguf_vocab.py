@@ -1,0 +1,251 @@
+"""A Hugging Face ``tokenizer.json`` as GGUF ``tokenizer.ggml.*`` metadata, and back.
+
+To GGUF (``add_tokenizer``):
+
+* byte-level BPE (``model.type == "BPE"`` without ``byte_fallback``; GPT-2, Llama 3, Qwen) -> ``"gpt2"``:
+  tokens in id order, token types (NORMAL, CONTROL for special added tokens, USER_DEFINED for the other added
+  tokens, UNUSED for padding), merges, and ``tokenizer.ggml.pre`` recognised from the pre-tokenizer's split
+  regex (``llama-bpe``, ``qwen2``, ``gpt-2``; anything else is written as ``default`` with a warning: llama.cpp
+  would then split text differently from the original tokenizer).
+* BPE with ``byte_fallback`` (SentencePiece models exported by transformers: Llama 2, Mistral) -> ``"llama"``:
+  tokens, types (UNKNOWN, BYTE for ``<0xNN>``, CONTROL, USER_DEFINED, NORMAL) and scores ``-id`` (SentencePiece
+  BPE numbers pieces by descending score, which is what llama.cpp's merge order needs).
+* anything else, or no ``tokenizer.json`` -> ``"none"`` with a warning: llama.cpp then runs token ids only.
+
+Special token ids, ``add_bos_token``/``add_eos_token`` and the chat template come from the ``gguf`` package's
+``SpecialVocab`` (tokenizer_config.json, tokenizer.json post-processor, config.json).  When the embedding has
+more rows than the tokenizer has tokens, ``[PAD<i>]`` tokens of type UNUSED fill the gap (as llama.cpp's
+converter does).
+
+From GGUF (``rebuild_tokenizer``): a ``"gpt2"`` vocabulary becomes ``tokenizer.json`` (byte-level BPE with the
+pre-tokenizer regex of its ``pre``) plus ``tokenizer_config.json``; other models are reported as missing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+__all__ = ["add_tokenizer", "rebuild_tokenizer", "PRE_PATTERNS"]
+
+_MAX_TOKENIZER_BYTES = 512 << 20
+
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+           r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+          r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+#: tokenizer.ggml.pre -> the split regex of the Hugging Face pre-tokenizer it stands for
+PRE_PATTERNS = {"llama-bpe": _LLAMA3, "qwen2": _QWEN2, "gpt-2": None}
+
+# gguf.TokenType values (kept as ints so this module imports nothing heavy)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+
+def _split_patterns(node) -> list[str]:
+    out = []
+    if isinstance(node, dict):
+        if node.get("type") == "Split" and isinstance(node.get("pattern"), dict):
+            p = node["pattern"].get("Regex", node["pattern"].get("String"))
+            if isinstance(p, str):
+                out.append(p)
+        for v in node.values():
+            if isinstance(v, (dict, list)):
+                out += _split_patterns(v)
+    elif isinstance(node, list):
+        for v in node:
+            out += _split_patterns(v)
+    return out
+
+
+def _byte_level(node) -> dict | None:
+    if isinstance(node, dict):
+        if node.get("type") == "ByteLevel":
+            return node
+        for v in node.values():
+            r = _byte_level(v) if isinstance(v, (dict, list)) else None
+            if r is not None:
+                return r
+    elif isinstance(node, list):
+        for v in node:
+            r = _byte_level(v)
+            if r is not None:
+                return r
+    return None
+
+
+def detect_pre(tj: dict) -> str | None:
+    """The llama.cpp pre-tokenizer name for a byte-level BPE ``tokenizer.json``; None = not recognised."""
+    pre = tj.get("pre_tokenizer")
+    pats = _split_patterns(pre)
+    if len(pats) == 1:
+        for name, pat in PRE_PATTERNS.items():
+            if pat is not None and pats[0] == pat:
+                return name
+        return None
+    bl = _byte_level(pre)
+    if not pats and bl is not None and bl.get("use_regex", True):
+        return "gpt-2"
+    return None
+
+
+def _load_json(path: Path):
+    if os.path.getsize(path) > _MAX_TOKENIZER_BYTES:
+        raise ValueError(f"{path.name} is larger than {_MAX_TOKENIZER_BYTES} bytes")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str]) -> dict:
+    """Add ``tokenizer.ggml.*`` to the GGUFWriter ``w`` from the tokenizer files in ``src_dir``.  Returns
+    ``{"model", "pre", "tokens", "merges", "padded"}`` describing what was written; problems go to
+    ``warnings`` (the GGUF is then written with ``tokenizer.ggml.model = "none"``)."""
+    import gguf
+
+    info = {"model": "none", "pre": None, "tokens": 0, "merges": 0, "padded": 0}
+
+    def none(why: str) -> dict:
+        warnings.append(f"tokenizer: {why}; the GGUF carries no vocabulary (tokenizer.ggml.model = none), so "
+                        "llama.cpp can run token ids but not text")
+        w.add_tokenizer_model("none")
+        return info
+
+    path = None if src_dir is None else Path(src_dir) / "tokenizer.json"
+    if path is None or not path.is_file():
+        return none("no tokenizer.json next to the model")
+    try:
+        tj = _load_json(path)
+        model = tj["model"]
+        if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+            return none(f"tokenizer.json model type {model.get('type')!r} is not supported (BPE only)")
+        vocab: dict[str, int] = model["vocab"]
+        byte_fallback = bool(model.get("byte_fallback", False))
+        added = [a for a in tj.get("added_tokens") or [] if isinstance(a, dict)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return none(f"cannot read tokenizer.json ({type(e).__name__}: {e})")
+    by_id: dict[int, tuple[str, int]] = {}
+    for text, i in vocab.items():
+        by_id[int(i)] = (text, NORMAL)
+    for a in added:
+        i, text = a.get("id"), a.get("content")
+        if isinstance(i, int) and isinstance(text, str):
+            by_id[i] = (text, CONTROL if a.get("special") else USER_DEFINED)
+    n_tok = max(by_id) + 1 if by_id else 0
+    if n_tok > n_vocab:
+        return none(f"the tokenizer has ids up to {n_tok - 1} but the embedding only {n_vocab} rows")
+    holes = [i for i in range(n_tok) if i not in by_id]
+    if holes:
+        warnings.append(f"tokenizer: {len(holes)} ids below {n_tok} have no token (filled as [PAD<i>], UNUSED)")
+    tokens, types, scores = [], [], []
+    unk = model.get("unk_token")
+    for i in range(n_vocab):
+        text, typ = by_id.get(i, (f"[PAD{i}]", UNUSED))
+        if byte_fallback:
+            if typ == NORMAL and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", text):
+                typ = BYTE
+            elif text == unk:
+                typ = UNKNOWN
+        tokens.append(text)
+        types.append(typ)
+        scores.append(-float(i) if typ == NORMAL else 0.0)
+    info.update(tokens=n_tok, padded=n_vocab - n_tok)
+    if byte_fallback:
+        info["model"] = "llama"
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        warnings.append("tokenizer: SentencePiece-style (byte_fallback) vocabulary written with scores -id, the "
+                        "piece order; check generation against the original tokenizer")
+        load_merges = False
+    else:
+        pre = detect_pre(tj)
+        if pre is None:
+            warnings.append("tokenizer: the pre-tokenizer regex is not one llama.cpp names; written as 'default', "
+                            "so llama.cpp may split text differently")
+            pre = "default"
+        info.update(model="gpt2", pre=pre)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        load_merges = True
+    log = logging.getLogger("gguf")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        sv = gguf.SpecialVocab(src_dir, load_merges=load_merges, n_vocab=n_vocab)
+        sv.add_to_gguf(w, quiet=True)
+        info["merges"] = len(sv.merges)
+        info["special"] = dict(sv.special_token_ids)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        warnings.append(f"tokenizer: special tokens / merges not read ({type(e).__name__}: {e})")
+    finally:
+        log.setLevel(level)
+    if load_merges and not info["merges"]:
+        warnings.append("tokenizer: a BPE vocabulary without merges; llama.cpp will not tokenize it usefully")
+    return info
+
+
+def _field(reader, key):
+    f = reader.get_field(key)
+    if f is None:
+        return None
+    try:
+        return f.contents()
+    except Exception:  # noqa: BLE001 - a field that cannot be decoded counts as absent
+        return None
+
+
+def rebuild_tokenizer(reader, warnings: list[str]) -> dict[str, str]:
+    """Tokenizer files (name -> text) rebuilt from a GGUF's ``tokenizer.ggml.*``; an empty dict (and a warning)
+    when the vocabulary type cannot be rebuilt."""
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        warnings.append(f"tokenizer: tokenizer.ggml.model = {model!r}; only 'gpt2' (byte-level BPE) vocabularies "
+                        "are rebuilt as tokenizer.json. The output has no tokenizer files: copy them from the "
+                        "original model")
+        return {}
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    types = _field(reader, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    merges = _field(reader, "tokenizer.ggml.merges") or []
+    pre = _field(reader, "tokenizer.ggml.pre") or "default"
+    pattern = PRE_PATTERNS.get(pre, "unknown")
+    if pattern == "unknown":
+        warnings.append(f"tokenizer: pre-tokenizer {pre!r} is not one exl2fmt can rebuild; GPT-2's split is used")
+        pattern = None
+    vocab, added = {}, []
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty in (CONTROL, USER_DEFINED):
+            added.append({"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": ty != CONTROL, "special": ty == CONTROL})
+        vocab[t] = i
+    if pattern is None:
+        pre_tok = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    else:
+        pre_tok = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    tj = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+          "pre_tokenizer": pre_tok, "post_processor": None,
+          "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+          "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                    "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                    "vocab": vocab, "merges": [m.split(" ", 1) for m in merges]}}
+    tc: dict = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for typ in ("bos", "eos", "unk", "pad"):
+        i = _field(reader, f"tokenizer.ggml.{typ}_token_id")
+        if isinstance(i, int) and 0 <= i < len(tokens):
+            tc[f"{typ}_token"] = tokens[i]
+    for typ in ("bos", "eos"):
+        v = _field(reader, f"tokenizer.ggml.add_{typ}_token")
+        if isinstance(v, bool):
+            tc[f"add_{typ}_token"] = v
+    ct = _field(reader, "tokenizer.chat_template")
+    if isinstance(ct, str):
+        tc["chat_template"] = ct
+    return {"tokenizer.json": json.dumps(tj, ensure_ascii=False) + "\n",
+            "tokenizer_config.json": json.dumps(tc, indent=2, ensure_ascii=False) + "\n"}

@@ -1,0 +1,642 @@
+"""EXL2 / GPTQ / dense Hugging Face models (Llama family) -> one GGUF file that llama.cpp runs.
+
+``convert_to_gguf(src, dst, gguf_type=...)`` (reached through ``exl2fmt.converters.convert(..., to="gguf")``):
+
+1. Plan: every source tensor gets its GGUF name from the ``gguf`` package's table (``converters.gguf_map``)
+   and a GGUF type: 1-D tensors (norms, biases) F32; 2-D weights the chosen type (``f32``, ``f16``, ``bf16``,
+   ``q8_0``, ``q4_0``; a quantized type falls back to F16 for a row length that is not a multiple of 32, as
+   llama.cpp's converter does).  ``auto`` (the default) keeps a dense model's dtype (BF16 stays BF16, the rest
+   F16); for a quantized model it picks Q4_0 when every quantized layer's integers fit Q4_0 (GPTQ symmetric
+   <= 4 bits, groups a multiple of 32 rows, no act-order), Q8_0 when they fit Q8_0, and F16 otherwise (F16
+   holds any EXL2/GPTQ reconstruction exactly).  Unquantized tensors of a quantized model stay F16/BF16 under
+   ``auto``.
+2. Write, tensor by tensor (memory: about one layer): the header, metadata and tensor table are written first
+   (``GGUFWriter.add_tensor_info``: every shape and type is known), then each tensor's data as soon as it is
+   produced.  Q/K rows are permuted for the ``llama`` arch (``gguf_map.permute_qk``).
+3. Quantized layers to Q8_0 / Q4_0 are *repacked* where the math allows: a 32-element block (one output row,
+   32 consecutive input features) whose source weights share one fp16 scale ``d`` and whose integers fit the
+   target (Q8_0: -128..127; Q4_0: -8..7) is stored as exactly those integers and ``d``.  Its float32 decode is
+   then ``d * q``, exactly the real value the source encodes, and its fp16 rounding equals the source's fp16
+   reconstruction bit for bit (EXL2 and GPTQ both compute ``fp16(q * d)`` with ``q`` exact).  Every other block
+   is quantized with ``gguf.quants`` from the source's fp16 reconstruction.  A layer is reported *exact* when
+   every element of its decode, rounded to fp16, equals the source reconstruction; otherwise its relative and
+   max error are reported.  GPTQ symmetric 4-bit with groups of 32k rows and trivial ``g_idx`` -> Q4_0, and
+   GPTQ symmetric 8-bit (or <= 7-bit) -> Q8_0, are exact.  EXL2 layers are exact only where a block lies in
+   one group of one scale, which EXL2's input permutation rarely allows.
+4. Verify: the temporary file (``.<name>.exl2fmt-partial-<hex>`` next to DST) is re-read through the bounded
+   pre-scan and ``gguf.GGUFReader``; names, types and shapes must be the planned ones, every tensor's bytes must
+   match the checksum of what was produced, and the key hyper-parameters must read back.  ``verify="full"``
+   also decodes every layer from the file again and compares it with a fresh decode of SRC.  Then the file is
+   renamed to DST (an existing DST only with ``force``).  SRC is only read.
+
+Metadata: the hyper-parameters from ``config.json`` (block count, context length, widths, heads, rms eps,
+rope base and dimension, key/value length when ``head_dim`` is explicit, vocab size, linear rope scaling) and
+the tokenizer (``converters.gguf_vocab``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..errors import ErrorCode, Exl2Error
+from .base import (ConversionReport, LayerReport, SourceReader, TensorReport, bf16_bits_to_f32, build_layer,
+                   checksum, checksum_of_file_range, check_paths, error_stats, f32_to_bf16_bits,
+                   layer_issues_or_raise, natural_key, publish, _remove)
+from .gguf_map import DROPPED_SUFFIXES, arch_of, gguf_name_map, permute_qk, qk_heads
+from .slots import G_IDX, Q_INVPERM, Q_SCALE_MAX, QWEIGHT, QZEROS, SCALES
+
+__all__ = ["convert_to_gguf", "GGUF_TYPES", "repack_blocks", "layer_integers"]
+
+#: --gguf-type values
+GGUF_TYPES = ("auto", "f32", "f16", "bf16", "q8_0", "q4_0")
+_QRANGE = {"Q8_0": (-128, 127), "Q4_0": (-8, 7)}
+
+
+def _qtype(name: str):
+    import gguf
+
+    return gguf.GGMLQuantizationType[name]
+
+
+# ------------------------------------------------------------------------------------------------ numerics
+
+
+def layer_integers(layer, out_features: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The integers and scales a quantized layer multiplies: ``(q int16 [N, K], d float16 [N, K])`` with
+    ``W[n, j] = fp16(q[n, j] * d[n, j])`` in ``nn.Linear`` orientation (original input order, N = the true
+    output width).  EXL2: ``q = code - 2^(b-1)``, ``d = fp16(fp16((c+1)^2) * fp16(q_scale_max * 2^-8))`` per
+    group and column; GPTQ: ``q = code - zero``, ``d = scale`` of the row's group.  None for dense layers."""
+    from ..layout import Format
+
+    if layer.format is Format.GPTQ:
+        from ..codec.gptq import unpack_qweight, unpack_qzeros, zeros_from_fields
+
+        t = layer.tensors
+        bits = layer.bits
+        codes = unpack_qweight(np.asarray(t[QWEIGHT]), bits).astype(np.int16)            # [K, N]
+        zeros = zeros_from_fields(unpack_qzeros(np.asarray(t[QZEROS]), bits), layer.v2)   # [G, N]
+        zeros = zeros[:, : codes.shape[1]]
+        K = codes.shape[0]
+        g = (np.asarray(t[G_IDX]).astype(np.int64) if G_IDX in t
+             else np.arange(K, dtype=np.int64) // max(layer.group_size, 1))
+        scales = np.asarray(t[SCALES])
+        if layer.dtypes.get(SCALES) == "BF16":
+            scales = bf16_bits_to_f32(scales)
+        scales = np.asarray(scales, dtype=np.float16)
+        q = codes - zeros[g].astype(np.int16)
+        d = scales[g]
+        return np.ascontiguousarray(q.T[:out_features]), np.ascontiguousarray(d.T[:out_features])
+    if layer.format is Format.EXL2:
+        t = layer.tensors
+        codes = layer.codes().astype(np.int16)                                            # [K, N_pad] stored order
+        c = layer.scale_codes().astype(np.int32)                                          # [G, N_pad]
+        gt = layer.groups
+        m = np.asarray(t[Q_SCALE_MAX], dtype=np.float16).reshape(-1) * np.float16(1.0 / 256.0)
+        s = ((c + 1) ** 2).astype(np.float16) * m[:, None]                               # fp16 arithmetic
+        K = codes.shape[0]
+        d = np.empty(codes.shape, dtype=np.float16)
+        for gi in range(gt.G):
+            r0, r = int(gt.row_start[gi]), int(gt.rows[gi])
+            codes[r0:r0 + r] -= np.int16(1 << (int(gt.bits[gi]) - 1))
+            d[r0:r0 + r] = s[gi]
+        inv = np.asarray(t[Q_INVPERM])
+        if layer.dtypes.get(Q_INVPERM) == "I16":
+            inv = inv.view(np.uint16)
+        q_perm = np.argsort(inv.astype(np.int64), kind="stable")                         # original row of stored k
+        q = np.empty_like(codes)
+        dd = np.empty_like(d)
+        q[q_perm] = codes
+        dd[q_perm] = d
+        del K
+        return np.ascontiguousarray(q.T[:out_features]), np.ascontiguousarray(dd.T[:out_features])
+    return None
+
+
+def _block_dtype(qname: str) -> np.dtype:
+    return np.dtype([("d", "<f2"), ("qs", "i1" if qname == "Q8_0" else "u1", (32 if qname == "Q8_0" else 16,))])
+
+
+def repack_blocks(w16: np.ndarray, q: np.ndarray | None, d: np.ndarray | None, qname: str
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 / Q4_0 blocks for ``w16`` (float16 [N, K], K a multiple of 32).
+
+    ``q`` int16 [N, K] and ``d`` float16 [N, K] (``layer_integers``; None for a dense source): a block whose 32
+    scales are one value, whose integers fit the type and whose ``fp16(q * d)`` equals ``w16`` is stored as
+    exactly those integers and that scale; the other blocks are quantized from ``w16`` with ``gguf.quants``.
+    Returns (uint8 [N, K/32 * type_size] block bytes, bool [N, K/32] mask of the exact blocks)."""
+    from gguf import quants
+
+    N, K = w16.shape
+    nb = K // 32
+    exact = np.zeros((N, nb), dtype=bool)
+    if q is not None:
+        lo, hi = _QRANGE[qname]
+        qb = q.reshape(N, nb, 32)
+        db = d.reshape(N, nb, 32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            rec = (qb.astype(np.float32) * db[..., :1].astype(np.float32)).astype(np.float16)
+        exact = ((db == db[..., :1]).all(-1) & np.isfinite(db[..., 0]) & (qb >= lo).all(-1) & (qb <= hi).all(-1)
+                 & (rec.view(np.uint16) == w16.reshape(N, nb, 32).view(np.uint16)).all(-1))
+    bdt = _block_dtype(qname)
+    if exact.all():
+        out = np.empty((N, nb), dtype=bdt)
+    else:
+        base = quants.quantize(w16.astype(np.float32), _qtype(qname))
+        out = np.ascontiguousarray(base).view(bdt).reshape(N, nb).copy()
+    if exact.any():
+        qb = q.reshape(N, nb, 32)
+        out["d"][exact] = d.reshape(N, nb, 32)[..., 0][exact]
+        if qname == "Q8_0":
+            out["qs"][exact] = qb[exact].astype(np.int8)
+        else:
+            nib = (qb[exact] + 8).astype(np.uint8)
+            out["qs"][exact] = nib[:, :16] | (nib[:, 16:] << 4)
+    return out.view(np.uint8).reshape(N, nb * bdt.itemsize), exact
+
+
+def decode(data: np.ndarray, gtype: str) -> np.ndarray:
+    """float32 values of GGUF data (numpy order) of type ``gtype`` (``F32``/``F16``/``BF16`` or a block type)."""
+    from gguf import quants
+
+    if gtype == "F32":
+        return np.asarray(data, dtype=np.float32)
+    if gtype == "F16":
+        return np.asarray(data).view(np.float16).astype(np.float32)
+    if gtype == "BF16":
+        return bf16_bits_to_f32(np.asarray(data).view(np.uint16))
+    return quants.dequantize(np.asarray(data), _qtype(gtype))
+
+
+# ------------------------------------------------------------------------------------------------ plan
+
+
+@dataclass
+class _Item:
+    gguf_name: str
+    src: str                        # HF tensor name, or layer key for a linear layer
+    gtype: str                      # F32 / F16 / BF16 / Q8_0 / Q4_0
+    shape: tuple[int, ...]          # numpy order
+    produce: Callable[[], np.ndarray]
+    redecode: Callable[[], np.ndarray] | None = None   # fresh float32 reference for verify="full"
+    report: LayerReport | TensorReport | None = None
+    sum: tuple | None = None
+
+    @property
+    def nbytes(self) -> int:
+        import gguf
+
+        bs, ts = gguf.GGML_QUANT_SIZES[_qtype(self.gtype)]
+        n = int(np.prod(self.shape, dtype=np.int64))
+        return n // bs * ts
+
+    @property
+    def byte_shape(self) -> tuple[int, ...]:
+        import gguf
+
+        bs, ts = gguf.GGML_QUANT_SIZES[_qtype(self.gtype)]
+        if self.gtype in ("F32", "F16"):
+            return self.shape
+        return (*self.shape[:-1], self.shape[-1] // bs * ts)
+
+
+def _hparams(cfg: dict) -> dict:
+    def need(*names):
+        for n in names:
+            v = cfg.get(n)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                return v
+        raise Exl2Error(ErrorCode.CONFIG_INVALID, f"config.json lacks {names[0]} (needed for GGUF metadata)")
+
+    h = {"n_layer": int(need("num_hidden_layers")), "n_embd": int(need("hidden_size")),
+         "n_ff": int(need("intermediate_size")), "n_head": int(need("num_attention_heads")),
+         "n_ctx": int(cfg.get("max_position_embeddings") or 4096),
+         "eps": float(cfg.get("rms_norm_eps") or 1e-5), "rope_theta": float(cfg.get("rope_theta") or 10000.0),
+         "vocab": int(need("vocab_size"))}
+    h["n_kv"] = int(cfg.get("num_key_value_heads") or h["n_head"])
+    hd = cfg.get("head_dim")
+    h["head_dim_explicit"] = isinstance(hd, int) and hd > 0 and hd * h["n_head"] != h["n_embd"]
+    h["head_dim"] = int(hd) if isinstance(hd, int) and hd > 0 else h["n_embd"] // h["n_head"]
+    return h
+
+
+def _auto_type(det, cfg: dict, model, reader: SourceReader) -> tuple[str, str]:
+    """(layer type, plain-tensor type) for --gguf-type auto."""
+    from ..arch import gptq_config
+    from ..detect import ModelFormat
+
+    plain = "BF16" if str(cfg.get("torch_dtype") or cfg.get("dtype") or "").lower() in ("bfloat16", "bf16") else "F16"
+    if det.format is ModelFormat.DENSE:
+        return plain, plain
+    if det.format is ModelFormat.GPTQ:
+        gc = gptq_config(cfg)
+        gs_ok = gc.group_size is not None and (gc.group_size == -1 or gc.group_size % 32 == 0)
+        if gc.sym and gs_ok and not gc.desc_act and gc.bits is not None:
+            if gc.bits <= 4:
+                return "Q4_0", "F16"
+            if gc.bits <= 8:
+                return "Q8_0", "F16"
+    return "F16", "F16"
+
+
+def convert_to_gguf(src, dst, *, gguf_type: str = "auto", force: bool = False, progress=None,
+                    verify: str = "auto", _fail_after: int | None = None) -> ConversionReport:
+    """Convert the model directory (or .safetensors file) ``src`` into the GGUF file ``dst``; see the module
+    docstring.  Returns a ``ConversionReport`` (target ``gguf``); raises ``Exl2Error``."""
+    import gguf
+
+    from ..container import open_model
+    from ..detect import ModelFormat, detect_model
+
+    t_start = time.perf_counter()
+    gt = str(gguf_type or "auto").lower()
+    if gt not in GGUF_TYPES:
+        raise Exl2Error(ErrorCode.USAGE, f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type!r}")
+    src_p, dst_p = Path(os.fspath(src)), Path(os.fspath(dst))
+    model = open_model(src)
+    reader = SourceReader(model)
+    try:
+        check_paths(src_p, dst_p, force)
+        if dst_p.is_dir():
+            raise Exl2Error(ErrorCode.USAGE, "the GGUF destination is a directory; name a .gguf file",
+                            file=str(dst_p))
+        cfg = model.config
+        arch, permute = arch_of(cfg, file=str(src_p))
+        det = detect_model(model.tensors, cfg, root=model.root)
+        fatal = [i for i in det.issues if i.code is ErrorCode.FORMAT_AMBIGUOUS]
+        if fatal:
+            raise fatal[0].to_error()
+        if det.format not in (ModelFormat.EXL2, ModelFormat.GPTQ, ModelFormat.DENSE):
+            raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{det.format.value} models cannot be converted to GGUF",
+                            file=str(src_p))
+        report = ConversionReport(source=str(src), destination=str(dst), source_format=det.format.value,
+                                  target="gguf", options={"gguf_type": gt, "force": force, "verify": verify})
+        for i in det.issues:
+            report.warnings.append(f"detect: [{i.code.value}] {i.message}")
+        hp = _hparams(cfg)
+        if gt == "auto":
+            layer_t, plain_t = _auto_type(det, cfg, model, reader)
+        else:
+            layer_t = plain_t = gt.upper()
+        report.options["layer_type"], report.options["plain_type"] = layer_t, plain_t
+        items = _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report)
+        report.seconds["plan"] = time.perf_counter() - t_start
+        _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, force, progress, verify,
+                           _fail_after)
+    finally:
+        reader.close()
+    report.seconds["total"] = time.perf_counter() - t_start
+    return report
+
+
+def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) -> list[_Item]:
+    from ..detect import ModelFormat
+
+    name_of = gguf_name_map(arch, hp["n_layer"])
+    items: list[_Item] = []
+    owned: set[str] = set()
+
+    def gtype_2d(want: str, cols: int, what: str) -> str:
+        if want in ("Q8_0", "Q4_0") and cols % 32:
+            report.warnings.append(f"{what}: row length {cols} is not a multiple of 32; written as F16")
+            return "F16"
+        return want
+
+    for key, info in det.layers.items():
+        owned.update(ti.name for ti in info.slots.values())
+        if info.format is ModelFormat.DENSE:
+            continue  # handled as a plain tensor below
+        if info.format not in (ModelFormat.EXL2, ModelFormat.GPTQ):
+            raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot be converted",
+                            tensor=key)
+        wname = f"{key}.weight"
+        g = name_of(wname)
+        if g is None:
+            raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"no GGUF name for {wname} in the gguf package's {arch} "
+                            "table", tensor=key)
+        from ..arch import expected_features
+
+        n = expected_features(cfg, key)[1] or info.out_features
+        k = info.in_features
+        heads = qk_heads(wname, hp["n_head"], hp["n_kv"]) if permute else None
+        items.append(_layer_item(reader, info, cfg, g, wname, (n, k), gtype_2d(layer_t, k, wname), heads, report))
+        if info.has_bias:
+            bname = f"{key}.bias"
+            items.append(_layer_bias_item(reader, info, cfg, name_of(bname) or g[:-7] + ".bias", bname, n, heads,
+                                          report))
+    for name in sorted(model.tensors, key=natural_key):
+        if name in owned:
+            continue
+        if name.endswith(DROPPED_SUFFIXES):
+            report.warnings.append(f"{name}: dropped (derived at load time)")
+            continue
+        ti = model.info(name)
+        g = name_of(name)
+        if g is None:
+            raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"no GGUF name for {name} in the gguf package's {arch} "
+                            "table", tensor=name)
+        if ti.dtype not in ("F16", "BF16", "F32"):
+            raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"a {ti.dtype} tensor cannot be written to GGUF",
+                            tensor=name)
+        shape = tuple(int(x) for x in ti.shape)
+        if len(shape) == 1 or name.endswith("norm.weight") or not name.endswith(".weight"):
+            gtype = "F32"
+        elif len(shape) == 2:
+            gtype = gtype_2d(plain_t, shape[1], name)
+        else:
+            raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"a {len(shape)}-D tensor is not part of the Llama family "
+                            "mapping", tensor=name)
+        heads = qk_heads(name, hp["n_head"], hp["n_kv"]) if permute else None
+        items.append(_plain_item(reader, name, ti.dtype, g, shape, gtype, heads, report))
+    order = {"token_embd": 0, "output_norm": 2, "output": 3}
+    items.sort(key=lambda it: (order.get(it.gguf_name.rsplit(".", 1)[0], 1), natural_key(it.gguf_name)))
+    return items
+
+
+def _to_gtype(w32: np.ndarray, gtype: str) -> np.ndarray:
+    """float32 [.., cols] -> GGUF data of ``gtype`` (F32/F16: typed arrays; BF16: uint16 bits; blocks: uint8)."""
+    from gguf import quants
+
+    if gtype == "F32":
+        return np.ascontiguousarray(w32, dtype=np.float32)
+    if gtype == "F16":
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.ascontiguousarray(w32.astype(np.float16))
+    if gtype == "BF16":
+        return f32_to_bf16_bits(w32)
+    return np.ascontiguousarray(quants.quantize(np.ascontiguousarray(w32, dtype=np.float32), _qtype(gtype)))
+
+
+def _source_f32(a: np.ndarray, dtype: str) -> np.ndarray:
+    return bf16_bits_to_f32(a) if dtype == "BF16" else np.asarray(a, dtype=np.float32)
+
+
+def _plain_item(reader, name, dtype, g, shape, gtype, heads, report) -> _Item:
+    rep = TensorReport(name, dtype, gtype)
+    report.tensors.append(rep)
+
+    def ref() -> np.ndarray:
+        x = _source_f32(reader.read(name), dtype)
+        return permute_qk(x, heads, name) if heads else x
+
+    def produce():
+        x = ref()
+        out = _to_gtype(x, gtype)
+        back = decode(out, gtype).reshape(x.shape)
+        fin = np.isfinite(x)
+        bad = int(np.count_nonzero(fin & ~np.isfinite(back)))
+        with np.errstate(invalid="ignore"):
+            diff = np.abs(np.where(fin & np.isfinite(back), back - x, 0))
+        rep.max_abs_error = float(diff.max()) if diff.size else 0.0
+        rep.nonfinite = bad
+        rep.exact = bad == 0 and rep.max_abs_error == 0.0
+        if bad:
+            report.warnings.append(f"{name}: {bad} values are not finite as {gtype}")
+        return out
+
+    return _Item(g, name, gtype, shape, produce, ref, rep)
+
+
+def _layer_item(reader, info, cfg, g, wname, shape, gtype, heads, report) -> _Item:
+    N, K = shape
+    key = info.key
+    rep = LayerReport(key, info.format.value, "gguf", (N, K))
+    report.layers.append(rep)
+
+    def reconstruct():
+        layer = build_layer(reader, info, cfg)
+        w = layer.dequantize()
+        if w.shape != (N, K):
+            raise Exl2Error(ErrorCode.SLOT_SHAPE, f"dequantized to {list(w.shape)}, planned {[N, K]}", tensor=key)
+        return layer, w
+
+    def produce():
+        layer, w16 = reconstruct()
+        layer_issues_or_raise(layer, report)
+        rep.source_plan = layer.plan()
+        rep.target_plan = gtype
+        if gtype in ("Q8_0", "Q4_0"):
+            qd = layer_integers(layer, N)
+            q, d = (None, None) if qd is None else qd
+            out, exact_mask = repack_blocks(w16, q, d, gtype)
+            n_exact, n_blocks = int(exact_mask.sum()), exact_mask.size
+            rep.notes.append(f"{n_exact}/{n_blocks} blocks repacked exactly (source integers and scale), "
+                             f"{n_blocks - n_exact} quantized by gguf.quants")
+            rep.rows_requantized = int((~exact_mask).any(axis=1).sum())
+        else:
+            out = _to_gtype(w16.astype(np.float32), gtype)
+        back = decode(out, gtype).reshape(N, K)
+        _score(rep, back, w16)
+        if heads:
+            out = permute_qk(out, heads, wname)
+        return out
+
+    def ref():
+        _, w16 = reconstruct()
+        w = w16.astype(np.float32)
+        return permute_qk(w, heads, wname) if heads else w
+
+    return _Item(g, key, gtype, (N, K), produce, ref, rep)
+
+
+def _score(rep: LayerReport, back: np.ndarray, w16: np.ndarray) -> None:
+    """exact: the decode rounded to fp16 is the source reconstruction bit for bit."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        b16 = back.astype(np.float16)
+    rep.exact = bool(np.array_equal(b16.view(np.uint16), np.ascontiguousarray(w16).view(np.uint16)))
+    if rep.exact:
+        rep.rel_error = rep.max_abs_error = 0.0
+    else:
+        s = error_stats(back, w16)
+        rep.rel_error, rep.max_abs_error = s["rel_error"], s["max_abs_error"]
+
+
+def _layer_bias_item(reader, info, cfg, g, bname, N, heads, report) -> _Item:
+    rep = TensorReport(bname, "F16", "F32")
+    report.tensors.append(rep)
+
+    def ref():
+        b = build_layer(reader, info, cfg).bias()[:N].astype(np.float32)
+        return permute_qk(b, heads, bname) if heads else b
+
+    return _Item(g, bname, "F32", (N,), lambda: np.ascontiguousarray(ref()), ref, rep)
+
+
+# ------------------------------------------------------------------------------------------------ write
+
+
+_FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
+               "Q4_0": "MOSTLY_Q4_0"}
+
+
+def _metadata(w, arch, hp, cfg, layer_t, model, items, report) -> None:
+    import gguf
+
+    name = cfg.get("_name_or_path") or Path(str(model.root)).name
+    if isinstance(name, str) and name:
+        w.add_name(Path(name).name)
+    w.add_type("model")
+    w.add_block_count(hp["n_layer"])
+    w.add_context_length(hp["n_ctx"])
+    w.add_embedding_length(hp["n_embd"])
+    w.add_feed_forward_length(hp["n_ff"])
+    w.add_head_count(hp["n_head"])
+    w.add_head_count_kv(hp["n_kv"])
+    w.add_layer_norm_rms_eps(hp["eps"])
+    w.add_rope_freq_base(hp["rope_theta"])
+    w.add_rope_dimension_count(hp["head_dim"])
+    if hp["head_dim_explicit"]:
+        w.add_key_length(hp["head_dim"])
+        w.add_value_length(hp["head_dim"])
+    w.add_vocab_size(hp["vocab"])
+    rs = cfg.get("rope_scaling")
+    if isinstance(rs, dict):
+        kind = rs.get("rope_type", rs.get("type"))
+        if kind == "linear" and isinstance(rs.get("factor"), (int, float)):
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(float(rs["factor"]))
+        elif kind not in (None, "default"):
+            report.warnings.append(f"rope_scaling type {kind!r} is not written (only linear is); long-context "
+                                   "behaviour will differ in llama.cpp")
+    w.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[layer_t]))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_string("general.source.format", report.source_format)
+    from .. import __version__
+
+    w.add_string("general.quantized_by", f"exl2fmt {__version__}")
+
+
+def _tmp_path(dst: Path) -> Path:
+    import secrets
+
+    parent = dst.parent if str(dst.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot create the parent directory: {e.strerror or e}",
+                        file=str(parent)) from None
+    return parent / f".{dst.name[:150]}.exl2fmt-partial-{secrets.token_hex(6)}"
+
+
+def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, force, progress, verify,
+                       _fail_after) -> None:
+    import gguf
+
+    t0 = time.perf_counter()
+    tmp = _tmp_path(dst_p)
+    w = None
+    try:
+        w = gguf.GGUFWriter(None, arch)
+        _metadata(w, arch, hp, model.config, layer_t, model, items, report)
+        n_vocab = next((it.shape[0] for it in items if it.gguf_name == "token_embd.weight"), hp["vocab"])
+        from .gguf_vocab import add_tokenizer
+
+        tok = add_tokenizer(w, src_p if src_p.is_dir() else src_p.parent, n_vocab, report.warnings)
+        report.options["tokenizer"] = tok
+        for it in items:
+            bshape = it.byte_shape
+            dt = {"F32": np.float32, "F16": np.float16}.get(it.gtype, np.uint8)
+            w.add_tensor_info(it.gguf_name, bshape, np.dtype(dt), it.nbytes,
+                              raw_dtype=None if it.gtype in ("F32", "F16") else _qtype(it.gtype))
+        w.write_header_to_file(tmp)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        total = sum(it.nbytes for it in items)
+        done = 0
+        for ui, it in enumerate(items):
+            if _fail_after is not None and ui >= _fail_after:
+                raise RuntimeError("injected failure (test hook)")
+            arr = np.ascontiguousarray(it.produce())
+            if arr.nbytes != it.nbytes:  # pragma: no cover - converter bug
+                raise RuntimeError(f"{it.gguf_name}: produced {arr.nbytes} bytes, planned {it.nbytes}")
+            it.sum = checksum(memoryview(arr.reshape(-1).view(np.uint8)))
+            w.write_tensor_data(arr)
+            done += it.nbytes
+            del arr
+            if progress is not None:
+                progress(done, 2 * total, it.src)
+        for f in w.fout or []:
+            f.flush()
+            os.fsync(f.fileno())
+        w.close()
+        w = None
+        report.bytes_written = os.path.getsize(tmp)
+        report.files_written = [dst_p.name]
+        report.shards = [dst_p.name]
+        report.seconds["write"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _verify(tmp, items, hp, arch, report, progress, total, verify)
+        report.seconds["verify"] = time.perf_counter() - t0
+        publish(tmp, dst_p, force)
+        tmp = None
+    finally:
+        if w is not None:
+            try:
+                w.close()
+            except Exception:  # noqa: BLE001 - cleanup only
+                pass
+        if tmp is not None:
+            _remove(tmp)
+
+
+def _verify(path: Path, items, hp, arch, report, progress, total, mode) -> None:
+    from .gguf_read import open_gguf
+
+    reader, scan = open_gguf(path)
+    try:
+        have = {t.name: t for t in reader.tensors}
+        planned = {it.gguf_name for it in items}
+        if set(have) != planned:
+            raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"the written GGUF's tensors differ from the plan "
+                            f"(missing {sorted(planned - set(have))[:3]}, unexpected {sorted(set(have) - planned)[:3]})",
+                            file=str(path))
+        kv = {k: reader.get_field(k) for k in (f"{arch}.block_count", f"{arch}.embedding_length",
+                                               f"{arch}.attention.head_count")}
+        want = {f"{arch}.block_count": hp["n_layer"], f"{arch}.embedding_length": hp["n_embd"],
+                f"{arch}.attention.head_count": hp["n_head"]}
+        for k, v in want.items():
+            if kv[k] is None or kv[k].contents() != v:
+                raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"metadata {k} reads back as "
+                                f"{None if kv[k] is None else kv[k].contents()}, written {v}", file=str(path))
+        done = total
+        for it in items:
+            t = have[it.gguf_name]
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            if t.tensor_type.name != it.gtype or shape != it.shape:
+                raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"reads back as {t.tensor_type.name} {list(shape)}, "
+                                f"planned {it.gtype} {list(it.shape)}", tensor=it.gguf_name, file=str(path))
+            if checksum_of_file_range(str(path), int(t.data_offset), int(t.n_bytes)) != it.sum:
+                raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, "the bytes on disk differ from the bytes produced "
+                                "(checksum)", tensor=it.gguf_name, file=str(path))
+            if mode == "full" and it.redecode is not None:
+                got = decode(np.array(t.data), it.gtype).reshape(it.shape)
+                want_w = it.redecode()
+                if isinstance(it.report, LayerReport) and it.report.exact:
+                    ok = np.array_equal(got.astype(np.float16).view(np.uint16),
+                                        want_w.astype(np.float16).view(np.uint16))
+                elif isinstance(it.report, LayerReport):
+                    s = error_stats(got, want_w)
+                    ok = math.isclose(s["rel_error"], it.report.rel_error, rel_tol=1e-6, abs_tol=1e-12)
+                else:
+                    d = np.abs(got - want_w)
+                    ok = bool((d[np.isfinite(d)].max() if d.size else 0.0) <= it.report.max_abs_error)
+                if not ok:
+                    raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, "decoding the written tensor again does not give "
+                                    "what was reported", tensor=it.gguf_name, file=str(path))
+            if it.report is not None:
+                it.report.verified = True
+            done += it.nbytes
+            if progress is not None:
+                progress(done, 2 * total, f"verify {it.gguf_name}")
+    finally:
+        del reader
+    report.validation = {"result": "PASS", "counts": {"tensors": len(items)}, "problems": []}
+    report.verified = True
+    report.verify_mode = ("re-read through the GGUF pre-scan and gguf.GGUFReader; every tensor checksummed"
+                          + ("; every tensor decoded again and compared with the source" if mode == "full" else ""))
