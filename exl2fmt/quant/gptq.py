@@ -1,0 +1,273 @@
+"""GPTQ for one linear layer: Hessians, act-order, the error-feedback sweep, EXL2 and GPTQ outputs.
+
+The algorithm is the one of spec/exl2.md ("Conversion"), written for torch on CPU or CUDA:
+
+1. ``HessianAccumulator`` sums ``H = X^T X`` (float32) over the calibration inputs ``X`` of the layer.
+2. ``prepare`` orders the input features by descending ``diag(H)`` (act-order; a stable sort, so ties keep
+   their index order and runs are reproducible), dampens ``H`` by ``percdamp * mean(diag(H))`` and returns the
+   upper Cholesky factor ``U`` of ``H^-1`` in that order (retrying with more damping if the factorization
+   fails).
+3. ``quantize_exl2`` / ``quantize_gptq`` sweep the stored rows group by group.  At the start of a group the
+   group's quantization parameters are fitted to the *current* (already error-compensated) rows; then each
+   row is rounded, its fp16 reconstruction taken, and the scaled error ``e = (w - w_hat) / U[c, c]`` pushed
+   into the remaining rows of the group (``w_r -= U[c, r] * e``); after the group, one matrix product pushes
+   the group's errors into every later row (``W[b:] -= U[a:b, b:]^T E``).
+
+Arrays: ``weight`` is always the ``nn.Linear`` weight, float [N, K] (out features x in features), C order.
+Inside, the work matrix is ``W^T`` in stored (permuted) row order, float32 [K, N_pad] with N padded to 32
+(EXL2) or unpadded (GPTQ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import ErrorCode, Exl2Error
+from ..layout import BIT_WIDTHS, pad32
+
+__all__ = ["HessianAccumulator", "Prepared", "prepare", "Exl2Result", "GptqResult", "quantize_exl2",
+           "quantize_gptq", "proxy_error", "EXL2_PERCDAMP", "GPTQ_PERCDAMP"]
+
+#: Relative damping of ExLlamaV2 (``percdamp = 0.12``) and of the GPTQ reference implementations (0.01).
+EXL2_PERCDAMP = 0.12
+GPTQ_PERCDAMP = 0.01
+
+
+class HessianAccumulator:
+    """``H = sum X^T X`` over calibration inputs; ``add(x)`` with ``x`` float [..., K] (any leading shape)."""
+
+    def __init__(self, K: int, device: str | torch.device = "cpu"):
+        self.K = int(K)
+        self.H = torch.zeros((self.K, self.K), dtype=torch.float32, device=device)
+        self.rows = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x2 = x.reshape(-1, x.shape[-1]).to(device=self.H.device, dtype=torch.float32)
+        if x2.shape[1] != self.K:
+            raise ValueError(f"Hessian of K={self.K} fed inputs with {x2.shape[1]} features")
+        self.H.addmm_(x2.T, x2)
+        self.rows += x2.shape[0]
+
+    def result(self) -> torch.Tensor:
+        """H / rows, float32 [K, K]; the identity when nothing was added (weight-only mode)."""
+        if self.rows == 0:
+            return torch.eye(self.K, dtype=torch.float32, device=self.H.device)
+        return self.H / self.rows
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """``perm`` int64 [K]: stored row k holds input feature perm[k].  ``U`` float32 [K, K]: upper Cholesky
+    factor of the damped ``H^-1`` in stored order.  ``H`` float32 [K, K]: the undamped Hessian in original
+    order (kept for error estimates)."""
+
+    perm: torch.Tensor
+    U: torch.Tensor
+    H: torch.Tensor
+    damp: float
+
+
+def prepare(H: torch.Tensor, *, percdamp: float = EXL2_PERCDAMP, act_order: bool = True) -> Prepared:
+    """Act-order permutation and the inverse-Hessian factor for ``H`` float32 [K, K] (symmetric, PSD)."""
+    K = H.shape[0]
+    H = H.to(torch.float32)
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True, stable=True)
+    else:
+        perm = torch.arange(K, device=H.device)
+    Hp = H[perm][:, perm]
+    base = max(float(percdamp) * float(torch.diag(Hp).mean()), 1e-5)
+    eye = torch.eye(K, dtype=torch.float32, device=H.device)
+    for attempt in range(1, 11):
+        damp = base * attempt
+        L, info = torch.linalg.cholesky_ex(Hp + damp * eye)
+        if int(info) == 0:
+            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if int(info) == 0 and bool(torch.isfinite(U).all()):
+                return Prepared(perm=perm, U=U, H=H, damp=damp)
+    raise Exl2Error(ErrorCode.QUANT_NUMERICS, f"the Hessian (K={K}) is not positive definite even with "
+                    f"damping {damp:.3g}: calibration inputs are degenerate or non-finite")
+
+
+# ------------------------------------------------------------------------------------------------ the sweep
+
+
+def _sweep(Wt: torch.Tensor, U: torch.Tensor, groups: list[tuple[int, int]], fit) -> torch.Tensor:
+    """Run the GPTQ sweep in place on ``Wt`` float32 [K, N] (stored order).
+
+    ``groups``: (first row, rows) per group, covering 0..K in order.  ``fit(g, X)`` gets the current rows of
+    group g, float32 [r, N], and returns (scale float32 [N] of exact fp16 values, zero float32 [N], maxq);
+    columns with scale 0 quantize to the zero point.  Returns the integer codes, uint8 [K, N]; on return
+    ``Wt`` holds the fp16 reconstruction (as float32) of every row.
+    """
+    K, N = Wt.shape
+    codes = torch.empty((K, N), dtype=torch.uint8, device=Wt.device)
+    for g, (a, r) in enumerate(groups):
+        b = a + r
+        s, z, maxq = fit(g, Wt[a:b])
+        live = s > 0
+        s_div = torch.where(live, s, torch.ones_like(s))
+        blk = Wt[a:b]
+        Ublk = U[a:b, a:b]
+        err = torch.empty((r, N), dtype=torch.float32, device=Wt.device)
+        for c in range(r):
+            w = blk[c]
+            q = torch.clamp(torch.round(w / s_div) + z, 0, maxq)
+            q = torch.where(live, q, z)
+            w_hat = ((q - z) * s).half().float()
+            e = (w - w_hat) / Ublk[c, c]
+            err[c] = e
+            if c + 1 < r:
+                blk[c + 1:].addr_(Ublk[c, c + 1:], e, alpha=-1.0)
+            codes[a + c] = q.to(torch.uint8)
+            blk[c] = w_hat
+        if b < K:
+            Wt[b:].addmm_(U[a:b, b:].T, err, alpha=-1.0)
+    return codes
+
+
+def _work_matrix(weight: torch.Tensor, perm: torch.Tensor, n_cols: int) -> torch.Tensor:
+    N, K = weight.shape
+    Wt = torch.zeros((K, n_cols), dtype=torch.float32, device=perm.device)
+    Wt[:, :N] = weight.to(device=perm.device, dtype=torch.float32).T[perm]
+    return Wt
+
+
+def _unpermute(Wt_hat: torch.Tensor, perm: torch.Tensor, N: int) -> torch.Tensor:
+    """float32 [K, N_pad] stored order -> float32 [N, K] original order."""
+    out = torch.empty((N, Wt_hat.shape[0]), dtype=torch.float32, device=Wt_hat.device)
+    out[:, perm] = Wt_hat[:, :N].T
+    return out
+
+
+def proxy_error(weight: torch.Tensor, w_hat: torch.Tensor, H: torch.Tensor) -> float:
+    """Relative output error on the calibration inputs: tr(D H D^T) / tr(W H W^T), D = w_hat - W (both
+    float [N, K]); the square root of it approximates ||X D^T||_F / ||X W^T||_F."""
+    W = weight.to(torch.float32)
+    D = w_hat.to(torch.float32) - W
+    num = float(torch.sum((D @ H) * D))
+    den = float(torch.sum((W @ H) * W))
+    return float(np.sqrt(max(num, 0.0) / den)) if den > 0 else 0.0
+
+
+# ------------------------------------------------------------------------------------------------ EXL2
+
+
+@dataclass(frozen=True)
+class Exl2Result:
+    """One quantized EXL2 layer, ready for ``exl2fmt.writer.exl2_tensors``.
+
+    ``codes`` uint8 [K, N_pad] (stored order), ``scale_codes`` uint8 [G, N_pad] (0..15), ``q_scale_max``
+    float16 [G], ``bits_rows`` [(bits, rows)] per group, ``q_invperm`` int32 [K], ``weight_hat`` float32
+    [N, K] (the exact fp16 reconstruction, original order), ``error`` (``proxy_error``)."""
+
+    codes: np.ndarray
+    scale_codes: np.ndarray
+    q_scale_max: np.ndarray
+    bits_rows: list[tuple[int, int]]
+    q_invperm: np.ndarray
+    weight_hat: torch.Tensor
+    error: float
+
+    def tensors(self, bias: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        from ..writer import exl2_tensors
+
+        return exl2_tensors(self.codes, self.scale_codes, self.q_scale_max, self.bits_rows, self.q_invperm, bias)
+
+
+def quantize_exl2(weight: torch.Tensor, prep: Prepared, bits_rows: list[tuple[int, int]]) -> Exl2Result:
+    """GPTQ-quantize ``weight`` float [N, K] to the EXL2 group plan ``bits_rows`` (``layout.plan_rows``), with
+    ExLlamaV2's per-group 4-bit scale search (``exl2fmt.writer.find_scales``) on the compensated rows."""
+    from ..writer import find_scales
+
+    N, K = weight.shape
+    if K % 32 or sum(r for _, r in bits_rows) != K:
+        raise Exl2Error(ErrorCode.USAGE, f"EXL2 needs K % 32 == 0 and a group plan covering K={K}")
+    n_pad = pad32(N)
+    Wt = _work_matrix(weight, prep.perm, n_pad)
+    G = len(bits_rows)
+    scale_codes = np.empty((G, n_pad), dtype=np.uint8)
+    qsm = np.empty(G, dtype=np.float16)
+    starts, a = [], 0
+    for _, r in bits_rows:
+        starts.append((a, r))
+        a += r
+
+    def fit(g, X):
+        bits = bits_rows[g][0]
+        c, m, s = find_scales(X.detach().cpu().numpy(), bits)
+        scale_codes[g], qsm[g] = c, m
+        z = float(BIT_WIDTHS[bits].zero_point)
+        s_t = torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32)).to(X.device)
+        return s_t, torch.full_like(s_t, z), float((1 << bits) - 1)
+
+    codes = _sweep(Wt, prep.U, starts, fit)
+    w_hat = _unpermute(Wt, prep.perm, N)
+    invperm = torch.argsort(prep.perm).to(torch.int32).cpu().numpy()
+    return Exl2Result(codes=codes.cpu().numpy(), scale_codes=scale_codes, q_scale_max=qsm, bits_rows=list(bits_rows),
+                      q_invperm=invperm, weight_hat=w_hat, error=proxy_error(weight.to(w_hat.device), w_hat, prep.H))
+
+
+# ------------------------------------------------------------------------------------------------ GPTQ format
+
+
+@dataclass(frozen=True)
+class GptqResult:
+    """One quantized GPTQ layer in the arrays of ``exl2fmt.converters.gptq_quant.gptq_layer_tensors``:
+    ``codes`` uint8 [K, N] (ORIGINAL row order), ``scales`` float16 [G, N], ``zeros`` int32 [G, N] (true zero
+    points), ``g_idx`` int32 [K]; ``weight_hat`` float32 [N, K]; ``error`` (``proxy_error``)."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray
+    g_idx: np.ndarray
+    bits: int
+    weight_hat: torch.Tensor
+    error: float
+
+    def tensors(self, bias: np.ndarray | None = None, v2: bool = False) -> dict[str, np.ndarray]:
+        from ..converters.gptq_quant import gptq_layer_tensors
+
+        return gptq_layer_tensors(self.codes, self.scales, self.zeros, self.g_idx, self.bits, v2=v2, bias=bias)
+
+
+def quantize_gptq(weight: torch.Tensor, prep: Prepared, bits: int, group_size: int, *, sym: bool = True) -> GptqResult:
+    """GPTQ-quantize ``weight`` float [N, K] to ``bits`` (2/3/4/8) with groups of ``group_size`` stored rows
+    (-1 = one group).  Groups follow the processing order (act-order when ``prep`` permuted), so
+    ``g_idx[perm[i]] = i // group_size``; each group's scale (and zero point when asymmetric) is the best fp16
+    fit of the compensated rows (``converters.gptq_quant.fit_group``); asymmetric zero points stay >= 1 so the
+    v1 zero field is never negative."""
+    from ..converters.gptq_quant import fit_group
+
+    if bits not in (2, 3, 4, 8):
+        raise Exl2Error(ErrorCode.USAGE, f"GPTQ bits must be 2, 3, 4 or 8, got {bits}")
+    N, K = weight.shape
+    gs = K if group_size == -1 else int(group_size)
+    if gs <= 0 or K % 32 or N % 32:
+        raise Exl2Error(ErrorCode.USAGE, f"GPTQ needs K and N multiples of 32 and a positive group size "
+                        f"(K={K}, N={N}, group size {group_size})")
+    Wt = _work_matrix(weight, prep.perm, N)
+    G = -(-K // gs)
+    scales = np.empty((G, N), dtype=np.float16)
+    zeros = np.empty((G, N), dtype=np.int32)
+    groups = [(h * gs, min(gs, K - h * gs)) for h in range(G)]
+    maxq = float((1 << bits) - 1)
+
+    def fit(g, X):
+        _, s, z = fit_group(X.detach().cpu().numpy(), bits, sym)
+        scales[g], zeros[g] = s, z
+        return (torch.from_numpy(s.astype(np.float32)).to(X.device),
+                torch.from_numpy(z.astype(np.float32)).to(X.device), maxq)
+
+    codes_stored = _sweep(Wt, prep.U, groups, fit)
+    perm = prep.perm.cpu().numpy()
+    codes = np.empty((K, N), dtype=np.uint8)
+    codes[perm] = codes_stored.cpu().numpy()
+    g_idx = np.empty(K, dtype=np.int32)
+    g_idx[perm] = np.arange(K) // gs
+    w_hat = _unpermute(Wt, prep.perm, N)
+    return GptqResult(codes=codes, scales=scales, zeros=zeros, g_idx=g_idx, bits=bits, weight_hat=w_hat,
+                      error=proxy_error(weight.to(w_hat.device), w_hat, prep.H))

@@ -1,0 +1,710 @@
+"""FP16/BF16 -> EXL2 (and GPTQ): measure, optimize, quantize, compile, verify.
+
+``quantize_model(src, dst, QuantOptions(...))`` runs the whole conversion:
+
+1. **Calibration**: token ids [rows, length] (``calib.load_calibration``; the built-in set by default).
+2. **Measurement** (EXL2 only, skipped with ``measurement=``): for every attention and MLP block, the GPTQ
+   Hessians of its linear layers are accumulated from the block's reference inputs; every distinct candidate
+   setting of every layer is GPTQ-quantized; every candidate option of the block is scored by the relative
+   error of the block's output, ``1 - mean_rows ||y_test - y_ref||_F / ||y_ref||_F`` (ExLlamaV2's
+   "accuracy").  Blocks are measured independently: the next block's input is the reference output.
+3. **Optimization**: ``solver.solve`` picks one option per block so that the decoder linears' stored bits
+   (overhead included) stay within ``bits x sum(K x N)``.
+4. **Quantization**: sequential GPTQ through the model.  Each block's Hessians come from the *quantized*
+   model's activations, and within a block the layers are quantized in order (q/k/v, then o_proj with inputs
+   recomputed through the quantized q/k/v; gate/up, then down_proj), so errors are compensated downstream.
+   The head is quantized last with ``head_bits``; embeddings and norms are written as fp16.
+5. **Compile**: ``output.safetensors`` (or ``output-0000i-of-0000N`` shards with an index) in a temporary
+   sibling of DST, side files copied, ``config.json`` with ``quantization_config``, a per-layer manifest
+   ``exl2fmt-manifest.json``; then the validator (deep) must pass, every layer must dequantize to exactly the
+   reconstruction the quantizer computed, and only then is the directory renamed to DST.
+
+Work state lives in a work directory (default: ``.<DST name>.exl2fmt-work`` next to DST): ``job.json``
+(options fingerprint, measurement, strategy, progress), ``hidden.safetensors`` (a snapshot of the hidden
+state) and ``out/<layer>.safetensors`` (each quantized layer).  ``resume=True`` continues from it; the result
+is byte-identical to an uninterrupted run.  The work directory is removed after success.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import ErrorCode, Exl2Error
+from ..layout import pad32
+
+__all__ = ["QuantOptions", "QuantReport", "quantize_model", "WORK_VERSION"]
+
+WORK_VERSION = 1
+_SNAPSHOT_SECONDS = 180.0
+
+Progress = Callable[[str, int, int, str], None]   # (phase, done, total, what)
+
+
+@dataclass
+class QuantOptions:
+    """Options of ``quantize_model``.  ``target`` ``exl2`` or ``gptq``."""
+
+    target: str = "exl2"
+    bits: float | None = None             # exl2: average bpw of the decoder linears (default 4.125); gptq: 2/3/4/8
+    head_bits: int = 6                    # exl2 head setting (2/3/4/5/6/8)
+    group_size: int = 128                 # gptq
+    sym: bool = True                      # gptq
+    act_order: bool = True
+    calibration: str | None = None        # file, or None for the built-in set
+    rows: int | None = None               # default: 100 on CUDA, 32 on CPU
+    length: int | None = None             # default: 2048 on CUDA, 512 on CPU
+    measurement: str | None = None        # reuse this measurement.json (EXL2)
+    save_measurement: str | None = None   # also write the measurement here
+    device: str | None = None             # default: cuda if torch sees one
+    seed: int = 0
+    shard_size: int = 8192 << 20
+    resume: bool = False
+    work_dir: str | None = None
+    extended: bool = True                 # add exl2fmt's extra candidate settings to upstream's tables
+    norm: float = 2.0                     # solver objective: sum of block error ** norm
+    batch_tokens: int = 8192              # calibration tokens per forward batch
+
+    def resolved(self) -> "QuantOptions":
+        o = QuantOptions(**asdict(self))
+        if o.device is None:
+            o.device = "cuda" if torch.cuda.is_available() else "cpu"
+        cuda = str(o.device).startswith("cuda")
+        if o.rows is None:
+            o.rows = 100 if cuda else 32
+        if o.length is None:
+            o.length = 2048 if cuda else 512
+        if o.target == "exl2":
+            o.bits = 4.125 if o.bits is None else float(o.bits)
+            if not (2.0 <= o.bits <= 8.5):
+                raise Exl2Error(ErrorCode.USAGE, f"--bits for EXL2 must lie in [2, 8.5], got {o.bits}")
+        elif o.target == "gptq":
+            o.bits = 4 if o.bits is None else o.bits
+            if float(o.bits) not in (2.0, 3.0, 4.0, 8.0):
+                raise Exl2Error(ErrorCode.USAGE, f"--bits for GPTQ must be 2, 3, 4 or 8, got {o.bits}")
+            o.bits = int(o.bits)
+        else:
+            raise Exl2Error(ErrorCode.USAGE, f"the quantizer writes exl2 or gptq, not {o.target!r}")
+        if o.rows <= 0 or o.length <= 0:
+            raise Exl2Error(ErrorCode.USAGE, "--rows and --length must be positive")
+        return o
+
+    def fingerprint(self) -> dict:
+        """What a resumed run must share with the interrupted one (paths and cosmetics excluded)."""
+        d = asdict(self)
+        for k in ("resume", "work_dir", "save_measurement", "shard_size"):
+            d.pop(k)
+        return d
+
+
+@dataclass
+class LayerResult:
+    key: str
+    plan: str
+    bpw: float
+    error: float          # proxy error: relative output error of the layer on its calibration inputs
+
+
+@dataclass
+class QuantReport:
+    source: str
+    destination: str
+    target: str
+    options: dict
+    layers: list[LayerResult] = field(default_factory=list)
+    blocks: list[dict] = field(default_factory=list)      # per block: key, option index, measured accuracy, rfn
+    decoder_bpw: float | None = None
+    head_bpw: float | None = None
+    calibration_ppl: float | None = None
+    seconds: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        return d
+
+    def summary_lines(self) -> list[str]:
+        out = [f"{self.source} -> {self.destination} ({self.target})"]
+        if self.decoder_bpw is not None:
+            tgt = self.options.get("bits")
+            out.append(f"decoder linears: {self.decoder_bpw:.4f} bpw (target {tgt}); head {self.head_bpw:.3f} bpw"
+                       if self.head_bpw is not None else f"decoder linears: {self.decoder_bpw:.4f} bpw")
+        if self.calibration_ppl is not None:
+            out.append(f"calibration perplexity of the quantized model: {self.calibration_ppl:.3f}")
+        out.append("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()))
+        return out
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _blocks(spec) -> list[tuple[int, str]]:
+    return [(i, kind) for i in range(spec.num_layers) for kind in ("attn", "mlp")]
+
+
+def _linears(spec, kind):
+    return spec.attn_linears if kind == "attn" else spec.mlp_linears
+
+
+# Layers that read the same input share one Hessian (and one act-order permutation).
+_OWNER = {"q_proj": "q_proj", "k_proj": "q_proj", "v_proj": "q_proj", "o_proj": "o_proj",
+          "gate_proj": "gate_proj", "up_proj": "gate_proj", "down_proj": "down_proj"}
+
+
+def _batches(rows: int, length: int, batch_tokens: int) -> list[slice]:
+    per = max(1, batch_tokens // max(1, length))
+    return [slice(a, min(rows, a + per)) for a in range(0, rows, per)]
+
+
+class _Block:
+    """Runs one attention or MLP block over all calibration rows in batches."""
+
+    def __init__(self, spec, src, i, kind, rope_cs, batches):
+        from . import forward as F
+
+        self.F, self.spec, self.src, self.i, self.kind, self.rope, self.batches = F, spec, src, i, kind, rope_cs, batches
+        self.names = _linears(spec, kind)
+
+    def weights(self, device) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        out = {}
+        for n in self.names:
+            key = self.spec.linear_key(self.i, n)
+            w = self.src.get(f"{key}.weight", torch.float32, device)
+            b = self.src.get(f"{key}.bias", torch.float32, device) if self.src.has(f"{key}.bias") else None
+            out[n] = (w, b)
+        return out
+
+    def run(self, h, linears, capture=None):
+        if self.kind == "attn":
+            return self.F.attention_block(self.spec, self.i, h, self.src, linears, rope=self.rope, capture=capture)
+        return self.F.mlp_block(self.spec, self.i, h, self.src, linears, capture=capture)
+
+    def sweep(self, h, linears, hessians: dict | None = None, out: torch.Tensor | None = None):
+        """Run every batch; accumulate the inputs of the layers named in ``hessians`` (owner -> accumulator);
+        return the outputs (into ``out`` if given)."""
+        y = out if out is not None else torch.empty_like(h)
+        for sl in self.batches:
+            cap = {} if hessians else None
+            y[sl] = self.run(h[sl], linears, cap)
+            if hessians:
+                for owner, acc in hessians.items():
+                    acc.add(cap[owner])
+        return y
+
+
+def _rel_err_rows(y, y_ref) -> float:
+    """mean over rows of ||y_row - y_ref_row||_F / ||y_ref_row||_F (rows = calibration rows)."""
+    d = (y - y_ref).flatten(1).norm(dim=1)
+    r = y_ref.flatten(1).norm(dim=1).clamp_min(1e-30)
+    return float((d / r).mean())
+
+
+def _atomic_json(path: Path, doc) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    from ..container import write_safetensors
+
+    write_safetensors(path, tensors)
+
+
+def _load_tensors(path: Path) -> dict[str, np.ndarray]:
+    from ..container import open_model
+
+    m = open_model(path)
+    try:
+        return {n: np.array(m.get(n)) for n in m.names()}
+    finally:
+        m.close()
+
+
+# ------------------------------------------------------------------------------------------------ job state
+
+
+class _Work:
+    """The work directory: job.json, hidden-state snapshot, per-layer outputs."""
+
+    def __init__(self, root: Path, fingerprint: dict, resume: bool):
+        self.root = root
+        self.out = root / "out"
+        self.job_path = root / "job.json"
+        if root.exists() and (root / "job.json").exists():
+            if not resume:
+                raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "an interrupted quantization left this work directory; "
+                                "pass --resume to continue it, or delete it to start over", file=str(root))
+            try:
+                self.job = json.loads(self.job_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise Exl2Error(ErrorCode.CHECKPOINT_INVALID, f"job.json is unreadable ({e})", file=str(root)) from None
+            if self.job.get("version") != WORK_VERSION or self.job.get("fingerprint") != fingerprint:
+                raise Exl2Error(ErrorCode.CHECKPOINT_INVALID, "the work directory belongs to a run with other "
+                                "inputs or options; delete it or repeat the original options", file=str(root))
+        else:
+            root.mkdir(parents=True, exist_ok=True)
+            self.job = {"version": WORK_VERSION, "fingerprint": fingerprint, "measured": {}, "strategy": None,
+                        "quantized": [], "snapshot": None}
+            self.save()
+        self.out.mkdir(exist_ok=True)
+        self._last_snapshot = time.monotonic()
+
+    def save(self) -> None:
+        _atomic_json(self.job_path, self.job)
+
+    def snapshot(self, phase: str, next_block: int, h: torch.Tensor, force: bool = False) -> None:
+        """Save the hidden state before block ``next_block`` of ``phase`` (at most every few minutes)."""
+        if not force and time.monotonic() - self._last_snapshot < _SNAPSHOT_SECONDS:
+            return
+        _save_tensors(self.root / "hidden.safetensors", {"h": h.detach().cpu().numpy()})
+        self.job["snapshot"] = {"phase": phase, "next_block": next_block}
+        self.save()
+        self._last_snapshot = time.monotonic()
+
+    def restore(self, phase: str) -> tuple[int, torch.Tensor | None]:
+        snap = self.job.get("snapshot")
+        if not snap or snap.get("phase") != phase or not (self.root / "hidden.safetensors").exists():
+            return 0, None
+        h = _load_tensors(self.root / "hidden.safetensors")["h"]
+        return int(snap["next_block"]), torch.from_numpy(h)
+
+    def layer_path(self, key: str) -> Path:
+        return self.out / f"{key}.safetensors"
+
+
+# ------------------------------------------------------------------------------------------------ measurement
+
+
+def _variants(blk: _Block, W, hess, options, device) -> dict[str, dict]:
+    from .gptq import prepare, quantize_exl2
+
+    prepared = {o: prepare(acc.result()) for o, acc in hess.items()}
+    out: dict[str, dict] = {n: {} for n in blk.names}
+    for opt in options:
+        for n, qp in opt.layers:
+            if qp in out[n]:
+                continue
+            w, _ = W[n]
+            r = quantize_exl2(w, prepared[_OWNER[n]], qp.bits_rows(w.shape[1]))
+            out[n][qp] = r.weight_hat.to(device)
+    return out
+
+
+def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progress, report) -> dict:
+    from . import forward as F
+    from .gptq import HessianAccumulator
+    from .qparams import measurement_key
+
+    device = torch.device(o.device)
+    blocks = _blocks(spec)
+    start, h = work.restore("measure")
+    if h is None:
+        h = ids_h()
+        start = 0
+    h = h.to(device)
+    rows, T = h.shape[0], h.shape[1]
+    batches = _batches(rows, T, o.batch_tokens)
+    cs = F.rope(spec, T, device)
+    measured = work.job["measured"]
+    for bi in range(start, len(blocks)):
+        i, kind = blocks[bi]
+        key = measurement_key(spec.layer_prefix(i), kind)
+        blk = _Block(spec, src, i, kind, cs, batches)
+        W = blk.weights(device)
+        dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
+        owners = sorted({_OWNER[n] for n in blk.names})
+        hess = {ow: HessianAccumulator(W[ow][0].shape[1], device) for ow in owners}
+        y_ref = blk.sweep(h, dense, hess)
+        if key not in measured:
+            options = options_of(kind)
+            var = _variants(blk, W, hess, options, device)
+            rows_out = []
+            for j, opt in enumerate(options):
+                lin = {n: F.dense_linear(var[n][qp], W[n][1]) for n, qp in opt.layers}
+                y = blk.sweep(h, lin)
+                acc = max(1e-6, 1.0 - _rel_err_rows(y, y_ref))
+                bits = sum(qp.total_bits(W[n][0].shape[1], W[n][0].shape[0], W[n][1] is not None)
+                           for n, qp in opt.layers)
+                rows_out.append([j, bits, acc])
+                if progress:
+                    progress("measure", bi * 1000 + j + 1, len(blocks) * 1000, f"{key} option {j + 1}/{len(options)}")
+            if max(a for _, _, a in rows_out) < 0.1:
+                raise Exl2Error(ErrorCode.QUANT_NUMERICS, f"every candidate of {key} has accuracy below 0.1: the "
+                                "block's reference outputs are degenerate (non-finite or exploding activations?)")
+            measured[key] = rows_out
+            work.save()
+        if progress:
+            progress("measure", (bi + 1) * 1000, len(blocks) * 1000, key)
+        h = y_ref
+        work.snapshot("measure", bi + 1, h)
+    return measured
+
+
+# ------------------------------------------------------------------------------------------------ optimize
+
+
+def _optimize(spec, src, measured, options_of, o: QuantOptions, report) -> dict[str, int]:
+    from .qparams import measurement_key
+    from .solver import solve
+
+    keys, slots = [], []
+    numel = 0
+    for i, kind in _blocks(spec):
+        key = measurement_key(spec.layer_prefix(i), kind)
+        opts = options_of(kind)
+        rows = measured[key]
+        costs = []
+        for j, _, acc in rows:
+            opt = opts[j]
+            c = 0
+            for n, qp in opt.layers:
+                N, K = spec.linear_shape(n)
+                c += qp.total_bits(K, N, spec.has_bias(n))
+            costs.append((c, 1.0 - acc))
+        keys.append(key)
+        slots.append(costs)
+        for n in _linears(spec, kind):
+            N, K = spec.linear_shape(n)
+            numel += K * pad32(N) + (pad32(N) if spec.has_bias(n) else 0)
+    budget = int(numel * o.bits)
+    picks = solve(slots, budget, norm=o.norm)
+    used = sum(slots[s][j][0] for s, j in enumerate(picks))
+    report.decoder_bpw = used / numel
+    return {k: int(measured[k][j][0]) for k, j in zip(keys, picks)}
+
+
+# ------------------------------------------------------------------------------------------------ quantize
+
+
+def _quantize(spec, src, ids_h, strategy, options_of, work: _Work, o: QuantOptions, progress, report):
+    from . import forward as F
+    from .gptq import (EXL2_PERCDAMP, GPTQ_PERCDAMP, HessianAccumulator, prepare, quantize_exl2,
+                       quantize_gptq)
+    from .qparams import measurement_key
+
+    device = torch.device(o.device)
+    blocks = _blocks(spec)
+    start, h = work.restore("quant")
+    if h is None:
+        h, start = ids_h(), 0
+    h = h.to(device)
+    rows, T = h.shape[0], h.shape[1]
+    batches = _batches(rows, T, o.batch_tokens)
+    cs = F.rope(spec, T, device)
+    damp = EXL2_PERCDAMP if o.target == "exl2" else GPTQ_PERCDAMP
+
+    def quant_layer(i, n, w, b, H):
+        key = spec.linear_key(i, n)
+        prep = prepare(H, percdamp=damp, act_order=o.act_order)
+        if o.target == "exl2":
+            qp = options_of(kind)[strategy[measurement_key(spec.layer_prefix(i), kind)]].get(n)
+            r = quantize_exl2(w, prep, qp.bits_rows(w.shape[1]))
+        else:
+            r = quantize_gptq(w, prep, o.bits, o.group_size, sym=o.sym)
+        bias = None if b is None else b.cpu().numpy()
+        tensors = r.tensors(bias)
+        path = work.layer_path(key)
+        if not path.exists() or key not in work.job["quantized"]:
+            _save_tensors(path, tensors)
+        return r
+
+    for bi in range(start, len(blocks)):
+        i, kind = blocks[bi]
+        blk = _Block(spec, src, i, kind, cs, batches)
+        W = blk.weights(device)
+        lin = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
+        first, second = (("q_proj", "k_proj", "v_proj"), ("o_proj",)) if kind == "attn" else \
+            (("gate_proj", "up_proj"), ("down_proj",))
+        for group in (first, second):
+            owner = _OWNER[group[0]]
+            acc = HessianAccumulator(W[owner][0].shape[1], device)
+            blk.sweep(h, lin, {owner: acc})
+            H = acc.result()
+            for n in group:
+                w, b = W[n]
+                r = quant_layer(i, n, w, b, H)
+                lin[n] = F.dense_linear(r.weight_hat, b)
+                report.layers.append(LayerResult(spec.linear_key(i, n), _plan_of(r), _bpw_of(r, w, b), r.error))
+                if progress:
+                    progress("quantize", bi * 10 + len(report.layers) % 10, len(blocks) * 10, spec.linear_key(i, n))
+        y_q = blk.sweep(h, lin)
+        dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
+        y_d = blk.sweep(h, dense)
+        key = measurement_key(spec.layer_prefix(i), kind)
+        report.blocks.append({"block": key, "option": None if strategy is None else strategy.get(key),
+                              "rfn_error": _rel_err_rows(y_q, y_d)})
+        for n in blk.names:
+            k = spec.linear_key(i, n)
+            if k not in work.job["quantized"]:
+                work.job["quantized"].append(k)
+        work.save()
+        h = y_q
+        work.snapshot("quant", bi + 1, h)
+        if progress:
+            progress("quantize", (bi + 1) * 10, len(blocks) * 10, key)
+
+    # the head (EXL2 only; GPTQ keeps a dense head, as GPTQ tools do)
+    norm_w = src.get("model.norm.weight", torch.float32, device)
+    if o.target == "exl2":
+        from .qparams import head_qparams
+
+        head_name = "lm_head.weight" if src.has("lm_head.weight") else "model.embed_tokens.weight"
+        w = src.get(head_name, torch.float32, device)
+        acc = HessianAccumulator(w.shape[1], device)
+        for sl in batches:
+            acc.add(F.rms_norm(h[sl], norm_w, spec.rms_norm_eps))
+        prep = prepare(acc.result(), percdamp=EXL2_PERCDAMP, act_order=o.act_order)
+        r = quantize_exl2(w, prep, head_qparams(o.head_bits).bits_rows(w.shape[1]))
+        b = src.get("lm_head.bias", torch.float32, device) if src.has("lm_head.bias") else None
+        _save_tensors(work.layer_path("lm_head"), r.tensors(None if b is None else b.cpu().numpy()))
+        report.head_bpw = _bpw_of(r, w, b)
+        report.layers.append(LayerResult("lm_head", _plan_of(r), report.head_bpw, r.error))
+        head = F.dense_linear(r.weight_hat, b)
+    else:
+        head = None
+    # calibration perplexity of the quantized model (next-token loss over the calibration rows)
+    nll, count = 0.0, 0
+    for sl in batches:
+        logits = F.final_logits(spec, h[sl], src, head)
+        ids = work._ids[sl].to(device)
+        lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        nll -= float(lp.gather(-1, ids[:, 1:, None]).sum())
+        count += ids[:, 1:].numel()
+    report.calibration_ppl = math.exp(nll / max(count, 1))
+
+
+def _plan_of(r) -> str:
+    from ..layout import plan_desc
+
+    if hasattr(r, "bits_rows"):
+        return plan_desc(r.bits_rows)
+    gs = int(np.bincount(r.g_idx).max())
+    return f"gptq {r.bits}b g{gs}"
+
+
+def _bpw_of(r, w, b) -> float:
+    t = r.tensors(None if b is None else b.cpu().numpy())
+    bits = sum(a.nbytes * 8 for a in t.values())
+    N, K = w.shape
+    return bits / (K * pad32(N) + (pad32(N) if b is not None else 0)) if hasattr(r, "bits_rows") else \
+        bits / (K * N + (N if b is not None else 0))
+
+
+# ------------------------------------------------------------------------------------------------ compile
+
+
+def _compile(spec, src, src_dir: Path, tmp: Path, work: _Work, o: QuantOptions, report: QuantReport,
+             config: dict, layer_keys: list[str]) -> None:
+    from ..container import open_model, write_sharded
+    from ..converters.base import copy_side_files
+
+    tensors: dict[str, np.ndarray] = {}
+    quantized_weights = {f"{k}.weight" for k in layer_keys} | {f"{k}.bias" for k in layer_keys}
+    if o.target == "exl2":
+        quantized_weights |= {"lm_head.weight", "lm_head.bias"}
+    for name in src.names():
+        if name in quantized_weights:
+            continue
+        t = src.get(name, torch.float32)
+        a = t.numpy()
+        if np.isfinite(a).all() and np.abs(a).max(initial=0) > 65504:
+            report.warnings.append(f"{name}: values beyond the fp16 range were clamped")
+        tensors[name] = np.clip(a, -65504, 65504).astype(np.float16)
+    opened = []
+    for k in layer_keys + (["lm_head"] if o.target == "exl2" else []):
+        m = open_model(work.layer_path(k))
+        opened.append(m)
+        for slot in m.names():
+            tensors[f"{k}.{slot}"] = m.get(slot)
+    try:
+        write_sharded(tmp, tensors, o.shard_size, prefix="output" if o.target == "exl2" else "model")
+    finally:
+        for m in opened:
+            m.close()
+    copy_side_files(src_dir, tmp)
+    from .. import __version__
+
+    cfg = dict(config)
+    cfg.pop("quantization_config", None)
+    if o.target == "exl2":
+        cfg["quantization_config"] = {
+            "quant_method": "exl2", "version": f"exl2fmt {__version__}", "bits": o.bits, "head_bits": o.head_bits,
+            "calibration": {"rows": o.rows, "length": o.length,
+                            "dataset": os.path.basename(o.calibration) if o.calibration else "(default)"},
+            "producer": {"name": "exl2fmt", "version": __version__}, "manifest": "exl2fmt-manifest.json",
+        }
+    else:
+        qc = {"quant_method": "gptq", "bits": o.bits, "group_size": o.group_size, "desc_act": o.act_order,
+              "sym": o.sym, "checkpoint_format": "gptq", "damp_percent": 0.01, "static_groups": False,
+              "true_sequential": True, "model_name_or_path": None, "model_file_base_name": "model",
+              "meta": {"quantizer": [f"exl2fmt:{__version__}"]}}
+        cfg["quantization_config"] = qc
+        (tmp / "quantize_config.json").write_text(json.dumps(qc, indent=2) + "\n", encoding="utf-8")
+    cfg["torch_dtype"] = "float16"
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=4) + "\n", encoding="utf-8")
+    manifest = {"producer": f"exl2fmt {__version__}", "target": o.target, "options": o.fingerprint(),
+                "decoder_bpw": report.decoder_bpw, "head_bpw": report.head_bpw,
+                "layers": {l.key: {"plan": l.plan, "bpw": l.bpw, "error": l.error} for l in report.layers},
+                "blocks": report.blocks}
+    (tmp / "exl2fmt-manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+
+
+def _verify(tmp: Path, work: _Work, layer_keys: list[str], o: QuantOptions, report: QuantReport) -> None:
+    """The output must pass the deep validator, and every layer must hold exactly the tensors quantized."""
+    from ..container import open_model
+    from ..validate import validate_model
+
+    rep = validate_model(tmp, deep=True)
+    fails = [c for c in rep.as_dict().get("checks", []) if c.get("status") == "fail"]
+    if fails:
+        first = fails[0]
+        raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"the quantized output fails validation: "
+                        f"{first.get('message')}", file=str(tmp))
+    out = open_model(tmp)
+    try:
+        for k in layer_keys + (["lm_head"] if o.target == "exl2" else []):
+            m = open_model(work.layer_path(k))
+            try:
+                for slot in m.names():
+                    if not np.array_equal(np.asarray(out.get(f"{k}.{slot}")), np.asarray(m.get(slot))):
+                        raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, "written tensor differs from the quantized "
+                                        "layer", file=str(tmp), tensor=f"{k}.{slot}")
+            finally:
+                m.close()
+    finally:
+        out.close()
+    if o.target == "exl2":
+        measured = _measured_decoder_bpw(tmp)
+        report.decoder_bpw = measured
+        if measured > o.bits + 1e-9:
+            raise Exl2Error(ErrorCode.BUDGET_INFEASIBLE, f"the decoder linears measure {measured:.4f} bpw, above "
+                            f"the target {o.bits}", file=str(tmp))
+
+
+def _measured_decoder_bpw(path: Path) -> float:
+    from ..detect import detect_model
+    from ..container import open_model
+    from ..inspect import block_of
+
+    m = open_model(path)
+    try:
+        det = detect_model(m.tensors, m.config, root=m.root)
+    finally:
+        m.close()
+    dec = [l for l in det.layers.values() if block_of(l.key) is not None and l.in_features and l.out_features]
+    numel = sum(l.in_features * l.out_features + (l.out_features if l.has_bias else 0) for l in dec)
+    return sum(l.stored_bytes * 8 for l in dec) / numel
+
+
+# ------------------------------------------------------------------------------------------------ entry point
+
+
+def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: QuantOptions, *, force: bool = False,
+                   progress: Progress | None = None) -> QuantReport:
+    """Quantize the dense Hugging Face model at ``src`` into a new EXL2 or GPTQ model directory ``dst``."""
+    from ..container import open_model
+    from ..converters.base import _remove, check_paths, make_partial_dir, publish
+    from . import forward as F
+    from .calib import load_calibration
+    from .qparams import block_options, measurement_key, read_measurement, write_measurement
+
+    t0 = time.monotonic()
+    o = options.resolved()
+    src_p, dst_p = Path(os.fspath(src)), Path(os.fspath(dst))
+    check_paths(src_p, dst_p, force)
+    if o.device.startswith("cuda") and not torch.cuda.is_available():
+        raise Exl2Error(ErrorCode.USAGE, f"--device {o.device}: torch {torch.__version__} sees no CUDA device")
+    model = open_model(src_p)
+    try:
+        config = model.config
+        if config is None:
+            raise Exl2Error(ErrorCode.CONFIG_MISSING, "the quantizer needs config.json", file=str(src_p))
+        spec = F.ModelSpec.from_config(config)
+        srcw = F.WeightSource(model)
+        F.check_weights(spec, srcw)
+        tok = src_p / "tokenizer.json"
+        ids = load_calibration(o.calibration, tok if tok.exists() else None, o.rows, o.length, o.seed,
+                               vocab_size=spec.vocab_size)
+        ids = torch.as_tensor(ids)
+        if ids.max() >= spec.vocab_size:
+            raise Exl2Error(ErrorCode.CALIBRATION_INVALID, f"token id {int(ids.max())} is outside the model's "
+                            f"vocabulary ({spec.vocab_size})", file=o.calibration)
+        tok_hash = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
+        fp = dict(o.fingerprint(), calibration_sha256=tok_hash, source_config=config)
+        work_root = Path(o.work_dir) if o.work_dir else dst_p.parent / f".{dst_p.name}.exl2fmt-work"
+        work = _Work(work_root, fp, o.resume)
+        work._ids = ids
+        report = QuantReport(source=str(src_p), destination=str(dst_p), target=o.target, options=o.fingerprint())
+
+        def ids_h():
+            return F.embed(spec, srcw, ids, device=o.device)
+
+        options_of = (lambda kind: block_options(kind, extended=o.extended))
+        strategy = None
+        if o.target == "exl2":
+            t = time.monotonic()
+            if o.measurement:
+                names = {measurement_key(spec.layer_prefix(i), k): _linears(spec, k) for i, k in _blocks(spec)}
+                loaded = read_measurement(o.measurement, names)
+                # map the file's options onto our option list by their settings (ExLlamaV2's files have
+                # upstream's 19/17 rows; ours may have more)
+                measured = {}
+                for key, rows in loaded.items():
+                    kind = "attn" if key.endswith("self_attn") else "mlp"
+                    opts = options_of(kind)
+                    index = {opt: j for j, opt in enumerate(opts)}
+                    measured[key] = [[index[opt], tb, acc] for opt, tb, acc in rows if opt in index]
+                    if not measured[key]:
+                        raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{key}: none of the file's options is a "
+                                        "candidate of this quantizer", file=o.measurement)
+                    extra = [opts[j] for j in range(len(opts)) if j not in {r[0] for r in measured[key]}]
+                    if extra:
+                        options_of_missing = True  # noqa: F841  (only the measured options are candidates)
+            else:
+                if work.job.get("strategy") is None:
+                    measured = _measure(spec, srcw, ids_h, options_of, work, o, progress, report)
+                else:
+                    measured = work.job["measured"]
+            report.seconds["measure"] = time.monotonic() - t
+            if o.save_measurement:
+                rows_by_key = {k: [(options_of("attn" if k.endswith("self_attn") else "mlp")[j], tb, acc)
+                                   for j, tb, acc in v] for k, v in measured.items()}
+                write_measurement(o.save_measurement, rows_by_key, 2 * spec.num_layers)
+            if work.job.get("strategy") is None:
+                work.job["strategy"] = _optimize(spec, srcw, measured, options_of, o, report)
+                work.job["snapshot"] = None
+                work.save()
+            strategy = work.job["strategy"]
+        t = time.monotonic()
+        _quantize(spec, srcw, ids_h, strategy, options_of, work, o, progress, report)
+        report.seconds["quantize"] = time.monotonic() - t
+        t = time.monotonic()
+        layer_keys = [spec.linear_key(i, n) for i, k in _blocks(spec) for n in _linears(spec, k)]
+        tmp = make_partial_dir(dst_p)
+        try:
+            _compile(spec, srcw, src_p if src_p.is_dir() else src_p.parent, tmp, work, o, report, config, layer_keys)
+            _verify(tmp, work, layer_keys, o, report)
+            publish(tmp, dst_p, force)
+        except BaseException:
+            _remove(tmp)
+            raise
+        report.seconds["compile+verify"] = time.monotonic() - t
+        shutil.rmtree(work.root, ignore_errors=True)
+        report.seconds["total"] = time.monotonic() - t0
+        return report
+    finally:
+        model.close()

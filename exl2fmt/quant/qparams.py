@@ -1,0 +1,276 @@
+"""Candidate settings of the EXL2 quantizer, their exact cost, and ExLlamaV2's ``measurement.json``.
+
+A *setting* (``QParams``) of one linear layer is a list of tiers, highest bit width first: a proportion of the
+stored rows at a bit width in groups of a given size, e.g. ``0.1:4b_128g/0.9:3b_128g`` (scale bits always 4).
+An *option* of a block is one setting per linear layer of the block (q/k/v/o for attention, gate/up/down for
+the MLP); the solver picks one option per block.
+
+The tables ``ATTN_OPTIONS`` and ``MLP_OPTIONS`` are ExLlamaV2's (spec/exl2.md, "Candidate settings"), so a
+measurement written here can be read by ExLlamaV2 and the other way round; ``EXTRA_*`` add settings upstream
+does not have (see ``options(extended=True)``).  Costs come from ``exl2fmt.layout.exl2_total_bits`` — the same
+accounting the inspector and validator use.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from ..errors import ErrorCode, Exl2Error
+from ..layout import BIT_WIDTHS, Tier, exl2_total_bits, pad32, plan_desc, plan_rows
+
+__all__ = ["QParams", "Option", "ATTN_OPTIONS", "MLP_OPTIONS", "HEAD_OPTIONS", "block_options", "head_qparams",
+           "read_measurement", "write_measurement", "measurement_key"]
+
+
+@dataclass(frozen=True)
+class QParams:
+    """One layer setting: ``tiers`` as (proportion, bits, group_size), highest bits first."""
+
+    tiers: tuple[tuple[float, int, int], ...]
+
+    @staticmethod
+    def of(*tiers: tuple[float, int, int]) -> "QParams":
+        return QParams(tuple((float(p), int(b), int(g)) for p, b, g in tiers))
+
+    def layout_tiers(self) -> list[Tier]:
+        return [Tier(p, b, g) for p, b, g in self.tiers]
+
+    def bits_rows(self, K: int) -> list[tuple[int, int]]:
+        return plan_rows(K, self.layout_tiers())
+
+    def total_bits(self, K: int, N: int, has_bias: bool = False) -> int:
+        """Exact stored bits of a [N, K] layer with this setting (N padded to 32 as stored)."""
+        return exl2_total_bits(K, pad32(N), self.layout_tiers(), has_bias)
+
+    def desc(self) -> str:
+        """ExLlamaV2's description string, e.g. ``0.1:4b_128g/0.9:3b_128g s4``."""
+        return "/".join(f"{_num(p)}:{b}b_{g}g" for p, b, g in self.tiers) + " s4"
+
+    def to_json(self) -> dict:
+        """The QParams dict of ``measurement.json``."""
+        gs: dict[str, int] = {}
+        for _, b, g in self.tiers:
+            gs[str(b)] = g
+        return {"group_size": gs, "bits": [b for _, b, _ in self.tiers],
+                "bits_prop": [p for p, _, _ in self.tiers], "scale_bits": 4}
+
+    @staticmethod
+    def from_json(d, where: str = "") -> "QParams":
+        try:
+            bits = [int(b) for b in d["bits"]]
+            props = [float(p) for p in d["bits_prop"]]
+            gsd = d["group_size"]
+            if isinstance(gsd, dict):
+                gsm = {int(k): int(v) for k, v in gsd.items()}
+                sizes = [gsm[b] for b in bits]
+            elif isinstance(gsd, list):
+                sizes = [int(g) for g in gsd]
+            else:
+                sizes = [int(gsd)] * len(bits)
+            if int(d.get("scale_bits", 4)) != 4:
+                raise ValueError("scale_bits must be 4")
+        except (KeyError, TypeError, ValueError) as e:
+            raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{where}: not a QParams dict ({e})") from None
+        if not bits or len(bits) != len(props) or len(sizes) != len(bits):
+            raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{where}: bits, bits_prop and group_size disagree")
+        for b, p, g in zip(bits, props, sizes):
+            if b not in BIT_WIDTHS or not (0 <= p <= 1) or g <= 0 or g % 32:
+                raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{where}: tier {p}x{b}b/{g}g is not a valid "
+                                "EXL2 tier (bits 2/3/4/5/6/8, proportion 0..1, group size a multiple of 32)")
+        return QParams(tuple(zip(props, bits, sizes)))
+
+
+def _num(p: float) -> str:
+    return f"{p:g}"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One joint choice for a block: layer name (``q_proj`` ...) -> ``QParams``."""
+
+    layers: tuple[tuple[str, QParams], ...]
+
+    def get(self, name: str) -> QParams:
+        return dict(self.layers)[name]
+
+
+def _q(spec: str) -> QParams:
+    """``"0.1x4/128 + 0.9x3/128"`` -> QParams."""
+    tiers = []
+    for part in spec.split("+"):
+        p, rest = part.strip().split("x")
+        b, g = rest.split("/")
+        tiers.append((float(p), int(b), int(g)))
+    return QParams.of(*tiers)
+
+
+# ExLlamaV2's attention table (19 rows: q, k, v, o) and MLP table (17 rows: gate, up, down).
+_ATTN = [
+    ("0.05x3/64 + 0.95x2/64",) * 4,
+    ("0.1x3/64 + 0.9x2/64", "0.1x3/64 + 0.9x2/64", "0.25x3/64 + 0.75x2/64", "0.1x3/64 + 0.9x2/64"),
+    ("0.1x3/64 + 0.9x2/64", "0.1x3/64 + 0.9x2/64", "0.1x4/128 + 0.9x3/128", "0.1x3/64 + 0.9x2/64"),
+    ("0.1x3/64 + 0.9x2/64", "0.1x3/64 + 0.9x2/64", "0.1x4/128 + 0.9x3/128", "0.1x4/128 + 0.9x3/128"),
+    ("0.1x4/128 + 0.9x3/128",) * 4,
+    ("0.1x4/128 + 0.9x3/128", "0.1x4/128 + 0.9x3/128", "0.1x4/64 + 0.9x3/64", "0.1x4/128 + 0.9x3/128"),
+    ("1x4/128",) * 4,
+    ("1x4/128", "1x4/128", "1x4/64", "1x4/128"),
+    ("1x4/64", "1x4/64", "1x4/32", "1x4/64"),
+    ("1x4/32",) * 4,
+    ("0.1x5/128 + 0.9x4/128", "0.1x5/128 + 0.9x4/128", "0.1x5/64 + 0.9x4/64", "0.1x5/128 + 0.9x4/128"),
+    ("0.1x5/64 + 0.9x4/64", "0.1x5/64 + 0.9x4/64", "0.1x5/32 + 0.9x4/32", "0.1x5/64 + 0.9x4/64"),
+    ("0.1x5/64 + 0.9x4/64", "0.1x5/64 + 0.9x4/64", "1x5/64", "0.1x5/64 + 0.9x4/64"),
+    ("0.1x5/32 + 0.9x4/32", "0.1x5/32 + 0.9x4/32", "1x5/32", "0.1x5/32 + 0.9x4/32"),
+    ("0.1x6/128 + 0.9x5/128", "0.1x6/128 + 0.9x5/128", "1x6/128", "0.1x6/128 + 0.9x5/128"),
+    ("0.1x6/32 + 0.9x5/32", "0.1x6/32 + 0.9x5/32", "1x6/32", "0.1x6/32 + 0.9x5/32"),
+    ("1x6/128",) * 4,
+    ("1x6/32", "1x6/32", "1x8/32", "1x6/32"),
+    ("1x8/128",) * 4,
+]
+_MLP = [
+    ("0.05x3/64 + 0.95x2/64", "0.05x3/64 + 0.95x2/64", "0.05x6/32 + 0.2x3/64 + 0.75x2/64"),
+    ("0.1x3/64 + 0.9x2/64", "0.25x3/64 + 0.75x2/64", "0.05x6/32 + 0.2x3/64 + 0.75x2/64"),
+    ("0.1x3/64 + 0.9x2/64", "0.3x3/64 + 0.7x2/64", "0.05x5/32 + 0.95x3/32"),
+    ("0.1x3/64 + 0.9x2/64", "0.3x3/64 + 0.7x2/64", "0.05x5/32 + 0.95x4/32"),
+    ("0.1x4/128 + 0.9x3/128", "0.25x4/128 + 0.75x3/128", "0.05x8/32 + 0.1x4/128 + 0.85x3/128"),
+    ("0.1x4/32 + 0.9x3/32", "0.25x4/32 + 0.75x3/32", "0.05x8/32 + 0.1x4/32 + 0.85x3/32"),
+    ("0.1x4/32 + 0.9x3/32", "0.25x4/32 + 0.75x3/32", "0.05x8/32 + 0.95x4/128"),
+    ("1x4/128", "1x4/32", "0.05x8/32 + 0.95x4/128"),
+    ("1x4/32", "1x4/32", "0.05x8/32 + 0.95x4/32"),
+    ("0.1x5/128 + 0.9x4/128", "0.25x5/128 + 0.75x4/128", "0.05x8/32 + 0.1x5/128 + 0.85x4/128"),
+    ("0.1x5/32 + 0.9x4/32", "0.25x5/32 + 0.75x4/32", "0.05x8/32 + 0.1x5/32 + 0.85x4/32"),
+    ("0.1x6/128 + 0.9x5/128", "0.25x6/128 + 0.75x5/128", "0.05x8/32 + 0.1x6/128 + 0.85x5/128"),
+    ("0.1x6/32 + 0.9x5/32", "0.25x6/32 + 0.75x5/32", "0.05x8/32 + 0.1x6/32 + 0.85x5/32"),
+    ("1x6/128", "1x6/128", "0.05x8/32 + 0.95x6/128"),
+    ("0.1x8/128 + 0.9x6/128", "0.1x8/128 + 0.9x6/128", "0.15x8/128 + 0.85x6/128"),
+    ("0.1x8/128 + 0.9x6/128", "0.1x8/128 + 0.9x6/128", "1x8/128"),
+    ("1x8/128", "1x8/128", "1x8/128"),
+]
+# Settings upstream lacks: uniform 2-bit-heavy and 3/5-bit steps, so low and mid budgets have finer choices.
+_ATTN_EXTRA = [
+    ("0.05x4/32 + 0.95x2/32",) * 4,
+    ("0.25x3/64 + 0.75x2/64", "0.25x3/64 + 0.75x2/64", "1x3/64", "0.25x3/64 + 0.75x2/64"),
+    ("1x3/64", "1x3/64", "1x4/64", "1x3/64"),
+    ("0.5x4/64 + 0.5x3/64", "0.5x4/64 + 0.5x3/64", "1x4/64", "0.5x4/64 + 0.5x3/64"),
+    ("0.5x5/64 + 0.5x4/64", "0.5x5/64 + 0.5x4/64", "1x5/64", "0.5x5/64 + 0.5x4/64"),
+    ("1x5/64", "1x5/64", "1x6/64", "1x5/64"),
+]
+_MLP_EXTRA = [
+    ("0.05x4/32 + 0.95x2/32", "0.05x4/32 + 0.95x2/32", "0.05x6/32 + 0.95x2/32"),
+    ("1x3/64", "1x3/64", "0.05x6/32 + 0.95x3/64"),
+    ("0.5x4/64 + 0.5x3/64", "0.5x4/64 + 0.5x3/64", "0.05x8/32 + 0.5x4/64 + 0.45x3/64"),
+    ("0.5x5/64 + 0.5x4/64", "0.5x5/64 + 0.5x4/64", "0.05x8/32 + 0.5x5/64 + 0.45x4/64"),
+    ("1x5/64", "1x5/64", "0.05x8/32 + 0.95x5/64"),
+]
+
+ATTN_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_LAYERS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _options(rows, names) -> list[Option]:
+    return [Option(tuple((n, _q(s)) for n, s in zip(names, row))) for row in rows]
+
+
+ATTN_OPTIONS: list[Option] = _options(_ATTN, ATTN_LAYERS)
+MLP_OPTIONS: list[Option] = _options(_MLP, MLP_LAYERS)
+
+#: ``--head-bits`` -> the head's setting (ExLlamaV2's ``qparams_headoptions``).
+HEAD_OPTIONS: dict[int, QParams] = {
+    2: _q("0.3x4/32 + 0.7x2/32"),
+    3: _q("0.15x4/32 + 0.85x3/32"),
+    4: _q("0.15x6/32 + 0.85x4/32"),
+    5: _q("0.15x6/128 + 0.85x5/128"),
+    6: _q("0.15x8/128 + 0.85x6/128"),
+    8: _q("1x8/128"),
+}
+
+
+def block_options(kind: str, extended: bool = False) -> list[Option]:
+    """The candidate options of a block: ``kind`` is ``"attn"`` or ``"mlp"``.  ``extended`` appends the extra
+    settings (upstream's table first, so option indices of a measurement stay compatible)."""
+    if kind == "attn":
+        return ATTN_OPTIONS + (_options(_ATTN_EXTRA, ATTN_LAYERS) if extended else [])
+    if kind == "mlp":
+        return MLP_OPTIONS + (_options(_MLP_EXTRA, MLP_LAYERS) if extended else [])
+    raise ValueError(kind)
+
+
+def head_qparams(head_bits: int) -> QParams:
+    if head_bits not in HEAD_OPTIONS:
+        raise Exl2Error(ErrorCode.USAGE, f"--head-bits must be one of {sorted(HEAD_OPTIONS)}, got {head_bits}")
+    return HEAD_OPTIONS[head_bits]
+
+
+# ------------------------------------------------------------------------------------------------ measurement.json
+
+
+def measurement_key(layer_prefix: str, kind: str) -> str:
+    """``model.layers.3`` + ``attn`` -> ExLlamaV2's key ``model.layers.3.self_attn`` (``mlp`` -> ``.mlp``)."""
+    return f"{layer_prefix}.{'self_attn' if kind == 'attn' else 'mlp'}"
+
+
+def write_measurement(path: str | os.PathLike, measured: dict[str, list[tuple[Option, int, float]]],
+                      last_module_idx: int) -> None:
+    """Write ExLlamaV2's ``measurement.json``: ``measured`` maps block key -> [(option, total_bits, accuracy)].
+    Written atomically (temporary file + rename)."""
+    doc = {"measurement": {}, "last_module_idx": int(last_module_idx)}
+    for key, rows in measured.items():
+        opts = []
+        for opt, total_bits, accuracy in rows:
+            d = {"accuracy": float(accuracy), "total_bits": int(total_bits)}
+            for name, qp in opt.layers:
+                d[name] = qp.to_json()
+            opts.append(d)
+        doc["measurement"][key] = opts
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=4)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_measurement(path: str | os.PathLike, layer_names: dict[str, tuple[str, ...]]
+                     ) -> dict[str, list[tuple[Option, int, float]]]:
+    """Read ``measurement.json`` (ours or ExLlamaV2's).  ``layer_names`` maps each expected block key to the
+    names of its linear layers; every expected block must be present with at least one option, and every
+    option must name exactly those layers.  Other keys (norms, head: ``null``) are ignored."""
+    p = os.fspath(path)
+    try:
+        if os.path.getsize(p) > 256 << 20:
+            raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, "larger than 256 MiB", file=p)
+        with open(p, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise Exl2Error(ErrorCode.PATH_NOT_FOUND, "measurement file not found", file=p) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"not readable JSON ({e})", file=p) from None
+    meas = doc.get("measurement") if isinstance(doc, dict) else None
+    if not isinstance(meas, dict):
+        raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, "no 'measurement' object", file=p)
+    out = {}
+    for key, names in layer_names.items():
+        rows = meas.get(key)
+        if not isinstance(rows, list) or not rows:
+            raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"block {key} is not measured (the file is for "
+                            "another model, or the measurement was interrupted)", file=p)
+        parsed = []
+        for i, d in enumerate(rows):
+            where = f"{key} option {i}"
+            if not isinstance(d, dict) or set(d) - {"accuracy", "total_bits"} != set(names):
+                raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{where}: expected layers {', '.join(names)}",
+                                file=p)
+            acc = d.get("accuracy")
+            if not isinstance(acc, (int, float)) or not math.isfinite(acc):
+                raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{where}: accuracy must be a finite number", file=p)
+            opt = Option(tuple((n, QParams.from_json(d[n], f"{where} {n}")) for n in names))
+            tb = d.get("total_bits")
+            parsed.append((opt, int(tb) if isinstance(tb, (int, float)) else -1, float(acc)))
+        out[key] = parsed
+    return out
+
+
+def describe_plan(bits_rows: list[tuple[int, int]]) -> str:
+    return plan_desc(bits_rows)
