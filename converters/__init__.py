@@ -16,6 +16,8 @@ Source formats are detected from the model (``exl2fmt.detect``): ``exl2``, ``gpt
                    re-quantized with the best fp16 scale; the EXL2 permutation becomes act-order ``g_idx``
 ``gptq -> exl2``   the GPTQ integers kept as far as EXL2's 4-bit scale grid allows; error reported per layer
 ``dense -> fp16``  a cast (F16 kept bit for bit; BF16/F32 rounded, out-of-range values reported); ``-> bf16`` too
+``dense -> exl2``  the calibrated quantizer (``exl2fmt.quant``): measurement, bit budget, sequential GPTQ
+``dense -> gptq``  the same engine writing GPTQ (2/3/4/8 bits, group size, sym/asym, act-order)
 ``* -> gguf``      EXL2 / GPTQ / dense (Llama family) -> one GGUF file (``gguf_write``; exact repacks where possible)
 ``gguf -> fp16``   a ``.gguf`` file -> Hugging Face directory (``gguf_read``); ``-> bf16`` too
 =================  =========================================================================================
@@ -98,7 +100,8 @@ _DEFAULT_SHARD_SIZE = 5_000_000_000  # = base.DEFAULT_SHARD_SIZE (kept here so t
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: bool = False,
             shard_size: int | str = _DEFAULT_SHARD_SIZE, dtype: str | None = None, bits: int | None = None,
             group_size: int | None = None, sym: bool | None = None, progress: Progress | None = None,
-            verify: str = "auto", gguf_type: str = "auto", _fail_after: int | None = None) -> "ConversionReport":
+            verify: str = "auto", gguf_type: str = "auto", quant: dict | None = None,
+            _fail_after: int | None = None) -> "ConversionReport":
     """Convert the model at ``src`` (a model directory or one ``.safetensors`` file) into a new model
     directory ``dst`` in format ``to`` (``fp16``, ``bf16``, ``gptq``, ``exl2``).
 
@@ -149,8 +152,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
 
         return convert_from_gguf(src, dst, target, force=force, shard_size=size, progress=progress, verify=verify,
                                  _fail_after=_fail_after)
-    if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int)):
-        raise Exl2Error(ErrorCode.USAGE, f"bits must be an integer, got {bits!r}")
+    if bits is not None and (isinstance(bits, bool) or not isinstance(bits, (int, float))):
+        raise Exl2Error(ErrorCode.USAGE, f"bits must be a number, got {bits!r}")
     if dtype is not None:
         d = _ALIASES.get(str(dtype).lower(), str(dtype).lower())
         if d not in ("fp16", "bf16"):
@@ -167,6 +170,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
         fmt = det.format
         if fmt is ModelFormat.UNKNOWN:
             raise Exl2Error(ErrorCode.FORMAT_UNKNOWN, "no linear layer of a known format found", file=str(src))
+        if fmt is ModelFormat.DENSE and target in ("exl2", "gptq"):
+            model.close()
+            return _quantize(src, dst, target, bits, group_size, sym, size, force, progress, quant)
+        if bits is not None and not float(bits).is_integer():
+            raise Exl2Error(ErrorCode.USAGE, f"bits must be an integer for {fmt.value} -> {target}, got {bits!r}")
+        bits = None if bits is None else int(bits)
         cls = get(fmt.value, target)
     except BaseException:
         model.close()
@@ -179,6 +188,23 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
         report.warnings.append(f"detect: [{i.code.value}] {i.message}")
     return run_conversion(cls, src, dst, opts, force=force, progress=progress, model=model, detection=det,
                           report=report, verify=verify, _fail_after=_fail_after)
+
+
+def _quantize(src, dst, target, bits, group_size, sym, size, force, progress, quant):
+    """Dense source -> EXL2 / GPTQ: the calibrated quantizer (``exl2fmt.quant.pipeline``)."""
+    from ..quant.pipeline import QuantOptions, quantize_model
+
+    q = dict(quant or {})
+    if group_size is not None:
+        q["group_size"] = group_size
+    if sym is not None:
+        q["sym"] = sym
+    unknown = set(q) - set(QuantOptions.__dataclass_fields__)
+    if unknown:
+        raise Exl2Error(ErrorCode.USAGE, f"unknown quantizer option(s): {', '.join(sorted(unknown))}")
+    opts = QuantOptions(target=target, bits=bits, shard_size=size, **q)
+    cb = None if progress is None else (lambda phase, done, total, what: progress(done, total, f"{phase}: {what}"))
+    return quantize_model(src, dst, opts, force=force, progress=cb)
 
 
 def _path(p):

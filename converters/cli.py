@@ -54,9 +54,37 @@ def convert_command(
     shard_size: Annotated[str, typer.Option("--shard-size", metavar="SIZE", help="Maximum tensor bytes per "
                                             "output shard: 5GB (10^9), 500MB, 2GiB (2^30) or a byte count. Several "
                                             "shards are named model-0000i-of-0000N.safetensors with an index.")] = "5GB",
-    bits: Annotated[Optional[int], typer.Option("--bits", show_default=False, help="--to gptq: 2, 3, 4 or 8 "
-                                                "(default 4). --to exl2: 2, 3, 4, 5, 6 or 8 (default: the GPTQ "
-                                                "bits).")] = None,
+    bits: Annotated[Optional[float], typer.Option("--bits", show_default=False, help="--to gptq: 2, 3, 4 or 8 "
+                                                  "(default 4). --to exl2 from GPTQ: 2, 3, 4, 5, 6 or 8 (default: "
+                                                  "the GPTQ bits). --to exl2 from FP16/BF16: the average bits per "
+                                                  "weight of the decoder linears, overhead included, 2.0-8.5 "
+                                                  "(default 4.125).")] = None,
+    head_bits: Annotated[int, typer.Option("--head-bits", help="FP16 -> exl2: bits of the LM head "
+                                           "(2, 3, 4, 5, 6, 8).")] = 6,
+    calibration: Annotated[Optional[str], typer.Option("--calibration", metavar="FILE", show_default=False,
+                                                       help="FP16 -> exl2/gptq: calibration data: .txt, .jsonl "
+                                                       "(\"text\" field), or token ids (.npy, .safetensors "
+                                                       "input_ids, .json). Default: the built-in set (shipped text "
+                                                       "plus seeded random-token rows).")] = None,
+    rows: Annotated[Optional[int], typer.Option("--rows", show_default=False, help="Calibration rows (default 100 "
+                                                "on CUDA, 32 on CPU).")] = None,
+    length: Annotated[Optional[int], typer.Option("--length", show_default=False, help="Tokens per calibration "
+                                                  "row (default 2048 on CUDA, 512 on CPU).")] = None,
+    measurement: Annotated[Optional[str], typer.Option("--measurement", metavar="FILE", show_default=False,
+                                                       help="FP16 -> exl2: reuse a measurement.json (ours or "
+                                                       "ExLlamaV2's) and skip the measurement pass.")] = None,
+    save_measurement: Annotated[Optional[str], typer.Option("--save-measurement", metavar="FILE",
+                                                            show_default=False, help="FP16 -> exl2: also write "
+                                                            "the measurement (ExLlamaV2's measurement.json "
+                                                            "layout) to FILE.")] = None,
+    device: Annotated[Optional[str], typer.Option("--device", show_default=False, help="FP16 -> exl2/gptq: cpu "
+                                                  "or cuda[:i] (default: cuda if torch sees one).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="FP16 -> exl2/gptq: seed of the built-in calibration "
+                                      "set; same inputs and seed give byte-identical output.")] = 0,
+    resume: Annotated[bool, typer.Option("--resume", help="FP16 -> exl2/gptq: continue an interrupted run from "
+                                         "its work directory (.DST.exl2fmt-work next to DST).")] = False,
+    act_order: Annotated[bool, typer.Option("--act-order/--no-act-order", help="FP16 -> exl2/gptq: process "
+                                            "input features by decreasing Hessian diagonal.")] = True,
     group_size: Annotated[Optional[int], typer.Option("--group-size", show_default=False, help="--to gptq: rows "
                                                       "per group, -1 = one group (default: the largest of 128/64/32 "
                                                       "that splits every EXL2 group, so the result stays exact). "
@@ -81,7 +109,7 @@ def convert_command(
                          ] = GgufType.auto,
     json_: Annotated[bool, typer.Option("--json", help="Print the conversion report as JSON on stdout.")] = False,
 ) -> None:
-    """Convert a model between formats: EXL2 -> FP16/BF16, GPTQ -> FP16/BF16, EXL2 -> GPTQ, GPTQ -> EXL2.
+    """Convert a model between formats: FP16/BF16 -> EXL2/GPTQ (quantize), EXL2/GPTQ -> FP16/BF16, EXL2 <-> GPTQ.
 
     The source format is detected from the tensors. Every conversion plans the whole output first, streams
     layer by layer (peak memory about one layer), writes into a hidden temporary directory next to DST and
@@ -97,6 +125,9 @@ def convert_command(
       shifted; the EXL2 permutation becomes act-order g_idx); wider groups are re-quantized and reported;
       Marlin compatibility is stated.
     * **GPTQ -> exl2**: the GPTQ integers kept as far as EXL2's 4-bit scale grid allows; error per layer.
+    * **FP16/BF16 -> exl2** (llama, mistral, qwen2, qwen3): calibration, measurement of every candidate
+      setting per block, an exact bit budget (--bits = average bpw of the decoder linears, overhead
+      included), sequential GPTQ; checkpoints in .DST.exl2fmt-work (--resume). **-> gptq**: same engine.
     * **EXL2 / GPTQ / dense -> gguf** (DST is a .gguf file; llama, mistral, qwen2, qwen3): names and Q/K rows as
       llama.cpp expects, norms F32, tokenizer and hyper-parameters as metadata; blocks repacked exactly where
       the source's integers fit (--gguf-type), the rest quantized with gguf.quants and reported.
@@ -109,6 +140,9 @@ def convert_command(
     * `exl2fmt convert ./model-exl2 ./model-gptq --to gptq --bits 4`
     * `exl2fmt convert ./model-exl2 ./model-gptq --to gptq --bits 8 --group-size 32 --force`
     * `exl2fmt convert ./model-gptq ./model-exl2 --to exl2 --bits 6`
+    * `exl2fmt convert ./Llama-fp16 ./Llama-exl2-4.0 --to exl2 --bits 4.0 --head-bits 6 --save-measurement m.json`
+    * `exl2fmt convert ./Llama-fp16 ./Llama-exl2-6.0 --to exl2 --bits 6.0 --measurement m.json`
+    * `exl2fmt convert ./Llama-fp16 ./Llama-gptq --to gptq --bits 4 --group-size 128 --calibration text.jsonl`
     * `exl2fmt convert ./model-gptq ./model-fp16 --to fp16 --json > report.json`
     * `exl2fmt convert ./model-gptq ./model.gguf --to gguf` · `exl2fmt convert ./model.gguf ./model-fp16 --to fp16`
 
@@ -126,7 +160,10 @@ def convert_command(
         with out.progress(f"convert -> {to.value}") as cb:
             rep = convert(src, dst, to.value, force=force, shard_size=shard_size, dtype=None if dtype is None else
                           dtype.value, bits=bits, group_size=group_size, sym=sym, progress=cb, verify=verify.value,
-                          gguf_type=gguf_type.value)
+                          gguf_type=gguf_type.value,
+                          quant={"head_bits": head_bits, "calibration": calibration, "rows": rows, "length": length,
+                                 "measurement": measurement, "save_measurement": save_measurement,
+                                 "device": device, "seed": seed, "resume": resume, "act_order": act_order})
         _render(out, rep)
         code = EXIT_OK
     except typer.Exit:
@@ -145,6 +182,14 @@ def _fmt_err(x) -> str:
 def _render(out, rep) -> None:
     if out.mode == "json":
         out.json(rep.as_dict())
+        return
+    if not hasattr(rep, "source_format"):  # the quantizer's report
+        for w in rep.warnings:
+            out.warn(w)
+        out.table(f"dense -> {rep.target}: layers", ["layer", "plan", "bpw", "proxy error"],
+                  [[l.key, l.plan, f"{l.bpw:.3f}", f"{l.error:.4f}"] for l in rep.layers])
+        for line in rep.summary_lines():
+            out.line(line, "bold")
         return
     for w in rep.warnings:
         out.warn(w)

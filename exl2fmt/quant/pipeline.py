@@ -357,8 +357,8 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
 # ------------------------------------------------------------------------------------------------ optimize
 
 
-def _optimize(spec, src, measured, options_of, o: QuantOptions, report) -> dict[str, int]:
-    from .qparams import measurement_key
+def _optimize(spec, src, measured, options_of, o: QuantOptions, report) -> dict:
+    from .qparams import QParams, measurement_key, promote
     from .solver import solve
 
     keys, slots = [], []
@@ -383,8 +383,31 @@ def _optimize(spec, src, measured, options_of, o: QuantOptions, report) -> dict[
     budget = int(numel * o.bits)
     picks = solve(slots, budget, norm=o.norm)
     used = sum(slots[s][j][0] for s, j in enumerate(picks))
+    strategy = {k: int(measured[k][j][0]) for k, j in zip(keys, picks)}
+    # Spend what the discrete options leave of the budget: promote rows of single layers to the next bit width,
+    # one group at a time, round-robin over the blocks with the largest measured error first.
+    overrides: dict[str, QParams] = {}
+    order = sorted(range(len(keys)), key=lambda s: (-slots[s][picks[s]][1], s))
+    progress_made = True
+    while progress_made:
+        progress_made = False
+        for s in order:
+            i, kind = _blocks(spec)[s]
+            opt = options_of(kind)[strategy[keys[s]]]
+            for n in _linears(spec, kind):
+                key = spec.linear_key(i, n)
+                N, K = spec.linear_shape(n)
+                cur = overrides.get(key, opt.get(n))
+                new = promote(cur, K)
+                if new is None:
+                    continue
+                dc = new.total_bits(K, N, spec.has_bias(n)) - cur.total_bits(K, N, spec.has_bias(n))
+                if 0 < dc <= budget - used:
+                    overrides[key] = new
+                    used += dc
+                    progress_made = True
     report.decoder_bpw = used / numel
-    return {k: int(measured[k][j][0]) for k, j in zip(keys, picks)}
+    return {"options": strategy, "overrides": {k: v.to_json() for k, v in overrides.items()}}
 
 
 # ------------------------------------------------------------------------------------------------ quantize
@@ -394,7 +417,7 @@ def _quantize(spec, src, ids_h, strategy, options_of, work: _Work, o: QuantOptio
     from . import forward as F
     from .gptq import (EXL2_PERCDAMP, GPTQ_PERCDAMP, HessianAccumulator, prepare, quantize_exl2,
                        quantize_gptq)
-    from .qparams import measurement_key
+    from .qparams import QParams, measurement_key
 
     device = torch.device(o.device)
     blocks = _blocks(spec)
@@ -411,7 +434,9 @@ def _quantize(spec, src, ids_h, strategy, options_of, work: _Work, o: QuantOptio
         key = spec.linear_key(i, n)
         prep = prepare(H, percdamp=damp, act_order=o.act_order)
         if o.target == "exl2":
-            qp = options_of(kind)[strategy[measurement_key(spec.layer_prefix(i), kind)]].get(n)
+            ov = strategy["overrides"].get(key)
+            qp = QParams.from_json(ov, key) if ov is not None else \
+                options_of(kind)[strategy["options"][measurement_key(spec.layer_prefix(i), kind)]].get(n)
             r = quantize_exl2(w, prep, qp.bits_rows(w.shape[1]))
         else:
             r = quantize_gptq(w, prep, o.bits, o.group_size, sym=o.sym)
@@ -445,7 +470,7 @@ def _quantize(spec, src, ids_h, strategy, options_of, work: _Work, o: QuantOptio
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         y_d = blk.sweep(h, dense)
         key = measurement_key(spec.layer_prefix(i), kind)
-        report.blocks.append({"block": key, "option": None if strategy is None else strategy.get(key),
+        report.blocks.append({"block": key, "option": None if strategy is None else strategy["options"].get(key),
                               "rfn_error": _rel_err_rows(y_q, y_d)})
         for n in blk.names:
             k = spec.linear_key(i, n)

@@ -22,7 +22,7 @@ from ..errors import ErrorCode, Exl2Error
 from ..layout import BIT_WIDTHS, Tier, exl2_total_bits, pad32, plan_desc, plan_rows
 
 __all__ = ["QParams", "Option", "ATTN_OPTIONS", "MLP_OPTIONS", "HEAD_OPTIONS", "block_options", "head_qparams",
-           "read_measurement", "write_measurement", "measurement_key"]
+           "read_measurement", "write_measurement", "measurement_key", "promote"]
 
 
 @dataclass(frozen=True)
@@ -195,6 +195,40 @@ def block_options(kind: str, extended: bool = False) -> list[Option]:
     if kind == "mlp":
         return MLP_OPTIONS + (_options(_MLP_EXTRA, MLP_LAYERS) if extended else [])
     raise ValueError(kind)
+
+
+def promote(qp: QParams, K: int) -> QParams | None:
+    """``qp`` with one more group of rows at a higher bit width (None if every row is already 8-bit).
+
+    The first tier below 8 bits that is not the top tier grows the tier above it by one of that tier's groups;
+    a single-tier setting gains a new top tier at the next width with the same group size.  Rows move from the
+    lowest tiers (``plan_rows`` clips the last tiers to what is left).
+    """
+    widths = sorted(BIT_WIDTHS)
+    rows = {}
+    for b, r in qp.bits_rows(K):
+        rows[b] = rows.get(b, 0) + r
+    tiers = [list(t) for t in qp.tiers if rows.get(t[1], 0) > 0]
+    if len(tiers) == 1 or all(t[1] == 8 for t in tiers[:-1]):
+        p, b, g = tiers[-1]
+        if b == 8:
+            return None
+        if len(tiers) == 1:
+            up = widths[widths.index(b) + 1]
+            new = [[(g - 0.5) / K, up, g], [1.0, b, g]]
+        else:
+            top = tiers[-2]
+            if top[1] == 8 and tiers[-1][1] < 8 and len(tiers) >= 2:
+                top_rows = rows[top[1]]
+                top[0] = (top_rows + top[2] - 0.5) / K
+            new = tiers
+    else:
+        p0, b0, g0 = tiers[0]
+        new = [[(rows[b0] + g0 - 0.5) / K, b0, g0]] + [list(t) for t in tiers[1:]]
+    new_rows = QParams.of(*new).bits_rows(K)
+    if sum(r * b for b, r in new_rows) <= sum(r * b for b, r in qp.bits_rows(K)):
+        return None
+    return QParams.of(*(tuple(t) for t in new))
 
 
 def head_qparams(head_bits: int) -> QParams:
