@@ -309,9 +309,9 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
         return want
 
     for key, info in det.layers.items():
-        owned.update(ti.name for ti in info.slots.values())
         if info.format is ModelFormat.DENSE:
-            continue  # handled as a plain tensor below
+            continue  # its weight (and bias) are plain tensors below
+        owned.update(ti.name for ti in info.slots.values())
         if info.format not in (ModelFormat.EXL2, ModelFormat.GPTQ):
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot be converted",
                             tensor=key)
@@ -354,6 +354,9 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
                             "mapping", tensor=name)
         heads = qk_heads(name, hp["n_head"], hp["n_kv"]) if permute else None
         items.append(_plain_item(reader, name, ti.dtype, g, shape, gtype, heads, report))
+    planned = owned | {it.src for it in items} | {n for n in model.tensors if n.endswith(DROPPED_SUFFIXES)}
+    if set(model.tensors) - planned:  # pragma: no cover - a planning bug must never drop weights silently
+        raise RuntimeError(f"tensors left out of the GGUF plan: {sorted(set(model.tensors) - planned)[:3]}")
     order = {"token_embd": 0, "output_norm": 2, "output": 3}
     items.sort(key=lambda it: (order.get(it.gguf_name.rsplit(".", 1)[0], 1), natural_key(it.gguf_name)))
     return items
