@@ -157,15 +157,16 @@ def test_registry_lists_pairs_and_rejects_unknown_ones(tmp_path):
     with pytest.raises(Exl2Error) as e:
         get("awq", "fp16")
     assert e.value.code is ErrorCode.USAGE and "exl2->fp16" in e.value.message and "gptq->exl2" in e.value.message
-    # a dense model has no dense -> exl2 converter: the message lists what exists
+    # a dense model goes to the quantizer, which needs calibration: without tokenizer.json or a token-id file
+    # it stops with a clear error before writing anything
     d = tmp_path / "dense"
     d.mkdir()
     write_sharded(d, sample_dense_tensors(), 1 << 40)
     (d / "config.json").write_text(json.dumps(SAMPLE_CONFIG))
     with pytest.raises(Exl2Error) as e:
         convert(d, tmp_path / "out", "exl2")
-    assert e.value.code is ErrorCode.USAGE and "no converter from dense to exl2" in e.value.message
-    assert "available: " in e.value.message and not (tmp_path / "out").exists()
+    assert e.value.code is ErrorCode.CALIBRATION_INVALID and "tokenizer.json" in e.value.message
+    assert not (tmp_path / "out").exists()
     with pytest.raises(Exl2Error) as e:
         convert(d, tmp_path / "out", "int4")
     assert e.value.code is ErrorCode.USAGE
@@ -614,7 +615,7 @@ def test_cli_convert(sample, tmp_path):
     assert doc["report"] == "convert" and doc["target"] == "gptq" and doc["verified"] is True
     assert doc["summary"]["layers"] == 15 and "vllm_gptq_marlin" in doc["compatibility"]
     r = CliRunner().invoke(app, ["convert", str(tmp_path / "o"), str(tmp_path / "x"), "--to", "exl2"])
-    assert r.exit_code == 2 and "no converter from dense to exl2" in r.output
+    assert r.exit_code == 1 and "CALIBRATION_INVALID" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(app, ["convert", str(tmp_path / "missing"), str(tmp_path / "y"), "--to", "fp16"])
     assert r.exit_code == 3
 

@@ -662,6 +662,10 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         srcw = F.WeightSource(model)
         F.check_weights(spec, srcw)
         tok = src_p / "tokenizer.json"
+        if o.calibration is None and not tok.exists():
+            raise Exl2Error(ErrorCode.CALIBRATION_INVALID, "the built-in calibration set is text and the model has "
+                            "no tokenizer.json: add the model's tokenizer.json, or pass --calibration with token "
+                            "ids (.npy, .json, .safetensors input_ids)", file=str(src_p))
         ids = load_calibration(o.calibration, tok if tok.exists() else None, o.rows, o.length, o.seed,
                                vocab_size=spec.vocab_size)
         ids = torch.as_tensor(ids)
