@@ -260,8 +260,9 @@ def convert_from_gguf(src, dst, target: str, *, force: bool = False, shard_size:
     p = str(src)
     if target not in ("fp16", "bf16"):
         raise Exl2Error(ErrorCode.USAGE, f"a GGUF source converts to fp16 or bf16, not {target}: convert to fp16 "
-                        f"first (exl2fmt convert {p} MODEL-fp16 --to fp16), then quantize that directory"
-                        + (" to EXL2 with the FP16 -> EXL2 quantizer" if target == "exl2" else ""))
+                        f"first (exl2fmt convert {p} MODEL-fp16 --to fp16), then quantize that directory "
+                        f"(exl2fmt convert MODEL-fp16 {dst} --to {target}; the quantizer needs the tokenizer or "
+                        "--calibration)")
     check_paths(Path(p), Path(os.fspath(dst)), force)
     reader, scan = open_gguf(p)
     if scan["byte_order"] != "little":
