@@ -463,15 +463,17 @@ def _quantize(spec, src, ids_h, strategy, options_of, work: _Work, o: QuantOptio
                 w, b = W[n]
                 r = quant_layer(i, n, w, b, H)
                 lin[n] = F.dense_linear(r.weight_hat, b)
-                report.layers.append(LayerResult(spec.linear_key(i, n), _plan_of(r), _bpw_of(r, w, b), r.error))
+                lk = spec.linear_key(i, n)
+                work.job.setdefault("layers", {})[lk] = asdict(LayerResult(lk, _plan_of(r), _bpw_of(r, w, b), r.error))
                 if progress:
-                    progress("quantize", bi * 10 + len(report.layers) % 10, len(blocks) * 10, spec.linear_key(i, n))
+                    progress("quantize", bi * 10 + 1 + _linears(spec, kind).index(n), len(blocks) * 10, lk)
         y_q = blk.sweep(h, lin)
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         y_d = blk.sweep(h, dense)
         key = measurement_key(spec.layer_prefix(i), kind)
-        report.blocks.append({"block": key, "option": None if strategy is None else strategy["options"].get(key),
-                              "rfn_error": _rel_err_rows(y_q, y_d)})
+        work.job.setdefault("blocks", {})[key] = {
+            "block": key, "option": None if strategy is None else strategy["options"].get(key),
+            "rfn_error": _rel_err_rows(y_q, y_d)}
         for n in blk.names:
             k = spec.linear_key(i, n)
             if k not in work.job["quantized"]:
@@ -497,10 +499,15 @@ def _quantize(spec, src, ids_h, strategy, options_of, work: _Work, o: QuantOptio
         b = src.get("lm_head.bias", torch.float32, device) if src.has("lm_head.bias") else None
         _save_tensors(work.layer_path("lm_head"), r.tensors(None if b is None else b.cpu().numpy()))
         report.head_bpw = _bpw_of(r, w, b)
-        report.layers.append(LayerResult("lm_head", _plan_of(r), report.head_bpw, r.error))
+        work.job.setdefault("layers", {})["lm_head"] = asdict(LayerResult("lm_head", _plan_of(r), report.head_bpw,
+                                                                          r.error))
         head = F.dense_linear(r.weight_hat, b)
     else:
         head = None
+    # per-layer and per-block results, in model order, including those of an interrupted run's blocks
+    order = [spec.linear_key(i, n) for i, k in blocks for n in _linears(spec, k)] + ["lm_head"]
+    report.layers = [LayerResult(**work.job["layers"][k]) for k in order if k in work.job["layers"]]
+    report.blocks = [work.job["blocks"][measurement_key(spec.layer_prefix(i), k)] for i, k in blocks]
     # calibration perplexity of the quantized model (next-token loss over the calibration rows)
     nll, count = 0.0, 0
     for sl in batches:
@@ -594,11 +601,10 @@ def _verify(tmp: Path, work: _Work, layer_keys: list[str], o: QuantOptions, repo
     from ..validate import validate_model
 
     rep = validate_model(tmp, deep=True)
-    fails = [c for c in rep.as_dict().get("checks", []) if c.get("status") == "fail"]
-    if fails:
-        first = fails[0]
-        raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"the quantized output fails validation: "
-                        f"{first.get('message')}", file=str(tmp))
+    if rep.failed:
+        first = next(c for c in rep.checks if c.status.value == "FAIL")
+        raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"the quantized output fails validation: [{first.code}] "
+                        f"{first.message}", file=str(tmp))
     out = open_model(tmp)
     try:
         for k in layer_keys + (["lm_head"] if o.target == "exl2" else []):
@@ -715,9 +721,11 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                 write_measurement(o.save_measurement, rows_by_key, 2 * spec.num_layers)
             if work.job.get("strategy") is None:
                 work.job["strategy"] = _optimize(spec, srcw, measured, options_of, o, report)
+                work.job["decoder_bpw"] = report.decoder_bpw
                 work.job["snapshot"] = None
                 work.save()
             strategy = work.job["strategy"]
+            report.decoder_bpw = work.job.get("decoder_bpw")
         t = time.monotonic()
         _quantize(spec, srcw, ids_h, strategy, options_of, work, o, progress, report)
         report.seconds["quantize"] = time.monotonic() - t

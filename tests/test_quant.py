@@ -1,0 +1,373 @@
+"""The quantizer: GPTQ engine, candidate tables and bit accounting, measurement.json, solver, pipeline.
+
+Oracles: round-to-nearest (``writer.quantize_rtn``) is what GPTQ must reduce to when the Hessian is the
+identity; a textbook GPTQ written here in float64 with explicit inverse-Hessian downdates (no Cholesky, no lazy
+batches) for the error-feedback sweep; the reference's hand-computed bpw examples; brute force for the
+solver; the deep validator and the layer decoders for the written files.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from exl2fmt.errors import ErrorCode, Exl2Error  # noqa: E402
+from exl2fmt.layers import layer_from_tensors  # noqa: E402
+from exl2fmt.layout import BIT_WIDTHS, Tier, plan_rows  # noqa: E402
+from exl2fmt.quant import qparams as QP  # noqa: E402
+from exl2fmt.quant.gptq import HessianAccumulator, prepare, proxy_error, quantize_exl2, quantize_gptq  # noqa: E402
+from exl2fmt.quant.solver import solve  # noqa: E402
+from exl2fmt.writer import find_scales, quantize_rtn  # noqa: E402
+
+
+def _correlated(K, rows=2048, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    A = torch.eye(K) + 0.6 * torch.randn(K, K, generator=g) / K ** 0.5
+    scale = torch.exp(torch.randn(K, generator=g))            # uneven feature scales, as in real activations
+    X = (torch.randn(rows, K, generator=g) @ A) * scale
+    acc = HessianAccumulator(K)
+    acc.add(X)
+    return acc.result()
+
+
+def _weight(N, K, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, K, generator=g) * 0.02
+
+
+# ------------------------------------------------------------------------------------------------ GPTQ engine
+
+
+def test_identity_hessian_is_round_to_nearest_bit_for_bit():
+    W = _weight(96, 256)
+    tiers = [Tier(0.25, 6, 32), Tier(0.75, 3, 64)]
+    r = quantize_exl2(W, prepare(torch.eye(256), act_order=False), plan_rows(256, tiers))
+    ref = quantize_rtn(W.numpy(), tiers)
+    got = r.tensors()
+    assert set(got) == set(ref)
+    for k in ref:
+        assert np.array_equal(got[k], ref[k]), k
+
+
+def test_exl2_output_validates_and_decodes_to_the_reconstruction():
+    K, N = 320, 80                                             # N padded to 96 on disk
+    H = _correlated(K)
+    r = quantize_exl2(_weight(N, K), prepare(H), plan_rows(K, [Tier(0.1, 8, 32), Tier(0.9, 4, 128)]))
+    layer = layer_from_tensors("L", r.tensors(np.linspace(-1, 1, N)), out_features=N)
+    assert layer.validate(deep=True) == []
+    dq = layer.dequantize().astype(np.float32)
+    assert dq.shape == (N, K) and np.array_equal(dq, r.weight_hat.numpy())
+
+
+def test_gptq_output_validates_and_decodes_to_the_reconstruction():
+    K, N = 256, 64
+    r = quantize_gptq(_weight(N, K), prepare(_correlated(K), percdamp=0.01), 4, 64, sym=False)
+    layer = layer_from_tensors("L", r.tensors())
+    assert layer.validate(deep=True) == []
+    assert np.array_equal(layer.dequantize().astype(np.float32), r.weight_hat.numpy())
+    # act-order: g_idx follows the permuted processing order
+    assert sorted(np.bincount(r.g_idx)) == [64] * 4
+
+
+def _textbook_gptq(W, H, bits_rows, damp):
+    """GPTQ as first published: rows in act-order, after each row the error is spread with the inverse
+    Hessian of the remaining rows, which is then downdated (Schur complement).  float64, no Cholesky."""
+    Wt = W.double().T.clone()
+    K = Wt.shape[0]
+    perm = torch.argsort(torch.diag(H), descending=True, stable=True)
+    Wt = Wt[perm]
+    Hp = H.double()[perm][:, perm]
+    Hp = Hp + damp * torch.eye(K, dtype=torch.float64)
+    Hinv = torch.linalg.inv(Hp)
+    Q = torch.empty_like(Wt)
+    a = 0
+    for bits, rows in bits_rows:
+        _, _, s = find_scales(Wt[a:a + rows].float().numpy(), bits)
+        s = torch.from_numpy(s).double()
+        z = 1 << (bits - 1)
+        for c in range(a, a + rows):
+            q = torch.clamp(torch.round(Wt[c] / s) + z, 0, (1 << bits) - 1)
+            Q[c] = ((q - z) * s).half().double()
+            e = (Wt[c] - Q[c]) / Hinv[c, c]
+            Wt[c + 1:] -= Hinv[c, c + 1:, None] * e[None, :]
+            Hinv = Hinv - torch.outer(Hinv[:, c], Hinv[c, :]) / Hinv[c, c]
+        a += rows
+    out = torch.empty_like(Q)
+    out[perm] = Q
+    return out.T.float()
+
+
+def test_sweep_matches_the_textbook_algorithm():
+    K, N = 192, 64
+    H = _correlated(K, seed=3)
+    W = _weight(N, K, seed=4)
+    br = plan_rows(K, [Tier(0.2, 5, 32), Tier(0.8, 3, 64)])
+    p = prepare(H)
+    r = quantize_exl2(W, p, br)
+    ref = _textbook_gptq(W, H, br, p.damp)
+    same = float((r.weight_hat == ref).float().mean())
+    assert same > 0.98, same                                   # float32 vs float64 flips only rounding ties
+    e_ours, e_ref = proxy_error(W, r.weight_hat, H), proxy_error(W, ref, H)
+    assert abs(e_ours - e_ref) < 0.02 * e_ref
+
+
+def test_gptq_beats_round_to_nearest_on_correlated_inputs():
+    K, N = 256, 128
+    H = _correlated(K, seed=5)
+    W = _weight(N, K, seed=6)
+    tiers = [Tier(1.0, 3, 64)]
+    p = prepare(H)
+    r = quantize_exl2(W, p, plan_rows(K, tiers))
+    rtn = layer_from_tensors("L", quantize_rtn(W.numpy(), tiers, p.perm.numpy())).dequantize().astype(np.float32)
+    e_gptq, e_rtn = proxy_error(W, r.weight_hat, H), proxy_error(W, torch.from_numpy(rtn), H)
+    assert e_gptq < 0.85 * e_rtn, (e_gptq, e_rtn)
+
+
+def test_degenerate_hessian_is_a_clear_error():
+    H = torch.full((64, 64), float("nan"))
+    with pytest.raises(Exl2Error) as e:
+        prepare(H)
+    assert e.value.code is ErrorCode.QUANT_NUMERICS
+
+
+# ------------------------------------------------------------------------------------------------ tables, bits
+
+
+@pytest.mark.parametrize("K,N,spec,bpw", [
+    (4096, 4096, "0.1x4/128 + 0.9x3/128", 3.1642),
+    (4096, 4096, "1x4/32", 4.1332),
+    (11008, 4096, "0.05x8/32 + 0.1x4/128 + 0.85x3/128", 3.4105),
+])
+def test_total_bits_reproduce_the_reference_examples(K, N, spec, bpw):
+    qp = QP._q(spec)
+    assert round(qp.total_bits(K, N) / (K * N), 4) == bpw
+
+
+def test_candidate_tables_have_upstreams_shape():
+    assert len(QP.ATTN_OPTIONS) == 19 and len(QP.MLP_OPTIONS) == 17
+    distinct = [len({o.get(n) for o in QP.ATTN_OPTIONS}) for n in QP.ATTN_LAYERS]
+    assert distinct == [14, 14, 15, 14]
+    assert [len({o.get(n) for o in QP.MLP_OPTIONS}) for n in QP.MLP_LAYERS] == [13, 13, 14]
+    ext = QP.block_options("attn", extended=True)
+    assert ext[:19] == QP.ATTN_OPTIONS and len(ext) > 19
+    assert QP.HEAD_OPTIONS[6].desc() == "0.15:8b_128g/0.85:6b_128g s4"
+    for opts in (QP.block_options("attn", True), QP.block_options("mlp", True)):
+        for o in opts:
+            for _, qp in o.layers:
+                bits = [b for _, b, _ in qp.tiers]
+                assert bits == sorted(bits, reverse=True) and all(b in BIT_WIDTHS for b in bits)
+                for K in (256, 4096, 11008):
+                    assert sum(r for _, r in qp.bits_rows(K)) == K
+
+
+@pytest.mark.parametrize("spec", ["1x3/64", "0.1x4/128 + 0.9x3/128", "0.05x8/32 + 0.1x4/128 + 0.85x3/128",
+                                  "0.5x5/64 + 0.5x4/64"])
+def test_promote_adds_bits_one_group_at_a_time(spec):
+    K, N = 1024, 512
+    qp = QP._q(spec)
+    for _ in range(6):
+        new = QP.promote(qp, K)
+        assert new is not None
+        before, after = qp.bits_rows(K), new.bits_rows(K)
+        assert sum(r for _, r in after) == K
+        gained = sum(r * b for b, r in after) - sum(r * b for b, r in before)
+        assert 0 < gained <= 5 * 128                          # at most one group of rows, a few bits each
+        assert new.total_bits(K, N) > qp.total_bits(K, N)
+        qp = new
+    assert QP.promote(QP._q("1x8/128"), K) is None
+
+
+def test_measurement_json_round_trip_and_upstream_keys(tmp_path):
+    opts = QP.block_options("attn")
+    rows = [(o, 1000 + j, 0.9 + j / 1000) for j, o in enumerate(opts)]
+    p = tmp_path / "measurement.json"
+    QP.write_measurement(p, {"model.layers.0.self_attn": rows}, 2)
+    doc = json.loads(p.read_text())
+    d0 = doc["measurement"]["model.layers.0.self_attn"][0]
+    assert d0["q_proj"] == {"group_size": {"3": 64, "2": 64}, "bits": [3, 2], "bits_prop": [0.05, 0.95], "scale_bits": 4}
+    back = QP.read_measurement(p, {"model.layers.0.self_attn": QP.ATTN_LAYERS})
+    assert [(o, t, a) for o, t, a in back["model.layers.0.self_attn"]] == rows
+    # a block missing from the file, a malformed option: clear errors
+    with pytest.raises(Exl2Error) as e:
+        QP.read_measurement(p, {"model.layers.1.self_attn": QP.ATTN_LAYERS})
+    assert e.value.code is ErrorCode.MEASUREMENT_INVALID
+    doc["measurement"]["model.layers.0.self_attn"][0]["q_proj"]["bits"] = [7]
+    p.write_text(json.dumps(doc))
+    with pytest.raises(Exl2Error) as e:
+        QP.read_measurement(p, {"model.layers.0.self_attn": QP.ATTN_LAYERS})
+    assert e.value.code is ErrorCode.MEASUREMENT_INVALID and "option 0" in e.value.message
+
+
+# ------------------------------------------------------------------------------------------------ solver
+
+
+def test_solver_finds_the_brute_force_optimum():
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        slots = []
+        for _ in range(4):
+            costs = np.sort(rng.integers(1, 40, size=5))
+            errs = np.sort(rng.random(5))[::-1]
+            slots.append([(int(c), float(e)) for c, e in zip(costs, errs)])
+        budget = int(rng.integers(sum(s[0][0] for s in slots), sum(s[-1][0] for s in slots) + 1))
+        picks = solve(slots, budget)
+        cost = sum(slots[s][j][0] for s, j in enumerate(picks))
+        obj = sum(slots[s][j][1] ** 2 for s, j in enumerate(picks))
+        best = min(sum(slots[s][j][1] ** 2 for s, j in enumerate(c))
+                   for c in itertools.product(range(5), repeat=4)
+                   if sum(slots[s][j][0] for s, j in enumerate(c)) <= budget)
+        assert cost <= budget and obj == pytest.approx(best), trial
+        assert solve(slots, budget) == picks                   # deterministic
+
+
+def test_solver_rejects_an_impossible_budget():
+    with pytest.raises(Exl2Error) as e:
+        solve([[(10, 0.5), (20, 0.1)]], 9)
+    assert e.value.code is ErrorCode.BUDGET_INFEASIBLE
+
+
+# ------------------------------------------------------------------------------------------------ pipeline
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path_factory.mktemp("tiny") / "src"
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                   max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float16)
+    model.save_pretrained(d, safe_serialization=True)
+    ids = d.parent / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 512, (6, 48)))
+    return d, ids
+
+
+def _files(d):
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def _opts(ids, **kw):
+    from exl2fmt.quant.pipeline import QuantOptions
+
+    base = dict(target="exl2", bits=3.5, calibration=str(ids), rows=6, length=48, device="cpu")
+    base.update(kw)
+    return QuantOptions(**base)
+
+
+def test_exl2_pipeline_hits_the_budget_validates_and_is_reproducible(tiny_llama, tmp_path):
+    from exl2fmt.quant.pipeline import quantize_model
+    from exl2fmt.validate import validate_model
+
+    src, ids = tiny_llama
+    before = _files(src)
+    m = tmp_path / "m.json"
+    r = quantize_model(src, tmp_path / "a", _opts(ids, save_measurement=str(m)))
+    assert 3.48 <= r.decoder_bpw <= 3.5
+    rep = validate_model(tmp_path / "a", deep=True)
+    assert not rep.failed and rep.counts().get("warn", 0) == 0, rep.as_dict()
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "exl2" and cfg["quantization_config"]["bits"] == 3.5
+    manifest = json.loads((tmp_path / "a" / "exl2fmt-manifest.json").read_text())
+    assert len(manifest["layers"]) == 2 * 7 + 1
+    assert _files(src) == before                                     # the source is never modified
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no work dir or partial dir left
+    # same inputs -> byte-identical output; the saved measurement reproduces it without measuring
+    quantize_model(src, tmp_path / "b", _opts(ids))
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")
+    quantize_model(src, tmp_path / "c", _opts(ids, measurement=str(m)))
+    a, c = _files(tmp_path / "a"), _files(tmp_path / "c")
+    ma, mc = (json.loads(x.pop("exl2fmt-manifest.json")) for x in (a, c))   # the manifest names its options
+    assert a == c and ma["layers"] == mc["layers"] and mc["options"]["measurement"] == str(m)
+    # existing output: refused without force
+    with pytest.raises(Exl2Error) as e:
+        quantize_model(src, tmp_path / "a", _opts(ids))
+    assert e.value.code is ErrorCode.OUTPUT_EXISTS
+
+
+def test_exl2_pipeline_resumes_to_the_same_bytes(tiny_llama, tmp_path):
+    from exl2fmt.quant import pipeline as P
+
+    src, ids = tiny_llama
+    P.quantize_model(src, tmp_path / "ref", _opts(ids, bits=4.0))
+    calls = []
+
+    def boom(phase, done, total, what):
+        calls.append(phase)
+        if phase == "quantize" and len([c for c in calls if c == "quantize"]) == 5:
+            raise KeyboardInterrupt
+
+    old = P._SNAPSHOT_SECONDS
+    P._SNAPSHOT_SECONDS = 0.0                                         # snapshot after every block
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0), progress=boom)
+        assert not (tmp_path / "out").exists()
+        work = tmp_path / ".out.exl2fmt-work"
+        assert (work / "job.json").exists()
+        with pytest.raises(Exl2Error) as e:                           # a leftover work dir needs --resume
+            P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0))
+        assert e.value.code is ErrorCode.OUTPUT_EXISTS
+        with pytest.raises(Exl2Error) as e:                           # ... with the same options
+            P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.5, resume=True))
+        assert e.value.code is ErrorCode.CHECKPOINT_INVALID
+        P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0, resume=True))
+    finally:
+        P._SNAPSHOT_SECONDS = old
+    assert _files(tmp_path / "out") == _files(tmp_path / "ref")
+    assert not work.exists()
+
+
+def test_gptq_pipeline_writes_a_valid_gptq_model(tiny_llama, tmp_path):
+    from exl2fmt.container import open_model
+    from exl2fmt.model import load_layer
+    from exl2fmt.quant.pipeline import quantize_model
+    from exl2fmt.validate import validate_model
+
+    src, ids = tiny_llama
+    r = quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=64))
+    rep = validate_model(tmp_path / "g", deep=True)
+    assert not rep.failed, rep.as_dict()
+    qc = json.loads((tmp_path / "g" / "quantize_config.json").read_text())
+    assert qc["bits"] == 4 and qc["group_size"] == 64 and qc["desc_act"] is True
+    m = open_model(tmp_path / "g")
+    try:
+        lay = load_layer(m, "model.layers.1.mlp.down_proj")
+        assert type(lay).__name__ == "GptqLinear"
+        w = lay.dequantize().astype(np.float32)
+        src_m = open_model(src)
+        ref = np.asarray(src_m.get("model.layers.1.mlp.down_proj.weight")).astype(np.float32)
+        src_m.close()
+        assert np.linalg.norm(w - ref) / np.linalg.norm(ref) < 0.2
+    finally:
+        m.close()
+    assert all(l.plan == "gptq 4b g64" for l in r.layers)
+
+
+def test_bad_options_are_usage_errors(tiny_llama, tmp_path):
+    from exl2fmt.quant.pipeline import quantize_model
+
+    src, ids = tiny_llama
+    for kw in (dict(bits=1.0), dict(target="gptq", bits=5), dict(head_bits=7), dict(rows=0)):
+        with pytest.raises(Exl2Error) as e:
+            quantize_model(src, tmp_path / "x", _opts(ids, **kw))
+        assert e.value.code is ErrorCode.USAGE, kw
+    cfg = json.loads((src / "config.json").read_text())
+    other = tmp_path / "gpt2"
+    other.mkdir()
+    for f in src.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    cfg["model_type"] = "gpt2"
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exl2Error) as e:
+        quantize_model(other, tmp_path / "y", _opts(ids))
+    assert e.value.code is ErrorCode.ARCH_UNSUPPORTED
+    assert not os.path.exists(tmp_path / "y")
