@@ -4,8 +4,8 @@ ExLlamaV2 picks one multiplier ``p`` per group from a grid of 97 values in [0.70
 scale ``s_n`` is multiplied by ``p``, the group is rounded with it, and the ``p`` with the smallest
 ``sum |q * p * s_n - x|^3.5`` wins (spec/exl2.md, "scale search").  Evaluating the grid is the quantizer's
 most frequent inner loop (once per group per candidate setting), so it gets a kernel: each grid point is
-one parallel work item that sweeps the group once, and accumulates in float64 in a fixed order, so the result
-does not depend on the thread count.
+one parallel work item that sweeps the group once, accumulating per column in float32 and over columns in
+float64, in a fixed order, so the result does not depend on the thread count.
 
 ``grid_errors`` is checked against a NumPy twin in ``tests/test_quant_gptq.py``.
 """
@@ -28,20 +28,20 @@ def _grid_errors(x, trial, pgrid, zero, maxq, out):
     hi = np.float32(maxq - zero)
     for pi in prange(pgrid.shape[0]):
         p = pgrid[pi]
-        acc = 0.0
+        s = np.empty(N, dtype=np.float32)
+        col = np.zeros(N, dtype=np.float32)
+        for n in range(N):
+            s[n] = trial[n] * p
         for r in range(R):
-            row_acc = np.float32(0.0)
+            # independent per column: the loop vectorizes without reassociating any sum
             for n in range(N):
-                s = trial[n] * p
                 v = x[r, n]
-                q = np.rint(v / s)
-                if q < lo:
-                    q = lo
-                elif q > hi:
-                    q = hi
-                a = abs(q * s - v)
-                row_acc += a * a * a * np.sqrt(a)
-            acc += row_acc
+                q = min(max(np.rint(v / s[n]), lo), hi)
+                a = abs(q * s[n] - v)
+                col[n] += a * a * a * np.sqrt(a)
+        acc = 0.0
+        for n in range(N):
+            acc += col[n]
         out[pi] = acc
 
 
