@@ -150,6 +150,11 @@ class ErrorCode(str, enum.Enum):
     CHECKPOINT_INVALID = ("CHECKPOINT_INVALID", Category.UNREADABLE,
                           "a resume checkpoint must come from the same source, options and version")
 
+    # --- validate --run (appended; see exl2fmt/run_check.py) -----------------------------------------
+    RUN_MISMATCH = ("RUN_MISMATCH", Category.INVALID,
+                    "a forward pass through the Triton kernel must give the logits of the forward over the "
+                    "dequantized weights within the documented tolerance")
+
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol
         return None
