@@ -31,6 +31,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -641,6 +642,155 @@ def _measured_decoder_bpw(path: Path) -> float:
     return sum(l.stored_bytes * 8 for l in dec) / numel
 
 
+# ------------------------------------------------------------------------------------------------ weight-only
+
+
+_NUMBERED = re.compile(r"(?:^|\.)(\d+)\.")
+
+
+def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, progress, config: dict,
+                 why: str, t0: float) -> QuantReport:
+    """Architectures without a calibration forward: every 2-D weight inside a numbered block with K % 32 == 0
+    (and N % 32 == 0 for GPTQ) is quantized with an identity Hessian (round-to-nearest with the scale search,
+    no act-order); the budget is spread by the relative weight error of each candidate setting, one layer per
+    slot.  Everything else is written as fp16."""
+    from ..container import write_sharded
+    from ..converters.base import _remove, check_paths, copy_side_files, make_partial_dir, publish
+    from . import forward as F
+    from .gptq import prepare, quantize_exl2, quantize_gptq
+    from .qparams import QParams, block_options, promote
+    from .solver import solve
+
+    if o.measurement or o.save_measurement:
+        raise Exl2Error(ErrorCode.USAGE, f"weight-only mode ({why}) has no block measurement to read or save")
+    report = QuantReport(source=str(src_p), destination=str(dst_p), target=o.target, options=o.fingerprint())
+    report.warnings.append(f"weight-only mode: {why}; layers are quantized without calibration (identity "
+                           "Hessian), which is measurably worse than calibrated GPTQ")
+    src = F.WeightSource(model)
+    keys = []
+    for name in src.names():
+        shape = src.shape(name)
+        if not name.endswith(".weight") or len(shape) != 2 or not _NUMBERED.search(name):
+            continue
+        N, K = shape
+        if K % 32 or (o.target == "gptq" and N % 32):
+            report.warnings.append(f"{name}: K={K}, N={N} cannot be quantized; kept as fp16")
+            continue
+        keys.append(name[: -len(".weight")])
+    if not keys:
+        raise Exl2Error(ErrorCode.FORMAT_UNKNOWN, "no linear layer inside numbered blocks to quantize",
+                        file=str(src_p))
+    settings = sorted({qp for kind in ("attn", "mlp") for opt in block_options(kind, o.extended)
+                       for _, qp in opt.layers}, key=lambda q: q.desc())
+    eye = {}
+    t = time.monotonic()
+
+    def load(key):
+        w = src.get(f"{key}.weight", torch.float32)
+        b = src.get(f"{key}.bias", torch.float32) if src.has(f"{key}.bias") else None
+        K = w.shape[1]
+        if K not in eye:
+            eye[K] = prepare(torch.eye(K), act_order=False)
+        return w, b, eye[K]
+
+    chosen: dict[str, QParams] = {}
+    if o.target == "exl2":
+        slots, numel = [], 0
+        for li, key in enumerate(keys):
+            w, b, prep = load(key)
+            N, K = w.shape
+            numel += K * pad32(N) + (pad32(N) if b is not None else 0)
+            row = []
+            for qp in settings:
+                r = quantize_exl2(w, prep, qp.bits_rows(K))
+                err = float((r.weight_hat - w).norm() / w.norm().clamp_min(1e-30))
+                row.append((qp.total_bits(K, N, b is not None), err))
+            slots.append(row)
+            if progress:
+                progress("measure", li + 1, len(keys), key)
+        budget = int(numel * o.bits)
+        picks = solve(slots, budget, norm=o.norm)
+        used = sum(slots[i][j][0] for i, j in enumerate(picks))
+        chosen = {k: settings[j] for k, j in zip(keys, picks)}
+        grew = True
+        while grew:
+            grew = False
+            for i in sorted(range(len(keys)), key=lambda i: (-slots[i][picks[i]][1], i)):
+                key = keys[i]
+                N, K = src.shape(f"{key}.weight")
+                nb = src.has(f"{key}.bias")
+                new = promote(chosen[key], K)
+                if new is None:
+                    continue
+                dc = new.total_bits(K, N, nb) - chosen[key].total_bits(K, N, nb)
+                if 0 < dc <= budget - used:
+                    chosen[key], used, grew = new, used + dc, True
+        report.decoder_bpw = used / numel
+    report.seconds["measure"] = time.monotonic() - t
+    t = time.monotonic()
+    check_paths(src_p, dst_p, force)
+    tmp = make_partial_dir(dst_p)
+    try:
+        tensors: dict[str, np.ndarray] = {}
+        done = set()
+        for li, key in enumerate(keys):
+            w, b, prep = load(key)
+            bias = None if b is None else b.numpy()
+            if o.target == "exl2":
+                r = quantize_exl2(w, prep, chosen[key].bits_rows(w.shape[1]))
+            else:
+                r = quantize_gptq(w, prep, o.bits, o.group_size, sym=o.sym)
+            for slot, arr in r.tensors(bias).items():
+                tensors[f"{key}.{slot}"] = arr
+            err = float((r.weight_hat - w).norm() / w.norm().clamp_min(1e-30))
+            report.layers.append(LayerResult(key, _plan_of(r), _bpw_of(r, w, b), err))
+            done |= {f"{key}.weight", f"{key}.bias"}
+            if progress:
+                progress("quantize", li + 1, len(keys), key)
+        for name in src.names():
+            if name in done:
+                continue
+            if model.info(name).dtype in ("F16", "BF16", "F32", "F64"):
+                a = src.get(name, torch.float32).numpy()
+                tensors[name] = np.clip(a, -65504, 65504).astype(np.float16)
+            else:                                   # integer buffers (position ids, ...) are copied as they are
+                tensors[name] = np.array(model.get(name))
+        write_sharded(tmp, tensors, o.shard_size, prefix="output" if o.target == "exl2" else "model")
+        copy_side_files(src_p if src_p.is_dir() else src_p.parent, tmp)
+        from .. import __version__
+
+        cfg = dict(config)
+        cfg.pop("quantization_config", None)
+        if o.target == "exl2":
+            cfg["quantization_config"] = {"quant_method": "exl2", "version": f"exl2fmt {__version__}",
+                                          "bits": o.bits, "head_bits": None, "calibration": None,
+                                          "weight_only": True, "producer": {"name": "exl2fmt",
+                                                                            "version": __version__}}
+        else:
+            cfg["quantization_config"] = {"quant_method": "gptq", "bits": o.bits, "group_size": o.group_size,
+                                          "desc_act": False, "sym": o.sym, "checkpoint_format": "gptq",
+                                          "meta": {"quantizer": [f"exl2fmt:{__version__}"]}}
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=4) + "\n", encoding="utf-8")
+        manifest = {"producer": f"exl2fmt {__version__}", "target": o.target, "weight_only": True,
+                    "options": o.fingerprint(), "decoder_bpw": report.decoder_bpw,
+                    "layers": {l.key: {"plan": l.plan, "bpw": l.bpw, "error": l.error} for l in report.layers}}
+        (tmp / "exl2fmt-manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        from ..validate import validate_model
+
+        rep = validate_model(tmp, deep=True)
+        if rep.failed:
+            first = next(c for c in rep.checks if c.status.value == "FAIL")
+            raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"the quantized output fails validation: [{first.code}] "
+                            f"{first.message}", file=str(tmp))
+        publish(tmp, dst_p, force)
+    except BaseException:
+        _remove(tmp)
+        raise
+    report.seconds["quantize+compile+verify"] = time.monotonic() - t
+    report.seconds["total"] = time.monotonic() - t0
+    return report
+
+
 # ------------------------------------------------------------------------------------------------ entry point
 
 
@@ -664,7 +814,12 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         config = model.config
         if config is None:
             raise Exl2Error(ErrorCode.CONFIG_MISSING, "the quantizer needs config.json", file=str(src_p))
-        spec = F.ModelSpec.from_config(config)
+        try:
+            spec = F.ModelSpec.from_config(config)
+        except Exl2Error as e:
+            if e.code is not ErrorCode.ARCH_UNSUPPORTED:
+                raise
+            return _weight_only(model, src_p, dst_p, o, force, progress, config, str(e.message), t0)
         srcw = F.WeightSource(model)
         F.check_weights(spec, srcw)
         tok = src_p / "tokenizer.json"
