@@ -38,7 +38,16 @@ u_out |y_ref| + 2 (K + 1) 2^-24 (|x| @ |W_ref| + |bias|) of y_ref computed in fl
 weights; otherwise the layer FAILs (``KERNEL_MISMATCH``).  Results per layer in ``Report.layers[i].kernel``.
 On ``device="cpu"`` the kernels run in Triton's interpreter (slow: small models only), with one column block
 per layer (BLOCK_N = N_pad rounded up to a power of two, the interpreter's cost being per program); on CUDA
-with the kernels' own launch heuristics.  torch and triton are imported only when ``kernel`` is set.
+with the kernels' own launch heuristics.  torch and triton are imported only when ``kernel`` or ``run`` is set.
+
+``run=True`` (``exl2fmt validate --run``; llama, mistral, qwen2, qwen3) runs one sequence of token ids
+(``prompt_ids``, default ``exl2fmt.run_check.default_ids``) through the whole model twice, every EXL2 linear
+(decoder and ``lm_head``) through the Triton kernel and, as the reference, over its dequantized float16 weights
+in float32 (``run``): every kernel call within the fp32-accumulation bound on the forward's own activations
+(else ``KERNEL_MISMATCH``), and the logits within a tolerance derived from a float16-I/O replay of the reference
+(max |logit difference|, mean KL, top-1; else ``RUN_MISMATCH``).  Rules and numbers in ``exl2fmt.run_check``;
+results in ``Report.run``.  An architecture without a forward raises ``ARCH_UNSUPPORTED``, ids outside the
+vocabulary ``USAGE``, both before any data is read.
 
 Exit status (``Report.exit_code``): 0 when nothing failed (warnings allowed unless ``strict``), 1 otherwise.
 Inputs that cannot be read at all raise ``Exl2Error`` (exit 3 in the CLI); a malformed header is reported
@@ -83,6 +92,7 @@ class CheckId(str, enum.Enum):
     DECODE = "decode"
     REFERENCE = "reference"
     KERNEL = "kernel"
+    RUN = "run"
 
 
 class PassCode(str, enum.Enum):
@@ -99,6 +109,7 @@ class PassCode(str, enum.Enum):
     DECODE_OK = "DECODE_OK"
     REFERENCE_OK = "REFERENCE_OK"
     KERNEL_OK = "KERNEL_OK"
+    RUN_OK = "RUN_OK"
 
 
 #: Per-bit-width ceilings on the relative Frobenius error ||W_deq - W_ref||_F / ||W_ref||_F of one layer
@@ -179,6 +190,7 @@ class Report:
     layers: list[LayerResult] = field(default_factory=list)
     index_written: dict | None = None
     kernel: dict | None = None  # validate --kernel: {"device", "interpreter", "ms", "seed"}
+    run: dict | None = None  # validate --run: see _run_pass
     seconds: float = 0.0
     bytes_read: int = 0
 
@@ -239,6 +251,7 @@ class Report:
             "layers": [l.as_dict() for l in self.layers],
             "index_written": self.index_written,
             "kernel": self.kernel,
+            "run": self.run,
             "seconds": round(self.seconds, 3),
             "bytes_read": self.bytes_read,
         }
@@ -545,16 +558,18 @@ def _container_check_for(code: ErrorCode) -> CheckId:
 def validate_model(path: str | os.PathLike, deep: bool = False, reference: str | os.PathLike | None = None,
                    strict: bool = False, progress: Progress | None = None, *, kernel: bool = False,
                    device: str | None = None, kernel_ms: tuple[int, ...] | None = None,
-                   kernel_seed: int = 0) -> Report:
+                   kernel_seed: int = 0, run: bool = False, prompt_ids: list[int] | None = None) -> Report:
     """Validate a ``.safetensors`` file or model directory; see the module docstring for the checks.
 
     ``reference`` implies ``deep``.  ``progress(done_bytes, total_bytes, what)`` is called during the data
     pass (and again, from 0, during the kernel pass).  ``kernel`` runs the EXL2 layers through the Triton
     kernels on ``device`` ("cpu" = Triton's interpreter, "cuda", "cuda:N"; None = cuda when torch sees one, else
     cpu) with ``kernel_ms`` rows of x (default ``KERNEL_DEFAULT_MS`` of the device) drawn from ``kernel_seed``.
+    ``run`` adds the forward pass of the module docstring on ``prompt_ids`` (None = the default sequence).
     Raises ``Exl2Error`` for inputs that cannot be read at all (missing path, not safetensors, I/O errors:
     category UNREADABLE), for an unreadable reference model, and ``KERNEL_UNAVAILABLE`` (before reading
-    anything) when ``kernel`` is set but torch, triton or the device is missing.
+    anything) when ``kernel`` or ``run`` is set but torch, triton or the device is missing; with ``run``,
+    ``ARCH_UNSUPPORTED`` for a model type without a forward and ``USAGE`` for ids outside the vocabulary.
     """
     from .container import open_model
     from .inspect import is_gguf
@@ -566,8 +581,11 @@ def validate_model(path: str | os.PathLike, deep: bool = False, reference: str |
         raise Exl2Error(ErrorCode.UNSUPPORTED_INPUT, "validate checks safetensors models; this is a GGUF file "
                         "(exl2fmt inspect summarises it)", file=str(path))
     kernels = None
+    if kernel or run:
+        kernels = load_kernels(device, "--kernel" if kernel else "--run")
+    if prompt_ids is not None and not run:
+        raise Exl2Error(ErrorCode.USAGE, "prompt ids only apply with run (--run)")
     if kernel:
-        kernels = load_kernels(device)
         ms = kernels.default_ms if kernel_ms is None else _check_ms(kernel_ms)
         rep.kernel = {"device": kernels.device, "interpreter": kernels.interpreted, "ms": list(ms),
                       "seed": int(kernel_seed)}
@@ -581,7 +599,9 @@ def validate_model(path: str | os.PathLike, deep: bool = False, reference: str |
         rep.seconds = time.perf_counter() - t0
         return rep
     try:
-        _validate_open(rep, model, Path(os.fspath(path)), deep, reference, progress, kernels)
+        run_spec = _run_preflight(model, prompt_ids) if run else None
+        _validate_open(rep, model, Path(os.fspath(path)), deep, reference, progress,
+                       kernels if kernel else None, run_spec, kernels if run else None)
     finally:
         model.close()
     rep.apply_strict()
@@ -589,7 +609,8 @@ def validate_model(path: str | os.PathLike, deep: bool = False, reference: str |
     return rep
 
 
-def _validate_open(rep: Report, model, path: Path, deep: bool, reference, progress, kernels=None) -> None:
+def _validate_open(rep: Report, model, path: Path, deep: bool, reference, progress, kernels=None, run_spec=None,
+                   run_kernels=None) -> None:
     from .detect import ModelFormat, detect_model
 
     tensors = model.tensors
@@ -741,6 +762,8 @@ def _validate_open(rep: Report, model, path: Path, deep: bool, reference, progre
         _deep_pass(rep, model, det, loaded, reference, progress)
     if kernels is not None:
         _kernel_pass(rep, det, loaded, deep, kernels, progress)
+    if run_kernels is not None:
+        _run_pass(rep, model, det, loaded, deep, run_kernels, run_spec, progress)
 
 
 def _natural(key: str):
@@ -931,10 +954,10 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def load_kernels(device: str | None = None) -> KernelSetup:
+def load_kernels(device: str | None = None, what: str = "--kernel") -> KernelSetup:
     """Import the Triton kernels for ``device`` ("cpu", "cuda", "cuda:N" or None = cuda when torch sees a CUDA
     device, else cpu); "cpu" selects Triton's interpreter (``exl2fmt.kernels.load_triton``), so call this before
-    anything in the process imports triton.  Raises ``Exl2Error``: USAGE for a malformed device name,
+    anything in the process imports triton (``what`` names the option in messages).  Raises ``Exl2Error``: USAGE for a malformed device name,
     KERNEL_UNAVAILABLE when torch or triton is missing, no CUDA device is visible, or triton is already loaded
     in the other mode."""
     import re
@@ -947,7 +970,7 @@ def load_kernels(device: str | None = None) -> KernelSetup:
 
         missing = [k for k, ok in available().items() if not ok]
         if missing:
-            raise Exl2Error(ErrorCode.KERNEL_UNAVAILABLE, f"--kernel needs torch and triton "
+            raise Exl2Error(ErrorCode.KERNEL_UNAVAILABLE, f"{what} needs torch and triton "
                             f"({' and '.join(missing)} not installed): pip install 'exl2fmt[kernels]'")
         if dev is not None and dev.startswith("cuda"):
             import torch
@@ -959,7 +982,7 @@ def load_kernels(device: str | None = None) -> KernelSetup:
                                 f"{n} CUDA device(s); --device cpu runs the kernels in Triton's interpreter (slow)")
         kt = load_triton(dev)
     except ImportError as e:
-        raise Exl2Error(ErrorCode.KERNEL_UNAVAILABLE, f"--kernel needs torch and triton, and importing them "
+        raise Exl2Error(ErrorCode.KERNEL_UNAVAILABLE, f"{what} needs torch and triton, and importing them "
                         f"failed ({_one_line(e)}): pip install 'exl2fmt[kernels]'") from None
     except RuntimeError as e:
         raise Exl2Error(ErrorCode.KERNEL_UNAVAILABLE, _one_line(e)) from None
@@ -1065,6 +1088,145 @@ def _kernel_pass(rep: Report, det, loaded: dict, deep: bool, ks: KernelSetup, pr
         rep.ok(CheckId.KERNEL, PassCode.KERNEL_OK, f"{n_ok} EXL2 layer(s) through the Triton kernels on {where}: "
                f"dequantization bit-exact with the reference, every output of {paths} within the fp32-accumulation "
                f"bound; max rel err {worst:.2e}{note}", count=n_ok)
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+
+def _run_preflight(model, prompt_ids) -> dict:
+    """validate --run before any data is read: the architecture has a forward (else ``ARCH_UNSUPPORTED`` is
+    raised) and the ids lie in the vocabulary (else ``USAGE``).  A config that cannot be read or is invalid is
+    not raised here: it becomes a failed ``run`` check (the structural checks report it as well)."""
+    from . import run_check as rc
+    from .quant import forward as fw
+
+    where = str(model.config_path)
+    try:
+        config = model.config
+    except Exl2Error as e:
+        return {"spec": None, "ids": None, "error": e}
+    if not isinstance(config, dict):
+        return {"spec": None, "ids": None, "error": Exl2Error(
+            ErrorCode.CONFIG_MISSING, "--run needs config.json (architecture and sizes)", file=where)}
+    try:
+        spec = fw.ModelSpec.from_config(config)
+    except Exl2Error as e:
+        if e.code is ErrorCode.ARCH_UNSUPPORTED:
+            raise Exl2Error(ErrorCode.ARCH_UNSUPPORTED, f"--run has no forward for this model: {e.message}",
+                            file=e.file if e.file and e.file != "config.json" else where) from None
+        return {"spec": None, "ids": None, "error": Exl2Error(e.code, e.message, file=where, tensor=e.tensor)}
+    ids = rc.default_ids(spec.vocab_size) if prompt_ids is None else rc.check_ids(list(prompt_ids), spec)
+    return {"spec": spec, "ids": ids, "source": "default" if prompt_ids is None else "prompt-ids", "error": None}
+
+
+def _run_inputs(rep: Report, model, det, loaded: dict, deep: bool, spec) -> dict | None:
+    """The layer objects the forward substitutes (EXL2 and GPTQ), after checking that every tensor it reads is
+    present with the shape config.json implies; None (and FAIL checks) when the forward cannot run."""
+    from .detect import ModelFormat
+    from .layout import Format, marker_slot
+
+    linear_keys = {spec.linear_key(i, n) for i in range(spec.num_layers)
+                   for n in spec.attn_linears + spec.mlp_linears} | {"lm_head"}
+    quant: dict = {}
+    problems: list[tuple[ErrorCode, str, str]] = []
+    wsuf = "." + marker_slot(Format.DENSE)
+    for name, shape in spec.expected_tensors(None).items():
+        key = name[: -len(wsuf)] if name.endswith(wsuf) else None
+        if key in linear_keys and key in det.layers:
+            info = det.layers[key]
+            if info.format in (ModelFormat.EXL2, ModelFormat.GPTQ):
+                layer = loaded.get(key)
+                if layer is None:
+                    problems.append((ErrorCode.LAYER_NOT_FOUND, "the forward needs this layer and it failed the "
+                                     "structural checks (see the layers check)", key))
+                    continue
+                if (int(layer.out_features), int(layer.in_features)) != tuple(shape):
+                    problems.append((ErrorCode.CONFIG_MISMATCH, f"config.json implies [out, in] = {list(shape)}, the "
+                                     f"layer is [{layer.out_features}, {layer.in_features}]", key))
+                    continue
+                quant[key] = layer
+                continue
+            if info.format is not ModelFormat.DENSE:
+                problems.append((ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot run in the "
+                                 "forward (exl2fmt decodes EXL2, GPTQ and dense layers)", key))
+                continue
+        if name not in model:
+            problems.append((ErrorCode.TENSOR_NOT_FOUND, f"the {spec.arch} forward needs this tensor", name))
+        elif tuple(model.info(name).shape) != tuple(shape):
+            problems.append((ErrorCode.CONFIG_MISMATCH, f"config.json implies shape {list(shape)}, found "
+                             f"{list(model.info(name).shape)}", name))
+    head = loaded.get("lm_head")
+    if "lm_head" not in quant and head is not None and det.layers["lm_head"].format in (
+            ModelFormat.EXL2, ModelFormat.GPTQ) and (int(head.out_features), int(head.in_features)) == (
+            spec.vocab_size, spec.hidden_size):
+        quant["lm_head"] = head  # tied embeddings but a quantized head stored: run the head that ships
+    for key, layer in quant.items():
+        if deep:
+            continue  # the data invariants (permutation, finite scales, g_idx) were checked by the deep pass
+        for i in layer.validate(deep=True):
+            if i.severity is Severity.ERROR:
+                problems.append((i.code, i.message, i.tensor or key))
+    for code, msg, tensor in problems:
+        rep.add(CheckId.RUN, Status.FAIL, code, f"forward not run: {msg}", tensor=tensor, file=model.root)
+    return None if problems else quant
+
+
+def _run_pass(rep: Report, model, det, loaded: dict, deep: bool, ks: KernelSetup, pre: dict, progress) -> None:
+    """validate --run (module docstring; rules in ``exl2fmt.run_check``)."""
+    where = f"{ks.device}" + (" (Triton interpreter)" if ks.interpreted else "")
+    rep.run = {"device": ks.device, "interpreter": ks.interpreted, "activation_dtype": "float16",
+               "ids_source": pre.get("source"), "arch": None}
+    if pre["error"] is not None:
+        e = pre["error"]
+        rep.add(CheckId.RUN, Status.FAIL, e.code, f"forward not run: {e.message}", tensor=e.tensor, file=e.file)
+        return
+    spec = pre["spec"]
+    rep.run["arch"] = spec.arch
+    quant = _run_inputs(rep, model, det, loaded, deep, spec)
+    if quant is None:
+        return
+    from . import run_check as rc
+    from .quant import forward as fw
+
+    total = sum(det.layers[k].stored_bytes for k in quant) or 1
+    cb = None
+    if progress is not None:
+        progress(0, total, "")
+
+        def cb(done, n, what):
+            progress(int(total * done / n), total, what)
+    try:
+        res = rc.run_forward(spec, fw.WeightSource(model), quant, pre["ids"], kernels=ks.module, device=ks.device,
+                             progress=cb)
+    except rc.KernelCallError as e:
+        rep.add(CheckId.RUN, Status.FAIL, ErrorCode.KERNEL_MISMATCH, f"the kernel failed on this layer during the "
+                f"forward ({where}): {e}", tensor=e.key, file=model.root)
+        return
+    except Exl2Error as e:
+        rep.add(CheckId.RUN, Status.FAIL, e.code, f"forward not run: {e.message}", tensor=e.tensor, file=e.file)
+        return
+    m = rc.run_metrics(res)
+    rep.run.update(m)
+    n = m["linears"]
+    if n["gptq"]:
+        rep.add(CheckId.RUN, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED, f"{n['gptq']} GPTQ layer(s) ran over their "
+                "dequantized weights in both passes: the Triton kernel covers EXL2 only", file=model.root)
+    if not n["exl2"]:
+        rep.add(CheckId.RUN, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED, "no EXL2 linear in the forward: the kernel "
+                "was not exercised", file=model.root)
+    bad = rc.verdict(m)
+    for code, msg, key in bad:
+        rep.add(CheckId.RUN, Status.FAIL, code, f"{msg} ({where}, {m['length']} ids)", tensor=key, file=model.root)
+    k = m["kernel"]
+    if not bad and n["exl2"] and k is not None:
+        th = m["thresholds"]
+        paths = sorted({c["path"] for c in m["calls"]})
+        rep.ok(CheckId.RUN, PassCode.RUN_OK, f"{spec.arch} forward on {m['length']} ids, {n['exl2']} EXL2 linear(s) "
+               f"through the Triton kernel ({'/'.join(paths)} path, {where}) vs the dequantized weights in float32: "
+               f"max |logit diff| {k['max_abs_logit_diff']:.3g} (tolerance {th['max_abs_logit_diff']:.3g}; float16 "
+               f"activations alone {m['fp16io']['max_abs_logit_diff']:.3g}), mean KL {k['mean_kl']:.3g} nats, "
+               f"top-1 agreement {k['top1_agree']:.4g}; every kernel call within the fp32-accumulation bound",
+               count=n["exl2"], file=model.root)
 
 
 # ------------------------------------------------------------------------------------------------ oracle

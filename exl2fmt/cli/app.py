@@ -6,7 +6,7 @@ Each command calls one library function (``exl2fmt.inspect.inspect_model``, ``ex
 
 Start-up cost matters (``inspect`` of a 70B model must take well under 1.5 s): this module imports only typer
 and exl2fmt.errors at import time; numpy, rich, the container and numba are imported inside the commands
-that need them, and torch/triton only for ``validate --kernel``.
+that need them, and torch/triton only for ``validate --kernel`` / ``--run``.
 """
 
 from __future__ import annotations
@@ -137,7 +137,14 @@ def validate(
     kernel: Annotated[bool, typer.Option("--kernel", help="Run every EXL2 layer through the bundled Triton kernels "
                       "on random inputs and compare with the reference: dequantization bit for bit, y = x @ W "
                       "within the fp32-accumulation bound (needs pip install 'exl2fmt[kernels]').")] = False,
-    device: Annotated[Optional[str], typer.Option("--device", metavar="cpu|cuda[:N]", help="Where --kernel runs "
+    run: Annotated[bool, typer.Option("--run", help="A full forward pass (llama, mistral, qwen2, qwen3) on fixed "
+                   "token ids with every EXL2 linear through the Triton kernel, compared with the forward over the "
+                   "dequantized weights: max logit difference, KL, top-1 agreement (needs pip install "
+                   "'exl2fmt[kernels]').")] = False,
+    prompt_ids: Annotated[Optional[str], typer.Option("--prompt-ids", metavar="ID,ID,...", help="Token ids for "
+                          "--run (default: 16 ids drawn with a fixed seed over the vocabulary).",
+                          show_default=False)] = None,
+    device: Annotated[Optional[str], typer.Option("--device", metavar="cpu|cuda[:N]", help="Where --kernel / --run run "
                       "(default: cuda when torch sees one, else cpu = Triton's interpreter, slow: small models "
                       "only).", show_default=False)] = None,
     kernel_m: Annotated[Optional[List[int]], typer.Option("--kernel-m", metavar="M", help="Rows of x for "
@@ -151,7 +158,9 @@ def validate(
     tensor shapes, every EXL2 invariant, GPTQ shapes, control characters in names, one format per layer,
     quantization_config.bits vs measured bpw.  `--deep` reads the data; `--reference DIR` adds an error
     bound per layer against the original model; `--kernel` proves every EXL2 layer runs through the Triton
-    kernels and matches the reference (on `--device cpu` in Triton's interpreter: slow, small models only).
+    kernels and matches the reference (on `--device cpu` in Triton's interpreter: slow, small models only);
+    `--run` runs the whole model through the kernel on fixed token ids and compares the logits with the
+    forward over the dequantized weights.
 
     **Exit codes**: 0 every check passed (warnings allowed unless `--strict`) · 1 a check failed ·
     2 usage error · 3 unreadable or unsupported input · 4 internal error.
@@ -163,6 +172,7 @@ def validate(
     * `exl2fmt validate ./model-exl2/ --reference ./model-fp16/`
     * `exl2fmt validate ./model/ --fix-index`
     * `exl2fmt validate ./model/ --kernel` (GPU; `--device cpu` for a small model)
+    * `exl2fmt validate ./model/ --run --prompt-ids 1,15043,3186 --json | jq .run.kernel`
     * `exl2fmt validate ./model/ --json | jq '.checks[] | select(.status != "PASS")'`
     """
     out = _output(json_, markdown)
@@ -171,24 +181,30 @@ def validate(
         from ..validate import fix_index as write_index
         from ..validate import validate_model
 
-        ks = None
-        if kernel:  # before anything else: torch/triton load first (interpreter mode) and fail fast
-            ks = _load_kernels(out, device, kernel_m)
-        elif device is not None or kernel_m:
-            from ..errors import ErrorCode, Exl2Error
+        from ..errors import ErrorCode, Exl2Error
 
-            raise Exl2Error(ErrorCode.USAGE, "--device and --kernel-m only apply with --kernel")
+        ks = None
+        ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+        if ids is not None and not run:
+            raise Exl2Error(ErrorCode.USAGE, "--prompt-ids only applies with --run")
+        if kernel_m and not kernel:
+            raise Exl2Error(ErrorCode.USAGE, "--kernel-m only applies with --kernel")
+        if kernel or run:  # before anything else: torch/triton load first (interpreter mode) and fail fast
+            ks = _load_kernels(out, device, kernel_m, "--kernel" if kernel else "--run")
+        elif device is not None:
+            raise Exl2Error(ErrorCode.USAGE, "--device only applies with --kernel or --run")
         written = None
         if fix_index:
             written = write_index(path)
             if out.mode == "human":
                 out.info(f"wrote {written['path']}: {written['tensors']} tensors in {written['shards']} shard(s), "
                          f"total_size {written['total_size']}")
-        what = "validate --kernel" if kernel else "validate --deep" if reference is None else "validate --reference"
+        what = ("validate --kernel" if kernel else "validate --run" if run else "validate --deep"
+                if reference is None else "validate --reference")
         with out.progress(what) as cb:
             rep = validate_model(path, deep=deep, reference=reference, strict=strict, progress=cb, kernel=kernel,
                                  device=None if ks is None else ks.device,
-                                 kernel_ms=tuple(kernel_m) if kernel_m else None)
+                                 kernel_ms=tuple(kernel_m) if kernel_m else None, run=run, prompt_ids=ids)
         rep.index_written = written
         if kernel:
             _kernel_table(out, rep.as_dict())
@@ -198,18 +214,36 @@ def validate(
     _run(out, body)
 
 
-def _load_kernels(out, device, kernel_m):
-    """validate --kernel: load the Triton kernels (exit 3 with a one-line reason when torch, triton or the device
-    is missing) and say when they run in the CPU interpreter."""
+def _load_kernels(out, device, kernel_m, what="--kernel"):
+    """validate --kernel / --run: load the Triton kernels (exit 3 with a one-line reason when torch, triton or the
+    device is missing) and say when they run in the CPU interpreter."""
     from ..validate import _check_ms, load_kernels
 
     if kernel_m:
         _check_ms(tuple(kernel_m))
-    ks = load_kernels(device)
+    ks = load_kernels(device, what)
     if ks.interpreted and out.mode != "json":
-        out.info("note: --kernel on cpu runs the Triton kernels in Triton's CPU interpreter: slow (seconds per "
+        out.info(f"note: {what} on cpu runs the Triton kernels in Triton's CPU interpreter: slow (seconds per "
                  "layer), meant for small models; a CUDA device runs them compiled")
     return ks
+
+
+def _parse_ids(text: str) -> list[int]:
+    """--prompt-ids "1,2,3" (commas and/or spaces) -> [1, 2, 3]; USAGE for anything else.  The vocabulary range
+    is checked against config.json by validate."""
+    from ..errors import ErrorCode, Exl2Error
+
+    parts = [p for p in text.replace(",", " ").split()]
+    if not parts:
+        raise Exl2Error(ErrorCode.USAGE, "--prompt-ids: give comma-separated token ids, e.g. 1,15043,3186")
+    out = []
+    for p in parts:
+        try:
+            v = int(p, 10)
+        except ValueError:
+            raise Exl2Error(ErrorCode.USAGE, f"--prompt-ids: {p!r} is not an integer token id") from None
+        out.append(v)
+    return out
 
 
 def _kernel_table(out, rep: dict) -> None:
