@@ -295,3 +295,40 @@ def test_gptq_runs_dequantized_with_a_warning(sample_dir, tmp_path):
     warns = sorted(c["message"][:40] for c in doc["checks"] if c["check"] == "run")
     assert [c["code"] for c in doc["checks"] if c["check"] == "run"] == ["FORMAT_UNSUPPORTED"] * 2, warns
     assert any("GPTQ layer(s) ran over their dequantized weights" in c["message"] for c in doc["checks"])
+
+
+@needs_kernels
+def test_single_id_takes_the_gemv_path(sample_dir):
+    p = cli("validate", sample_dir, "--run", "--device", "cpu", "--prompt-ids", "7", "--json")
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    run = json.loads(p.stdout)["run"]
+    assert {(c["M"], c["path"], c["within_bound"]) for c in run["calls"]} == {(1, "gemv", True)}
+    assert len(run["calls"]) == 15 and run["kernel"]["top1_agree"] == 1.0
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_quantizer_output_runs(tmp_path):
+    """A tiny Qwen2 (q/k/v bias) quantized by exl2fmt's own quantizer (about 1 min on 2 cores)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+
+    cfg = transformers.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=320,
+                                   max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.1 if p.dim() == 2 else 0.3)
+    model.to(torch.float16).save_pretrained(tmp_path / "fp16", safe_serialization=True)
+    np.save(tmp_path / "calib.npy", np.random.default_rng(0).integers(0, 320, size=(8, 64)))
+    quantize_model(tmp_path / "fp16", tmp_path / "exl2", QuantOptions(calibration=str(tmp_path / "calib.npy"),
+                                                                      rows=8, length=64, bits=4.0, device="cpu"))
+    p = cli("validate", tmp_path / "exl2", "--run", "--device", "cpu", "--json")
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    run = json.loads(p.stdout)["run"]
+    assert run["arch"] == "qwen2" and run["linears"]["exl2"] == 15
+    assert all(c["within_bound"] for c in run["calls"]) and run["kernel"]["top1_agree"] == 1.0
+    assert run["kernel"]["max_abs_logit_diff"] <= run["thresholds"]["max_abs_logit_diff"]
