@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..errors import ErrorCode, Exl2Error
 from . import forward as fw
 
-__all__ = ["perplexity_kl", "compare_many", "eval_ids"]
+__all__ = ["perplexity_kl", "compare_many", "eval_ids", "dequantized_source"]
 
 TestModel = Union[fw.WeightSource, str, os.PathLike, Callable[[str], "fw.Linear | None"]]
 
@@ -116,3 +116,35 @@ def eval_ids(tokenizer_json: "str | os.PathLike", rows: int | None, length: int)
                         f"the held-out text gives {len(stream)} tokens, {max(rows, 1) * length} are needed for "
                         f"{max(rows, 1)} rows x {length} tokens")
     return torch.from_numpy(np.asarray(stream[:rows * length], dtype=np.int64).reshape(rows, length))
+
+
+def dequantized_source(model_dir: "str | os.PathLike") -> fw.WeightSource:
+    """An in-memory ``WeightSource`` of a quantized (EXL2 / GPTQ) or dense model directory: every linear layer
+    dequantized by the reference decoders (``load_layer(...).dequantize()``, float16 [out, in] with padding
+    dropped, held as float32), every other tensor as stored.  Memory: the whole model in float32."""
+    from ..container import open_model
+    from ..model import find_layers, load_layer
+
+    m = open_model(model_dir)
+    try:
+        names = m.names()
+        layers = find_layers(names)
+        out: dict[str, torch.Tensor] = {}
+        used = set()
+        for key in layers:
+            lay = load_layer(m, key)
+            out[f"{key}.weight"] = torch.from_numpy(np.asarray(lay.dequantize(), dtype=np.float32))
+            bias = lay.tensors.get("bias")
+            if bias is not None:
+                b = np.asarray(bias, dtype=np.float32)[: out[f"{key}.weight"].shape[0]]
+                out[f"{key}.bias"] = torch.from_numpy(b.copy())
+            used |= {f"{key}.{s}" for s in lay.tensors}
+        src = fw.WeightSource(m)
+        for n in names:
+            if n not in used and n not in out:
+                info = m.info(n)
+                if info.dtype in ("F16", "BF16", "F32"):
+                    out[n] = src.get(n, torch.float32)
+    finally:
+        m.close()
+    return fw.WeightSource(out)

@@ -1,0 +1,46 @@
+"""The quantizer's quality on trained weights, guarded: the ordering of bench/RESULTS.md's quality table must
+hold on a smaller run of the same harness (``bench/quality.py``).
+
+On the trained fixture ``tests/fixtures/tiny-llama``, against FP16 on held-out text, with KL divergence (the
+distance to the FP16 model's predictions; perplexity differences at these sizes are within noise):
+
+* quality improves monotonically with bits per weight (EXL2 6.0 < 4.15 < 3.0 in KL);
+* EXL2 at 4.15 bpw is no worse than GPTQ 4-bit g128 (4.25 bpw here, overhead included) with the same FP16 head;
+* EXL2 at 4.15 bpw beats round-to-nearest 4-bit g128 by a wide margin, and so does GPTQ (calibration works).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("tokenizers")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _quality():
+    spec = importlib.util.spec_from_file_location("exl2fmt_bench_quality", ROOT / "bench" / "quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quality_ordering_on_trained_weights(tmp_path):
+    q = _quality()
+    res = q.run(tmp_path, exl2_bits=(6.0, 4.15, 3.0), rows_cal=8, length_cal=256, rows_eval=12, length_eval=256,
+                log=lambda *a: None)
+    kl = {k: v["kl_mean"] for k, v in res.items()}
+    assert kl["EXL2 6.0"] < kl["EXL2 4.15"] < kl["EXL2 3.0"], kl
+    assert kl["EXL2 6.0 fp16 head"] < kl["EXL2 4.15 fp16 head"] < kl["EXL2 3.0 fp16 head"], kl
+    assert kl["EXL2 4.15 fp16 head"] <= kl["GPTQ 4b g128"], kl
+    assert kl["EXL2 4.15"] * 3 < kl["RTN 4b g128"] and kl["GPTQ 4b g128"] * 3 < kl["RTN 4b g128"], kl
+    for name, r in res.items():
+        if name.startswith("EXL2"):
+            target = float(name.split()[1])
+            assert target - 0.02 <= r["bpw"] <= target, (name, r["bpw"])
+    top1 = {k: v["top1_agree"] for k, v in res.items()}
+    assert top1["EXL2 6.0"] > top1["EXL2 3.0"] and top1["EXL2 4.15"] > top1["RTN 4b g128"], top1
