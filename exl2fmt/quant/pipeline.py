@@ -301,7 +301,7 @@ def _variants(blk: _Block, W, hess, options, device) -> dict[str, dict]:
                 continue
             w, _ = W[n]
             r = quantize_exl2(w, prepared[_OWNER[n]], qp.bits_rows(w.shape[1]))
-            out[n][qp] = r.weight_hat.to(device)
+            out[n][qp] = r.weight_hat.to(device=device, dtype=torch.float16)   # exact: fp16 values
     return out
 
 
@@ -335,7 +335,7 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
             var = _variants(blk, W, hess, options, device)
             rows_out = []
             for j, opt in enumerate(options):
-                lin = {n: F.dense_linear(var[n][qp], W[n][1]) for n, qp in opt.layers}
+                lin = {n: F.dense_linear(var[n][qp].float(), W[n][1]) for n, qp in opt.layers}
                 y = blk.sweep(h, lin)
                 acc = max(1e-6, 1.0 - _rel_err_rows(y, y_ref))
                 bits = sum(qp.total_bits(W[n][0].shape[1], W[n][0].shape[0], W[n][1] is not None)
