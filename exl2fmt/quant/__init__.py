@@ -12,4 +12,5 @@ Modules:
 * ``qparams``   candidate settings per block, bits accounting, ExLlamaV2's ``measurement.json``
 * ``solver``    picks one candidate per block under the exact bit budget
 * ``pipeline``  measure -> optimize -> quantize -> compile, with checkpoints and resume
+* ``evaluate``  perplexity, KL divergence and top-1 agreement of a quantized model against its reference
 """
