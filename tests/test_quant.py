@@ -371,3 +371,35 @@ def test_bad_options_are_usage_errors(tiny_llama, tmp_path):
         quantize_model(other, tmp_path / "y", _opts(ids))
     assert e.value.code is ErrorCode.ARCH_UNSUPPORTED
     assert not os.path.exists(tmp_path / "y")
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_peer_autogptq_decodes_the_quantizers_gptq_output(tiny_llama, tmp_path, sym):
+    """AutoGPTQ's own QuantLinear reads every layer the quantizer wrote exactly as our decoder does (v1 zeros,
+    act-order g_idx, symmetric and asymmetric)."""
+    import importlib.util
+
+    if importlib.util.find_spec("auto_gptq") is None:
+        pytest.skip("peer check needs auto-gptq (the test extra)")
+    from test_converters import _autogptq_quantlinear
+
+    from exl2fmt import dequantize_layer
+    from exl2fmt.container import open_model
+    from exl2fmt.quant.pipeline import quantize_model
+
+    QuantLinear = _autogptq_quantlinear()
+    src, ids = tiny_llama
+    r = quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=32, sym=sym))
+    m = open_model(tmp_path / "g")
+    try:
+        for l in r.layers:
+            N, K = m.info(f"{l.key}.scales").shape[1], m.info(f"{l.key}.g_idx").shape[0]
+            ql = QuantLinear(bits=4, group_size=32, infeatures=K, outfeatures=N, bias=False)
+            sd = {s: torch.from_numpy(np.array(m.get(f"{l.key}.{s}"))) for s in ("qweight", "qzeros", "scales",
+                                                                                 "g_idx")}
+            ql.load_state_dict(sd, strict=True)
+            with torch.no_grad():
+                peer = ql(torch.eye(K, dtype=torch.float16)).numpy()
+            assert np.array_equal(peer.T, dequantize_layer(tmp_path / "g", l.key)), l.key
+    finally:
+        m.close()
