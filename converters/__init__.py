@@ -150,6 +150,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
                                    _fail_after=_fail_after)
         from .gguf_read import convert_from_gguf
 
+        if target in ("exl2", "gptq"):
+            return _gguf_to_quantized(src, dst, target, bits, group_size, sym, size, force, progress, quant)
         return convert_from_gguf(src, dst, target, force=force, shard_size=size, progress=progress, verify=verify,
                                  _fail_after=_fail_after)
     if bits is not None and (isinstance(bits, bool) or not isinstance(bits, (int, float))):
@@ -205,6 +207,34 @@ def _quantize(src, dst, target, bits, group_size, sym, size, force, progress, qu
     opts = QuantOptions(target=target, bits=bits, shard_size=size, **q)
     cb = None if progress is None else (lambda phase, done, total, what: progress(done, total, f"{phase}: {what}"))
     return quantize_model(src, dst, opts, force=force, progress=cb)
+
+
+def _gguf_to_quantized(src, dst, target, bits, group_size, sym, size, force, progress, quant):
+    """GGUF -> EXL2 / GPTQ: decode to a temporary FP16 directory next to DST (verified like any conversion),
+    quantize that, remove it.  The quantizer's calibration needs the rebuilt tokenizer.json (byte-level BPE
+    vocabularies) or ``--calibration`` token ids."""
+    import shutil
+    import tempfile
+
+    from .base import check_paths
+    from .gguf_read import convert_from_gguf
+
+    d = _path(dst)
+    check_paths(_path(src), d, force)
+    parent = d.parent if str(d.parent) else _path(".")
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = _path(tempfile.mkdtemp(prefix=f".{d.name[:100]}.exl2fmt-fp16-", dir=parent))
+    try:
+        mid = tmp / "fp16"
+        convert_from_gguf(src, mid, "fp16", shard_size=size, progress=progress)
+        q = dict(quant or {})
+        if q.get("calibration") is None and not (mid / "tokenizer.json").exists():
+            raise Exl2Error(ErrorCode.CALIBRATION_INVALID, "the GGUF's tokenizer could not be rebuilt as "
+                            "tokenizer.json, so the built-in calibration text cannot be tokenized: pass "
+                            "--calibration with token ids (.npy, .json, .safetensors input_ids)", file=str(src))
+        return _quantize(mid, dst, target, bits, group_size, sym, size, force, progress, q)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _path(p):

@@ -364,11 +364,29 @@ def test_interrupted_write_leaves_nothing(dense, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_gguf_to_exl2_is_a_usage_error(dense_gguf, tmp_path):
+def test_gguf_to_exl2_goes_through_fp16_and_the_quantizer(dense_gguf, tmp_path):
+    pytest.importorskip("torch")
+    from exl2fmt.model import dequantize_layer
+    from exl2fmt.validate import validate_model
+
     g, _ = dense_gguf
+    # no tokenizer in this GGUF: the built-in (text) calibration cannot run, and the error says what to pass
     with pytest.raises(Exl2Error) as e:
         convert(g, tmp_path / "x", "exl2")
-    assert e.value.code is ErrorCode.USAGE and "--to fp16" in e.value.message
+    assert e.value.code is ErrorCode.CALIBRATION_INVALID and "--calibration" in e.value.message
+    assert sorted(p.name for p in tmp_path.iterdir()) == []          # the temporary FP16 directory is gone
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, CFG["vocab_size"], (4, 32)))
+    rep = convert(g, tmp_path / "x", "exl2", bits=6.0, quant={"calibration": str(ids), "rows": 4, "length": 32})
+    assert 5.98 <= rep.decoder_bpw <= 6.0
+    assert not validate_model(tmp_path / "x", deep=True).failed
+    fp16 = tmp_path / "back"
+    convert(g, fp16, "fp16")
+    for key in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        w = dequantize_layer(tmp_path / "x", key).astype(np.float32)
+        ref = dequantize_layer(fp16, key).astype(np.float32)
+        assert np.linalg.norm(w - ref) / np.linalg.norm(ref) < 0.05, key
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "ids.npy", "x"]
 
 
 def test_unsupported_architecture(tmp_path):
@@ -461,7 +479,7 @@ def test_cli_convert_to_gguf_and_back(dense, tmp_path):
     r = CliRunner().invoke(app, ["convert", str(tmp_path / "m.gguf"), str(tmp_path / "back"), "--to", "fp16"])
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(app, ["convert", str(tmp_path / "m.gguf"), str(tmp_path / "x"), "--to", "exl2"])
-    assert r.exit_code == 2
+    assert r.exit_code == 1 and "CALIBRATION_INVALID" in r.output
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
