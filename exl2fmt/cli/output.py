@@ -148,15 +148,20 @@ class Output:
         if self.mode == "json" or not sys.stderr.isatty():
             yield None
             return
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, \
-            TransferSpeedColumn
+        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, \
+            TimeRemainingColumn
 
-        with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      TimeRemainingColumn(), console=self.err_console, transient=True) as bar:
-            task = bar.add_task(description, total=None)
+        # Units differ between callers (bytes for conversions, blocks x options for the quantizer), so the bar
+        # shows percent, elapsed time, an ETA and the current item (for the quantizer "phase: layer").
+        with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
+                      TimeRemainingColumn(), TextColumn("{task.fields[what]}", markup=False), console=self.err_console,
+                      transient=True) as bar:
+            task = bar.add_task(description, total=None, what="")
 
             def update(done: int, total: int, what: str) -> None:
-                bar.update(task, completed=done, total=total or None)
+                text = escape_name(str(what))
+                bar.update(task, completed=done, total=total or None, what=text if len(text) < 60 else
+                           "..." + text[-57:])
 
             yield update
 
