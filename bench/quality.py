@@ -51,7 +51,7 @@ def rtn_source(model_dir, bits=4, group_size=128):
 
 
 def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_eval=64, length_eval=256,
-        gptq=True, rtn=True, fp16_head=True, log=print) -> dict:
+        gptq=True, rtn=True, fp16_head=True, upstream_tables=(), log=print) -> dict:
     """Quantize the fixture into ``work`` and evaluate; returns {name: metrics + bpw + seconds}."""
     from exl2fmt.quant import forward as fw
     from exl2fmt.quant.evaluate import compare_many, dequantized_source, eval_ids
@@ -77,6 +77,17 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
             tests[f"{name} fp16 head"] = fw.WeightSource(mem)
             info[f"{name} fp16 head"] = dict(info[name], head_bpw=16.0)
         log(f"{name}: decoder {rep.decoder_bpw:.4f} bpw, {time.monotonic() - t:.1f} s")
+    for bits in upstream_tables:
+        # the same measurement, but only ExLlamaV2's own candidate rows may be chosen
+        rep = quantize_model(FIXTURE, work / f"exl2-up-{bits}", QuantOptions(
+            target="exl2", bits=bits, rows=rows_cal, length=length_cal, device="cpu", measurement=str(meas),
+            extended=False))
+        deq = dequantized_source(work / f"exl2-up-{bits}")
+        mem = {n: deq.get(n) for n in deq.names()}
+        mem["lm_head.weight"] = ref.get("lm_head.weight")
+        name = f"EXL2 {bits} upstream tables, fp16 head"
+        tests[name] = fw.WeightSource(mem)
+        info[name] = {"bpw": rep.decoder_bpw, "head_bpw": 16.0, "seconds": 0.0}
     if gptq:
         t = time.monotonic()
         rep = quantize_model(FIXTURE, work / "gptq-4-g128", QuantOptions(target="gptq", bits=4, group_size=128,
@@ -128,7 +139,7 @@ def main() -> None:
     a = ap.parse_args()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as d:
-        res = run(Path(d), rows_eval=a.rows, length_eval=a.length)
+        res = run(Path(d), rows_eval=a.rows, length_eval=a.length, upstream_tables=(4.0, 3.0, 2.5))
     lines = table(res)
     print("\n".join(lines))
     total = time.monotonic() - t0
@@ -141,7 +152,8 @@ def main() -> None:
                     f"the built-in set (CPU defaults: 32 rows x 512 tokens); evaluation: {a.rows} held-out rows x "
                     f"{a.length} tokens. EXL2 rows share one measurement. GPTQ/RTN keep the fp16 head; EXL2 "
                     f"quantizes it (--head-bits 6); the 'fp16 head' rows put the FP16 head back on the EXL2 decoder "
-                    f"for a like-for-like comparison (decoder bpw is what --bits sets). Whole run {total:.0f} s.\n\n" + "\n".join(lines) + "\n")
+                    f"for a like-for-like comparison (decoder bpw is what --bits sets); 'upstream tables' rows may only pick "
+                    f"ExLlamaV2's own candidate rows (same measurement, same solver). Whole run {total:.0f} s.\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
