@@ -367,10 +367,16 @@ def test_bad_options_are_usage_errors(tiny_llama, tmp_path):
     cfg["model_type"] = "gpt2"
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (other / "config.json").write_text(json.dumps(cfg))
+    # an architecture without a calibration forward is quantized weight-only, with a warning
     with pytest.raises(Exl2Error) as e:
-        quantize_model(other, tmp_path / "y", _opts(ids))
-    assert e.value.code is ErrorCode.ARCH_UNSUPPORTED
+        quantize_model(other, tmp_path / "y", _opts(ids, measurement=str(ids)))
+    assert e.value.code is ErrorCode.USAGE and "weight-only" in e.value.message
     assert not os.path.exists(tmp_path / "y")
+    from exl2fmt.validate import validate_model
+
+    r = quantize_model(other, tmp_path / "y", _opts(ids))
+    assert any("weight-only" in w for w in r.warnings) and 3.48 <= r.decoder_bpw <= 3.5
+    assert len(r.layers) == 14 and not validate_model(tmp_path / "y", deep=True).failed
 
 
 @pytest.mark.parametrize("sym", [True, False])
