@@ -85,6 +85,9 @@ def convert_command(
                                          "its work directory (.DST.exl2fmt-work next to DST).")] = False,
     act_order: Annotated[bool, typer.Option("--act-order/--no-act-order", help="FP16 -> exl2/gptq: process "
                                             "input features by decreasing Hessian diagonal.")] = True,
+    upstream_tables: Annotated[bool, typer.Option("--upstream-tables", help="FP16 -> exl2: choose only among "
+                                                  "ExLlamaV2's own candidate settings (default: also exl2fmt's "
+                                                  "extra rows; see bench/RESULTS.md).")] = False,
     group_size: Annotated[Optional[int], typer.Option("--group-size", show_default=False, help="--to gptq: rows "
                                                       "per group, -1 = one group (default: the largest of 128/64/32 "
                                                       "that splits every EXL2 group, so the result stays exact). "
@@ -163,7 +166,8 @@ def convert_command(
                           gguf_type=gguf_type.value,
                           quant={"head_bits": head_bits, "calibration": calibration, "rows": rows, "length": length,
                                  "measurement": measurement, "save_measurement": save_measurement,
-                                 "device": device, "seed": seed, "resume": resume, "act_order": act_order})
+                                 "device": device, "seed": seed, "resume": resume, "act_order": act_order,
+                                 "extended": not upstream_tables})
         _render(out, rep)
         code = EXIT_OK
     except typer.Exit:
