@@ -348,11 +348,28 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
                                 "block's reference outputs are degenerate (non-finite or exploding activations?)")
             measured[key] = rows_out
             work.save()
+            del var, lin, y                  # this block's candidates must be gone before the next block's exist
         if progress:
             progress("measure", (bi + 1) * 1000, len(blocks) * 1000, key)
         h = y_ref
+        del W, dense, hess
+        _release_memory()
         work.snapshot("measure", bi + 1, h)
     return measured
+
+
+def _release_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps large freed blocks in its arenas otherwise, so the
+    resident set would grow with every block's temporaries)."""
+    import gc
+
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 # ------------------------------------------------------------------------------------------------ optimize
@@ -481,6 +498,8 @@ def _quantize(spec, src, ids_h, strategy, options_of, work: _Work, o: QuantOptio
                 work.job["quantized"].append(k)
         work.save()
         h = y_q
+        del W, lin, dense, y_d
+        _release_memory()
         work.snapshot("quant", bi + 1, h)
         if progress:
             progress("quantize", (bi + 1) * 10, len(blocks) * 10, key)
