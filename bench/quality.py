@@ -106,17 +106,9 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
 
 
 def _gptq_bpw(path) -> float:
-    from exl2fmt.container import open_model
-    from exl2fmt.detect import detect_model
-    from exl2fmt.inspect import block_of
+    from exl2fmt.inspect import inspect_model
 
-    m = open_model(path)
-    try:
-        det = detect_model(m.tensors, m.config, root=m.root)
-    finally:
-        m.close()
-    dec = [l for l in det.layers.values() if block_of(l.key) is not None]
-    return sum(l.stored_bytes * 8 for l in dec) / sum(l.in_features * l.out_features for l in dec)
+    return inspect_model(path, layers=False)["summary"]["bpw"]["decoder"]
 
 
 def table(res: dict) -> list[str]:

@@ -355,7 +355,8 @@ def test_bad_options_are_usage_errors(tiny_llama, tmp_path):
     from exl2fmt.quant.pipeline import quantize_model
 
     src, ids = tiny_llama
-    for kw in (dict(bits=1.0), dict(target="gptq", bits=5), dict(head_bits=7), dict(rows=0)):
+    for kw in (dict(bits=1.0), dict(target="gptq", bits=5), dict(head_bits=7), dict(rows=0),
+               dict(target="gptq", bits=4, group_size=48)):
         with pytest.raises(Exl2Error) as e:
             quantize_model(src, tmp_path / "x", _opts(ids, **kw))
         assert e.value.code is ErrorCode.USAGE, kw

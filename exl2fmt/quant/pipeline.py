@@ -98,6 +98,14 @@ class QuantOptions:
             raise Exl2Error(ErrorCode.USAGE, f"the quantizer writes exl2 or gptq, not {o.target!r}")
         if o.rows <= 0 or o.length <= 0:
             raise Exl2Error(ErrorCode.USAGE, "--rows and --length must be positive")
+        # checked here, before calibration and measurement, rather than when the head or first layer is reached
+        if o.target == "exl2":
+            from .qparams import head_qparams
+
+            head_qparams(o.head_bits)
+        elif o.group_size != -1 and (o.group_size <= 0 or o.group_size % 32):
+            raise Exl2Error(ErrorCode.USAGE, f"--group-size must be -1 or a positive multiple of 32, got "
+                            f"{o.group_size}")
         return o
 
     def fingerprint(self) -> dict:
@@ -376,7 +384,7 @@ def _release_memory() -> None:
 
 
 def _optimize(spec, src, measured, options_of, o: QuantOptions, report) -> dict:
-    from .qparams import QParams, measurement_key, promote
+    from .qparams import measurement_key
     from .solver import solve
 
     keys, slots = [], []
@@ -402,36 +410,45 @@ def _optimize(spec, src, measured, options_of, o: QuantOptions, report) -> dict:
     picks = solve(slots, budget, norm=o.norm)
     used = sum(slots[s][j][0] for s, j in enumerate(picks))
     strategy = {k: int(measured[k][j][0]) for k, j in zip(keys, picks)}
-    # Spend what the discrete options leave of the budget: promote rows of single layers to the next bit width,
-    # one group at a time, round-robin over the blocks with the largest measured error first.
-    overrides: dict[str, QParams] = {}
-    order = sorted(range(len(keys)), key=lambda s: (-slots[s][picks[s]][1], s))
-    progress_made = True
-    while progress_made:
-        progress_made = False
-        for s in order:
-            i, kind = _blocks(spec)[s]
-            opt = options_of(kind)[strategy[keys[s]]]
-            for n in _linears(spec, kind):
-                key = spec.linear_key(i, n)
-                N, K = spec.linear_shape(n)
-                cur = overrides.get(key, opt.get(n))
-                new = promote(cur, K)
-                if new is None:
-                    continue
-                dc = new.total_bits(K, N, spec.has_bias(n)) - cur.total_bits(K, N, spec.has_bias(n))
-                if 0 < dc <= budget - used:
-                    overrides[key] = new
-                    used += dc
-                    progress_made = True
+    items = []                                   # every linear, the blocks with the largest error first
+    for s in sorted(range(len(keys)), key=lambda s: (-slots[s][picks[s]][1], s)):
+        i, kind = _blocks(spec)[s]
+        opt = options_of(kind)[strategy[keys[s]]]
+        for n in _linears(spec, kind):
+            N, K = spec.linear_shape(n)
+            items.append((spec.linear_key(i, n), K, N, spec.has_bias(n), opt.get(n)))
+    overrides, used = _spend_slack(items, budget, used)
     report.decoder_bpw = used / numel
     return {"options": strategy, "overrides": {k: v.to_json() for k, v in overrides.items()}}
+
+
+def _spend_slack(items, budget: int, used: int) -> tuple[dict, int]:
+    """Spend what the discrete options leave of the budget: promote rows of single layers to the next bit width,
+    one group at a time, round-robin over ``items`` [(key, K, N, has_bias, QParams)] in priority order.
+    Returns ({key: promoted QParams}, bits used)."""
+    from .qparams import promote
+
+    cur = {key: qp for key, _, _, _, qp in items}
+    overrides = {}
+    grew = True
+    while grew:
+        grew = False
+        for key, K, N, has_bias, _ in items:
+            new = promote(cur[key], K)
+            if new is None:
+                continue
+            dc = new.total_bits(K, N, has_bias) - cur[key].total_bits(K, N, has_bias)
+            if 0 < dc <= budget - used:
+                cur[key] = overrides[key] = new
+                used += dc
+                grew = True
+    return overrides, used
 
 
 # ------------------------------------------------------------------------------------------------ quantize
 
 
-def _quantize(spec, src, ids_h, strategy, options_of, work: _Work, o: QuantOptions, progress, report):
+def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: QuantOptions, progress, report):
     from . import forward as F
     from .gptq import (EXL2_PERCDAMP, GPTQ_PERCDAMP, HessianAccumulator, prepare, quantize_exl2,
                        quantize_gptq)
@@ -463,7 +480,7 @@ def _quantize(spec, src, ids_h, strategy, options_of, work: _Work, o: QuantOptio
         path = work.layer_path(key)
         if not path.exists() or key not in work.job["quantized"]:
             _save_tensors(path, tensors)
-        return r
+        return r, tensors
 
     for bi in range(start, len(blocks)):
         i, kind = blocks[bi]
@@ -479,10 +496,11 @@ def _quantize(spec, src, ids_h, strategy, options_of, work: _Work, o: QuantOptio
             H = acc.result()
             for n in group:
                 w, b = W[n]
-                r = quant_layer(i, n, w, b, H)
+                r, packed = quant_layer(i, n, w, b, H)
                 lin[n] = F.dense_linear(r.weight_hat, b)
                 lk = spec.linear_key(i, n)
-                work.job.setdefault("layers", {})[lk] = asdict(LayerResult(lk, _plan_of(r), _bpw_of(r, w, b), r.error))
+                work.job.setdefault("layers", {})[lk] = asdict(LayerResult(lk, _plan_of(r), _bpw_of(packed, w.shape[0]),
+                                                                         r.error))
                 if progress:
                     progress("quantize", bi * 10 + 1 + _linears(spec, kind).index(n), len(blocks) * 10, lk)
         y_q = blk.sweep(h, lin)
@@ -517,8 +535,9 @@ def _quantize(spec, src, ids_h, strategy, options_of, work: _Work, o: QuantOptio
         prep = prepare(acc.result(), percdamp=EXL2_PERCDAMP, act_order=o.act_order)
         r = quantize_exl2(w, prep, head_qparams(o.head_bits).bits_rows(w.shape[1]))
         b = src.get("lm_head.bias", torch.float32, device) if src.has("lm_head.bias") else None
-        _save_tensors(work.layer_path("lm_head"), r.tensors(None if b is None else b.cpu().numpy()))
-        report.head_bpw = _bpw_of(r, w, b)
+        packed = r.tensors(None if b is None else b.cpu().numpy())
+        _save_tensors(work.layer_path("lm_head"), packed)
+        report.head_bpw = _bpw_of(packed, w.shape[0])
         work.job.setdefault("layers", {})["lm_head"] = asdict(LayerResult("lm_head", _plan_of(r), report.head_bpw,
                                                                           r.error))
         head = F.dense_linear(r.weight_hat, b)
@@ -532,10 +551,10 @@ def _quantize(spec, src, ids_h, strategy, options_of, work: _Work, o: QuantOptio
     nll, count = 0.0, 0
     for sl in batches:
         logits = F.final_logits(spec, h[sl], src, head)
-        ids = work._ids[sl].to(device)
+        row_ids = ids[sl].to(device)
         lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        nll -= float(lp.gather(-1, ids[:, 1:, None]).sum())
-        count += ids[:, 1:].numel()
+        nll -= float(lp.gather(-1, row_ids[:, 1:, None]).sum())
+        count += row_ids[:, 1:].numel()
     report.calibration_ppl = math.exp(nll / max(count, 1))
 
 
@@ -548,15 +567,31 @@ def _plan_of(r) -> str:
     return f"gptq {r.bits}b g{gs}"
 
 
-def _bpw_of(r, w, b) -> float:
-    t = r.tensors(None if b is None else b.cpu().numpy())
-    bits = sum(a.nbytes * 8 for a in t.values())
-    N, K = w.shape
-    return bits / (K * pad32(N) + (pad32(N) if b is not None else 0)) if hasattr(r, "bits_rows") else \
-        bits / (K * N + (N if b is not None else 0))
+def _bpw_of(tensors: dict[str, np.ndarray], out_features: int) -> float:
+    """Bits per weight of one packed layer (slot -> array), by the layout table's accounting."""
+    from ..layers import layer_from_tensors
+
+    return layer_from_tensors("layer", tensors, out_features=out_features).bpw()
 
 
 # ------------------------------------------------------------------------------------------------ compile
+
+
+def _plain_tensors(src, skip: set[str], report: QuantReport) -> dict[str, np.ndarray]:
+    """Every tensor of ``src`` not in ``skip``: floating point as fp16 (values beyond its range clamped and
+    reported), integer buffers (position ids, ...) unchanged."""
+    out: dict[str, np.ndarray] = {}
+    for name in src.names():
+        if name in skip:
+            continue
+        if src.files.info(name).dtype in ("F16", "BF16", "F32", "F64"):
+            a = src.get(name, torch.float32).numpy()
+            if np.isfinite(a).all() and np.abs(a).max(initial=0) > 65504:
+                report.warnings.append(f"{name}: values beyond the fp16 range were clamped")
+            out[name] = np.clip(a, -65504, 65504).astype(np.float16)
+        else:
+            out[name] = np.array(src.files.get(name))
+    return out
 
 
 def _compile(spec, src, src_dir: Path, tmp: Path, work: _Work, o: QuantOptions, report: QuantReport,
@@ -564,18 +599,10 @@ def _compile(spec, src, src_dir: Path, tmp: Path, work: _Work, o: QuantOptions, 
     from ..container import open_model, write_sharded
     from ..converters.base import copy_side_files
 
-    tensors: dict[str, np.ndarray] = {}
     quantized_weights = {f"{k}.weight" for k in layer_keys} | {f"{k}.bias" for k in layer_keys}
     if o.target == "exl2":
         quantized_weights |= {"lm_head.weight", "lm_head.bias"}
-    for name in src.names():
-        if name in quantized_weights:
-            continue
-        t = src.get(name, torch.float32)
-        a = t.numpy()
-        if np.isfinite(a).all() and np.abs(a).max(initial=0) > 65504:
-            report.warnings.append(f"{name}: values beyond the fp16 range were clamped")
-        tensors[name] = np.clip(a, -65504, 65504).astype(np.float16)
+    tensors = _plain_tensors(src, quantized_weights, report)
     opened = []
     for k in layer_keys + (["lm_head"] if o.target == "exl2" else []):
         m = open_model(work.layer_path(k))
@@ -588,36 +615,43 @@ def _compile(spec, src, src_dir: Path, tmp: Path, work: _Work, o: QuantOptions, 
         for m in opened:
             m.close()
     copy_side_files(src_dir, tmp)
+    _write_metadata(tmp, config, o, report)
+
+
+def _write_metadata(tmp: Path, config: dict, o: QuantOptions, report: QuantReport, weight_only: bool = False) -> None:
+    """config.json with quantization_config (and quantize_config.json for GPTQ), and exl2fmt-manifest.json."""
     from .. import __version__
 
     cfg = dict(config)
     cfg.pop("quantization_config", None)
     if o.target == "exl2":
-        cfg["quantization_config"] = {
-            "quant_method": "exl2", "version": f"exl2fmt {__version__}", "bits": o.bits, "head_bits": o.head_bits,
-            "calibration": {"rows": o.rows, "length": o.length,
-                            "dataset": os.path.basename(o.calibration) if o.calibration else "(default)"},
-            "producer": {"name": "exl2fmt", "version": __version__}, "manifest": "exl2fmt-manifest.json",
-        }
+        qc = {"quant_method": "exl2", "version": f"exl2fmt {__version__}", "bits": o.bits,
+              "head_bits": None if weight_only else o.head_bits,
+              "calibration": None if weight_only else {
+                  "rows": o.rows, "length": o.length,
+                  "dataset": os.path.basename(o.calibration) if o.calibration else "(default)"},
+              "producer": {"name": "exl2fmt", "version": __version__}, "manifest": "exl2fmt-manifest.json"}
+        if weight_only:
+            qc["weight_only"] = True
     else:
-        qc = {"quant_method": "gptq", "bits": o.bits, "group_size": o.group_size, "desc_act": o.act_order,
-              "sym": o.sym, "checkpoint_format": "gptq", "damp_percent": 0.01, "static_groups": False,
-              "true_sequential": True, "model_name_or_path": None, "model_file_base_name": "model",
-              "meta": {"quantizer": [f"exl2fmt:{__version__}"]}}
-        cfg["quantization_config"] = qc
+        qc = {"quant_method": "gptq", "bits": o.bits, "group_size": o.group_size,
+              "desc_act": o.act_order and not weight_only, "sym": o.sym, "checkpoint_format": "gptq",
+              "damp_percent": 0.01, "static_groups": False, "true_sequential": True, "model_name_or_path": None,
+              "model_file_base_name": "model", "meta": {"quantizer": [f"exl2fmt:{__version__}"]}}
         (tmp / "quantize_config.json").write_text(json.dumps(qc, indent=2) + "\n", encoding="utf-8")
+    cfg["quantization_config"] = qc
     cfg["torch_dtype"] = "float16"
     (tmp / "config.json").write_text(json.dumps(cfg, indent=4) + "\n", encoding="utf-8")
     manifest = {"producer": f"exl2fmt {__version__}", "target": o.target, "options": o.fingerprint(),
                 "decoder_bpw": report.decoder_bpw, "head_bpw": report.head_bpw,
                 "layers": {l.key: {"plan": l.plan, "bpw": l.bpw, "error": l.error} for l in report.layers},
                 "blocks": report.blocks}
+    if weight_only:
+        manifest["weight_only"] = True
     (tmp / "exl2fmt-manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
 
 
-def _verify(tmp: Path, work: _Work, layer_keys: list[str], o: QuantOptions, report: QuantReport) -> None:
-    """The output must pass the deep validator, and every layer must hold exactly the tensors quantized."""
-    from ..container import open_model
+def _validate_or_raise(tmp: Path) -> None:
     from ..validate import validate_model
 
     rep = validate_model(tmp, deep=True)
@@ -625,6 +659,13 @@ def _verify(tmp: Path, work: _Work, layer_keys: list[str], o: QuantOptions, repo
         first = next(c for c in rep.checks if c.status.value == "FAIL")
         raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"the quantized output fails validation: [{first.code}] "
                         f"{first.message}", file=str(tmp))
+
+
+def _verify(tmp: Path, work: _Work, layer_keys: list[str], o: QuantOptions, report: QuantReport) -> None:
+    """The output must pass the deep validator, and every layer must hold exactly the tensors quantized."""
+    from ..container import open_model
+
+    _validate_or_raise(tmp)
     out = open_model(tmp)
     try:
         for k in layer_keys + (["lm_head"] if o.target == "exl2" else []):
@@ -647,18 +688,10 @@ def _verify(tmp: Path, work: _Work, layer_keys: list[str], o: QuantOptions, repo
 
 
 def _measured_decoder_bpw(path: Path) -> float:
-    from ..detect import detect_model
-    from ..container import open_model
-    from ..inspect import block_of
+    """The decoder linears' bpw as ``exl2fmt inspect`` reports it (headers only)."""
+    from ..inspect import inspect_model
 
-    m = open_model(path)
-    try:
-        det = detect_model(m.tensors, m.config, root=m.root)
-    finally:
-        m.close()
-    dec = [l for l in det.layers.values() if block_of(l.key) is not None and l.in_features and l.out_features]
-    numel = sum(l.in_features * l.out_features + (l.out_features if l.has_bias else 0) for l in dec)
-    return sum(l.stored_bytes * 8 for l in dec) / numel
+    return inspect_model(path, layers=False)["summary"]["bpw"]["decoder"]
 
 
 # ------------------------------------------------------------------------------------------------ weight-only
@@ -677,7 +710,7 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
     from ..converters.base import _remove, check_paths, copy_side_files, make_partial_dir, publish
     from . import forward as F
     from .gptq import prepare, quantize_exl2, quantize_gptq
-    from .qparams import QParams, block_options, promote
+    from .qparams import QParams, block_options
     from .solver import solve
 
     if o.measurement or o.save_measurement:
@@ -731,19 +764,10 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
         picks = solve(slots, budget, norm=o.norm)
         used = sum(slots[i][j][0] for i, j in enumerate(picks))
         chosen = {k: settings[j] for k, j in zip(keys, picks)}
-        grew = True
-        while grew:
-            grew = False
-            for i in sorted(range(len(keys)), key=lambda i: (-slots[i][picks[i]][1], i)):
-                key = keys[i]
-                N, K = src.shape(f"{key}.weight")
-                nb = src.has(f"{key}.bias")
-                new = promote(chosen[key], K)
-                if new is None:
-                    continue
-                dc = new.total_bits(K, N, nb) - chosen[key].total_bits(K, N, nb)
-                if 0 < dc <= budget - used:
-                    chosen[key], used, grew = new, used + dc, True
+        items = [(keys[i], *src.shape(f"{keys[i]}.weight")[::-1], src.has(f"{keys[i]}.bias"), chosen[keys[i]])
+                 for i in sorted(range(len(keys)), key=lambda i: (-slots[i][picks[i]][1], i))]
+        overrides, used = _spend_slack(items, budget, used)
+        chosen.update(overrides)
         report.decoder_bpw = used / numel
     report.seconds["measure"] = time.monotonic() - t
     t = time.monotonic()
@@ -759,48 +783,18 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
                 r = quantize_exl2(w, prep, chosen[key].bits_rows(w.shape[1]))
             else:
                 r = quantize_gptq(w, prep, o.bits, o.group_size, sym=o.sym)
-            for slot, arr in r.tensors(bias).items():
-                tensors[f"{key}.{slot}"] = arr
+            packed = r.tensors(bias)
+            tensors.update({f"{key}.{slot}": arr for slot, arr in packed.items()})
             err = float((r.weight_hat - w).norm() / w.norm().clamp_min(1e-30))
-            report.layers.append(LayerResult(key, _plan_of(r), _bpw_of(r, w, b), err))
+            report.layers.append(LayerResult(key, _plan_of(r), _bpw_of(packed, w.shape[0]), err))
             done |= {f"{key}.weight", f"{key}.bias"}
             if progress:
                 progress("quantize", li + 1, len(keys), key)
-        for name in src.names():
-            if name in done:
-                continue
-            if model.info(name).dtype in ("F16", "BF16", "F32", "F64"):
-                a = src.get(name, torch.float32).numpy()
-                tensors[name] = np.clip(a, -65504, 65504).astype(np.float16)
-            else:                                   # integer buffers (position ids, ...) are copied as they are
-                tensors[name] = np.array(model.get(name))
+        tensors.update(_plain_tensors(src, done, report))
         write_sharded(tmp, tensors, o.shard_size, prefix="output" if o.target == "exl2" else "model")
         copy_side_files(src_p if src_p.is_dir() else src_p.parent, tmp)
-        from .. import __version__
-
-        cfg = dict(config)
-        cfg.pop("quantization_config", None)
-        if o.target == "exl2":
-            cfg["quantization_config"] = {"quant_method": "exl2", "version": f"exl2fmt {__version__}",
-                                          "bits": o.bits, "head_bits": None, "calibration": None,
-                                          "weight_only": True, "producer": {"name": "exl2fmt",
-                                                                            "version": __version__}}
-        else:
-            cfg["quantization_config"] = {"quant_method": "gptq", "bits": o.bits, "group_size": o.group_size,
-                                          "desc_act": False, "sym": o.sym, "checkpoint_format": "gptq",
-                                          "meta": {"quantizer": [f"exl2fmt:{__version__}"]}}
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=4) + "\n", encoding="utf-8")
-        manifest = {"producer": f"exl2fmt {__version__}", "target": o.target, "weight_only": True,
-                    "options": o.fingerprint(), "decoder_bpw": report.decoder_bpw,
-                    "layers": {l.key: {"plan": l.plan, "bpw": l.bpw, "error": l.error} for l in report.layers}}
-        (tmp / "exl2fmt-manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        from ..validate import validate_model
-
-        rep = validate_model(tmp, deep=True)
-        if rep.failed:
-            first = next(c for c in rep.checks if c.status.value == "FAIL")
-            raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"the quantized output fails validation: [{first.code}] "
-                            f"{first.message}", file=str(tmp))
+        _write_metadata(tmp, config, o, report, weight_only=True)
+        _validate_or_raise(tmp)
         publish(tmp, dst_p, force)
     except BaseException:
         _remove(tmp)
@@ -856,7 +850,6 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         fp = dict(o.fingerprint(), calibration_sha256=tok_hash, source_config=config)
         work_root = Path(o.work_dir) if o.work_dir else dst_p.parent / f".{dst_p.name}.exl2fmt-work"
         work = _Work(work_root, fp, o.resume)
-        work._ids = ids
         report = QuantReport(source=str(src_p), destination=str(dst_p), target=o.target, options=o.fingerprint())
 
         def ids_h():
@@ -880,9 +873,6 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                     if not measured[key]:
                         raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{key}: none of the file's options is a "
                                         "candidate of this quantizer", file=o.measurement)
-                    extra = [opts[j] for j in range(len(opts)) if j not in {r[0] for r in measured[key]}]
-                    if extra:
-                        options_of_missing = True  # noqa: F841  (only the measured options are candidates)
             else:
                 if work.job.get("strategy") is None:
                     measured = _measure(spec, srcw, ids_h, options_of, work, o, progress, report)
@@ -901,7 +891,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
             strategy = work.job["strategy"]
             report.decoder_bpw = work.job.get("decoder_bpw")
         t = time.monotonic()
-        _quantize(spec, srcw, ids_h, strategy, options_of, work, o, progress, report)
+        _quantize(spec, srcw, ids, ids_h, strategy, options_of, work, o, progress, report)
         report.seconds["quantize"] = time.monotonic() - t
         t = time.monotonic()
         layer_keys = [spec.linear_key(i, n) for i, k in _blocks(spec) for n in _linears(spec, k)]
