@@ -146,13 +146,15 @@ def _group_kernel():
 _GROUP_KERNEL = None
 
 
-def _sweep(Wt: torch.Tensor, U: torch.Tensor, groups: list[tuple[int, int]], fit) -> torch.Tensor:
+def _sweep(Wt: torch.Tensor, U: torch.Tensor, groups: list[tuple[int, int]], fit,
+           use_kernel: bool | None = None) -> torch.Tensor:
     """Run the GPTQ sweep in place on ``Wt`` float32 [K, N] (stored order).
 
     ``groups``: (first row, rows) per group, covering 0..K in order.  ``fit(g, X)`` gets the current rows of
     group g, float32 [r, N], and returns (scale float32 [N] of exact fp16 values, zero float32 [N], maxq);
     columns with scale 0 quantize to the zero point.  Returns the integer codes, uint8 [K, N]; on return
-    ``Wt`` holds the fp16 reconstruction (as float32) of every row.
+    ``Wt`` holds the fp16 reconstruction (as float32) of every row.  ``use_kernel``: run each group's row loop
+    as the Numba kernel (default on the CPU) or as torch ops (default elsewhere); both give the same bits.
     """
     K, N = Wt.shape
     codes = torch.empty((K, N), dtype=torch.uint8, device=Wt.device)
@@ -164,7 +166,7 @@ def _sweep(Wt: torch.Tensor, U: torch.Tensor, groups: list[tuple[int, int]], fit
         blk = Wt[a:b]
         Ublk = U[a:b, a:b]
         err = torch.empty((r, N), dtype=torch.float32, device=Wt.device)
-        if Wt.device.type == "cpu":
+        if use_kernel if use_kernel is not None else Wt.device.type == "cpu":
             kernel = _group_kernel()
             codes_g = np.empty((r, N), dtype=np.uint8)
             blk_np = blk.numpy()                      # a view: the kernel updates Wt in place
