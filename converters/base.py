@@ -346,13 +346,17 @@ class SourceReader:
             self._files[path] = f
         return f
 
-    def close(self) -> None:
+    def close_files(self) -> None:
+        """Close the reader's own file handles (the model stays open)."""
         while self._files:
             _, f = self._files.popitem()
             try:
                 f.close()
             except OSError:
                 pass
+
+    def close(self) -> None:
+        self.close_files()
         self.model.close()
 
 
@@ -532,10 +536,11 @@ class ShardWriter:
     """
 
     def __init__(self, directory: Path, shards: list[list[OutSpec]], metadata: dict[str, str], prefix="model",
-                 sync_every: int = 256 << 20):
+                 sync_every: int = 256 << 20, index_name: str = "model.safetensors.index.json"):
         self.dir = directory
         self.shards = shards
         self.names = shard_names(len(shards), prefix)
+        self.index_name = index_name
         self.metadata = metadata
         self._order = [(i, s) for i, shard in enumerate(shards) for s in shard]
         self._pos = 0
@@ -608,8 +613,8 @@ class ShardWriter:
         if len(self.shards) > 1:
             index = {"metadata": {"total_size": sum(s.nbytes for sh in self.shards for s in sh)},
                      "weight_map": {s.name: self.names[i] for i, sh in enumerate(self.shards) for s in sh}}
-            _write_text(self.dir / "model.safetensors.index.json", json.dumps(index, indent=2, sort_keys=True) + "\n")
-            written.append("model.safetensors.index.json")
+            _write_text(self.dir / self.index_name, json.dumps(index, indent=2, sort_keys=True) + "\n")
+            written.append(self.index_name)
         return written
 
     def abort(self) -> None:

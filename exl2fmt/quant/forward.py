@@ -298,6 +298,7 @@ class WeightSource:
 
     def __init__(self, model: "ModelFiles | str | os.PathLike | Mapping[str, Any]"):
         self._files: ModelFiles | None = None
+        self._reader = None
         self._mem: dict[str, torch.Tensor] | None = None
         self._owned = False
         if isinstance(model, ModelFiles):
@@ -337,6 +338,13 @@ class WeightSource:
             return tuple(self._mem[name].shape)
         return tuple(self._files.info(name).shape)
 
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The torch dtype that holds ``name`` exactly as stored: float16, bfloat16 or float32."""
+        if self._mem is not None:
+            t = self._mem.get(name)
+            return t.dtype if t is not None and t.dtype in (torch.float16, torch.bfloat16) else torch.float32
+        return {"F16": torch.float16, "BF16": torch.bfloat16}.get(self._files.info(name).dtype, torch.float32)
+
     def get(self, name: str, dtype: torch.dtype = torch.float32, device: "torch.device | str | None" = None
             ) -> torch.Tensor:
         """The tensor ``name`` as a new torch tensor of ``dtype`` (default float32) on ``device`` (default CPU).
@@ -353,21 +361,27 @@ class WeightSource:
                                 file=self.where, tensor=name)
             return t.to(device=device or "cpu", dtype=dtype, copy=True)
         info = self._files.info(name)
-        arr = self._files.get(name)
-        if info.dtype == "F16":
-            t = torch.from_numpy(np.array(arr, dtype=np.float16))
-        elif info.dtype == "F32":
-            t = torch.from_numpy(np.array(arr, dtype=np.float32))
-        elif info.dtype == "BF16":
-            # the container hands BF16 back as its uint16 bit patterns: widen to the top half of an fp32
-            bits = np.array(arr, dtype=np.uint16).astype(np.uint32) << 16
-            t = torch.from_numpy(bits.view(np.float32))
-        else:
+        if info.dtype not in ("F16", "F32", "BF16"):
             raise Exl2Error(ErrorCode.SLOT_DTYPE, f"expected an F16, BF16 or F32 weight, found {info.dtype}",
                             file=info.file, tensor=name)
+        if self._reader is None:
+            from ..converters.base import SourceReader
+
+            self._reader = SourceReader(self._files)
+        # read with pread into a private array rather than through the memory map: the map's pages would stay
+        # in the resident set, so a pass over every block would end up holding the whole model
+        arr = self._reader.read(name)
+        if info.dtype == "BF16":
+            # the container hands BF16 back as its uint16 bit patterns: widen to the top half of an fp32
+            t = torch.from_numpy((arr.astype(np.uint32) << 16).view(np.float32))
+        else:
+            t = torch.from_numpy(arr)
         return t.to(device=device or "cpu", dtype=dtype)
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close_files()
+            self._reader = None
         if self._owned and self._files is not None:
             self._files.close()
 
