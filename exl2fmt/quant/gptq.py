@@ -78,19 +78,30 @@ def prepare(H: torch.Tensor, *, percdamp: float = EXL2_PERCDAMP, act_order: bool
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
     else:
         perm = torch.arange(K, device=H.device)
-    Hp = H[perm][:, perm]
-    base = max(float(percdamp) * float(torch.diag(Hp).mean()), 1e-5)
-    eye = torch.eye(K, dtype=torch.float32, device=H.device)
+    # Written for memory: at most four K x K float32 matrices live at once (H, and two of Hp / L / L^-1 /
+    # H^-1 / U); at K = 28672 (a 70B MLP's down_proj) each is 3.3 GB.
+    diag_mean = float(torch.diag(H).mean())
+    base = max(float(percdamp) * diag_mean, 1e-5)
     for attempt in range(1, 11):
         damp = base * attempt
-        L, info = torch.linalg.cholesky_ex(Hp + damp * eye)
-        if int(info) == 0:
-            # H^-1 = L^-T L^-1 through a triangular solve and one product (torch.cholesky_inverse is ~50x
-            # slower than this on the CPU at K = 4096)
-            Linv = torch.linalg.solve_triangular(L, eye, upper=False)
-            U, info = torch.linalg.cholesky_ex(Linv.T @ Linv, upper=True)
-            if int(info) == 0 and bool(torch.isfinite(U).all()):
-                return Prepared(perm=perm, U=U, H=H, damp=damp)
+        Hp = H.index_select(0, perm).index_select(1, perm)
+        Hp.diagonal().add_(damp)
+        L, info = torch.linalg.cholesky_ex(Hp)
+        del Hp
+        if int(info) != 0:
+            continue
+        # H^-1 = L^-T L^-1 through a triangular solve (into the identity's storage) and one product
+        # (torch.cholesky_inverse is ~50x slower than this on the CPU at K = 4096)
+        # (column-major storage, as LAPACK works and as torch returns it without ``out``: same bits)
+        Linv = torch.eye(K, dtype=torch.float32, device=H.device).T
+        torch.linalg.solve_triangular(L, Linv, upper=False, out=Linv)
+        del L
+        Hinv = Linv.T @ Linv
+        del Linv
+        U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+        del Hinv
+        if int(info) == 0 and bool(torch.isfinite(U).all()):
+            return Prepared(perm=perm, U=U, H=H, damp=damp)
     raise Exl2Error(ErrorCode.QUANT_NUMERICS, f"the Hessian (K={K}) is not positive definite even with "
                     f"damping {damp:.3g}: calibration inputs are degenerate or non-finite")
 
@@ -194,9 +205,14 @@ def _sweep(Wt: torch.Tensor, U: torch.Tensor, groups: list[tuple[int, int]], fit
 
 
 def _work_matrix(weight: torch.Tensor, perm: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """float [N, K] -> float32 [K, n_cols] in stored row order, zero columns beyond N (one new matrix; no
+    float32 copy of ``weight`` is made first)."""
     N, K = weight.shape
+    w = weight.to(device=perm.device)
+    if n_cols == N:
+        return w.T.index_select(0, perm).to(torch.float32)
     Wt = torch.zeros((K, n_cols), dtype=torch.float32, device=perm.device)
-    Wt[:, :N] = weight.to(device=perm.device, dtype=torch.float32).T[perm]
+    Wt[:, :N] = w.T.index_select(0, perm)
     return Wt
 
 
