@@ -33,6 +33,7 @@ import math
 import os
 import re
 import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -298,7 +299,12 @@ class _Work:
 # ------------------------------------------------------------------------------------------------ measurement
 
 
-def _variants(blk: _Block, W, hess, options, device) -> dict[str, dict]:
+def _variants(blk: _Block, W, hess, options, vdir: Path, progress=None) -> dict[str, dict]:
+    """GPTQ-quantize every distinct candidate setting of every layer of the block and store each result in its
+    packed EXL2 form in ``vdir`` (one small file per layer and setting).  Returns {layer: {QParams: path}}.
+
+    Only one candidate is in memory at a time; scoring loads them back one by one (``_VariantCache``), so the
+    measurement's memory does not grow with the number of candidates."""
     from .gptq import prepare, quantize_exl2
 
     prepared = {o: prepare(acc.result()) for o, acc in hess.items()}
@@ -309,8 +315,32 @@ def _variants(blk: _Block, W, hess, options, device) -> dict[str, dict]:
                 continue
             w, _ = W[n]
             r = quantize_exl2(w, prepared[_OWNER[n]], qp.bits_rows(w.shape[1]))
-            out[n][qp] = r.weight_hat.to(device=device, dtype=torch.float16)   # exact: fp16 values
+            path = vdir / f"{n}.{len(out[n])}.safetensors"
+            _save_tensors(path, r.tensors(None))
+            out[n][qp] = path
+            del r
     return out
+
+
+class _VariantCache:
+    """The dense fp32 weight of one stored candidate per layer (the last one asked for), dequantized from its
+    packed file: exactly the fp16 values the quantizer computed."""
+
+    def __init__(self, F, variants: dict[str, dict], W):
+        self.F, self.variants, self.W = F, variants, W
+        self.cur: dict[str, tuple] = {}
+
+    def linear(self, n: str, qp):
+        from ..layers import layer_from_tensors
+
+        hit = self.cur.get(n)
+        if hit is None or hit[0] != qp:
+            self.cur.pop(n, None)             # drop the previous candidate before the next one exists
+            w, b = self.W[n]
+            layer = layer_from_tensors(n, _load_tensors(self.variants[n][qp]), out_features=w.shape[0])
+            w_hat = torch.from_numpy(layer.dequantize()).to(device=w.device, dtype=torch.float32)
+            hit = self.cur[n] = (qp, self.F.dense_linear(w_hat, b))
+        return hit[1]
 
 
 def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progress, report) -> dict:
@@ -340,11 +370,15 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
         y_ref = blk.sweep(h, dense, hess)
         if key not in measured:
             options = options_of(kind)
-            var = _variants(blk, W, hess, options, device)
+            vdir = work.root / "variants"
+            shutil.rmtree(vdir, ignore_errors=True)
+            vdir.mkdir()
+            cache = _VariantCache(F, _variants(blk, W, hess, options, vdir), W)
             rows_out = []
+            y = torch.empty_like(h)
             for j, opt in enumerate(options):
-                lin = {n: F.dense_linear(var[n][qp].float(), W[n][1]) for n, qp in opt.layers}
-                y = blk.sweep(h, lin)
+                lin = {n: cache.linear(n, qp) for n, qp in opt.layers}
+                blk.sweep(h, lin, out=y)
                 acc = max(1e-6, 1.0 - _rel_err_rows(y, y_ref))
                 bits = sum(qp.total_bits(W[n][0].shape[1], W[n][0].shape[0], W[n][1] is not None)
                            for n, qp in opt.layers)
@@ -356,7 +390,8 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
                                 "block's reference outputs are degenerate (non-finite or exploding activations?)")
             measured[key] = rows_out
             work.save()
-            del var, lin, y                  # this block's candidates must be gone before the next block's exist
+            del cache, lin, y
+            shutil.rmtree(vdir, ignore_errors=True)
         if progress:
             progress("measure", (bi + 1) * 1000, len(blocks) * 1000, key)
         h = y_ref
@@ -523,12 +558,16 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
             progress("quantize", (bi + 1) * 10, len(blocks) * 10, key)
 
     # the head (EXL2 only; GPTQ keeps a dense head, as GPTQ tools do)
+    if progress:
+        progress("head", 0, 1, "lm_head and calibration perplexity")
     norm_w = src.get("model.norm.weight", torch.float32, device)
     if o.target == "exl2":
         from .qparams import head_qparams
 
         head_name = "lm_head.weight" if src.has("lm_head.weight") else "model.embed_tokens.weight"
-        w = src.get(head_name, torch.float32, device)
+        # the head is often the largest matrix of a model: kept in its stored 16-bit dtype (exact), widened to
+        # float32 only inside the quantizer's work matrix
+        w = src.get(head_name, src.stored_dtype(head_name), device)
         acc = HessianAccumulator(w.shape[1], device)
         for sl in batches:
             acc.add(F.rms_norm(h[sl], norm_w, spec.rms_norm_eps))
@@ -541,21 +580,35 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         work.job.setdefault("layers", {})["lm_head"] = asdict(LayerResult("lm_head", _plan_of(r), report.head_bpw,
                                                                           r.error))
         head = F.dense_linear(r.weight_hat, b)
+        del w, r, acc, prep, packed
     else:
-        head = None
+        head_name = "model.embed_tokens.weight" if F._tied(spec, src) else "lm_head.weight"
+        b = src.get("lm_head.bias", torch.float32, device) if src.has("lm_head.bias") else None
+        head = F.dense_linear(src.get(head_name, torch.float32, device), b)
+    _release_memory()
     # per-layer and per-block results, in model order, including those of an interrupted run's blocks
     order = [spec.linear_key(i, n) for i, k in blocks for n in _linears(spec, k)] + ["lm_head"]
     report.layers = [LayerResult(**work.job["layers"][k]) for k in order if k in work.job["layers"]]
     report.blocks = [work.job["blocks"][measurement_key(spec.layer_prefix(i), k)] for i, k in blocks]
-    # calibration perplexity of the quantized model (next-token loss over the calibration rows)
+    report.calibration_ppl = _calibration_ppl(spec, src, h, ids.to(device), head)
+
+
+def _calibration_ppl(spec, src, h, ids, head) -> float:
+    """Perplexity of next-token prediction over the calibration rows, from the last hidden state ``h`` float
+    [rows, T, hidden] and the token ids int64 [rows, T].  The logits are made a few thousand tokens at a time
+    (at most ~64 MiB of them), never for a whole batch: 8192 tokens x a 128k vocabulary would be 4 GiB."""
+    from . import forward as F
+
+    rows, T = ids.shape
+    chunk = max(16, (64 << 20) // (4 * spec.vocab_size))
     nll, count = 0.0, 0
-    for sl in batches:
-        logits = F.final_logits(spec, h[sl], src, head)
-        row_ids = ids[sl].to(device)
-        lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        nll -= float(lp.gather(-1, row_ids[:, 1:, None]).sum())
-        count += row_ids[:, 1:].numel()
-    report.calibration_ppl = math.exp(nll / max(count, 1))
+    for r in range(rows):
+        for a in range(0, T - 1, chunk):
+            b = min(T - 1, a + chunk)
+            logits = F.final_logits(spec, h[r, a:b], src, head)
+            nll += float(torch.nn.functional.cross_entropy(logits, ids[r, a + 1:b + 1], reduction="sum"))
+            count += b - a
+    return math.exp(nll / max(count, 1))
 
 
 def _plan_of(r) -> str:
@@ -577,43 +630,98 @@ def _bpw_of(tensors: dict[str, np.ndarray], out_features: int) -> float:
 # ------------------------------------------------------------------------------------------------ compile
 
 
-def _plain_tensors(src, skip: set[str], report: QuantReport) -> dict[str, np.ndarray]:
-    """Every tensor of ``src`` not in ``skip``: floating point as fp16 (values beyond its range clamped and
-    reported), integer buffers (position ids, ...) unchanged."""
-    out: dict[str, np.ndarray] = {}
+def _plain_specs(src, skip: set[str]) -> list:
+    """OutSpecs of every tensor of ``src`` not in ``skip``: floating point becomes F16, integer buffers (position
+    ids, ...) keep their dtype."""
+    from ..converters.base import OutSpec
+
+    out = []
     for name in src.names():
         if name in skip:
             continue
-        if src.files.info(name).dtype in ("F16", "BF16", "F32", "F64"):
-            a = src.get(name, torch.float32).numpy()
-            if np.isfinite(a).all() and np.abs(a).max(initial=0) > 65504:
-                report.warnings.append(f"{name}: values beyond the fp16 range were clamped")
-            out[name] = np.clip(a, -65504, 65504).astype(np.float16)
-        else:
-            out[name] = np.array(src.files.get(name))
+        info = src.files.info(name)
+        out.append(OutSpec(name, "F16" if info.dtype in _FLOAT_DTYPES else info.dtype, tuple(info.shape)))
     return out
+
+
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def _plain_tensor(src, name: str, report: QuantReport) -> np.ndarray:
+    """One tensor of ``src`` as written: floating point as fp16 (values beyond its range clamped and
+    reported), integer buffers unchanged."""
+    if src.files.info(name).dtype in _FLOAT_DTYPES:
+        a = src.get(name, torch.float32).numpy()
+        if np.isfinite(a).all() and np.abs(a).max(initial=0) > 65504:
+            report.warnings.append(f"{name}: values beyond the fp16 range were clamped")
+        return np.clip(a, -65504, 65504).astype(np.float16)
+    from ..converters.base import SourceReader
+
+    reader = SourceReader(src.files)
+    try:
+        return reader.read(name)
+    finally:
+        reader.close_files()
+
+
+def _write_streaming(tmp: Path, specs: list, produce: Callable[[str], np.ndarray], shard_size: int,
+                     prefix: str) -> None:
+    """Write ``specs`` (OutSpecs, sorted by name) into ``prefix`` shards of at most ``shard_size`` bytes, one
+    tensor in memory at a time: ``produce(name)`` makes each one just before it is written."""
+    from ..converters.base import ShardWriter, plan_shards
+
+    specs = sorted(specs, key=lambda s: s.name)
+    writer = ShardWriter(tmp, plan_shards(specs, shard_size), {"format": "pt"}, prefix=prefix,
+                         index_name=f"{prefix}.safetensors.index.json")
+    try:
+        for sp in specs:
+            writer.feed(sp.name, produce(sp.name))
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _compile(spec, src, src_dir: Path, tmp: Path, work: _Work, o: QuantOptions, report: QuantReport,
              config: dict, layer_keys: list[str]) -> None:
-    from ..container import open_model, write_sharded
+    """Write the output model tensor by tensor: the plain tensors converted from ``src`` one at a time, the
+    quantized layers read from the work directory's layer files (never the whole model in memory)."""
+    from ..container import open_model
+    from ..converters.base import OutSpec, SourceReader
     from ..converters.base import copy_side_files
 
-    quantized_weights = {f"{k}.weight" for k in layer_keys} | {f"{k}.bias" for k in layer_keys}
+    heads = ["lm_head"] if o.target == "exl2" else []
+    skip = {f"{k}.weight" for k in layer_keys} | {f"{k}.bias" for k in layer_keys}
     if o.target == "exl2":
-        quantized_weights |= {"lm_head.weight", "lm_head.bias"}
-    tensors = _plain_tensors(src, quantized_weights, report)
-    opened = []
-    for k in layer_keys + (["lm_head"] if o.target == "exl2" else []):
+        skip |= {"lm_head.weight", "lm_head.bias"}
+    specs = _plain_specs(src, skip)
+    where: dict[str, tuple[str, str]] = {}          # output name -> (layer key, slot)
+    for k in layer_keys + heads:
         m = open_model(work.layer_path(k))
-        opened.append(m)
-        for slot in m.names():
-            tensors[f"{k}.{slot}"] = m.get(slot)
-    try:
-        write_sharded(tmp, tensors, o.shard_size, prefix="output" if o.target == "exl2" else "model")
-    finally:
-        for m in opened:
+        try:
+            for slot in m.names():
+                t = m.info(slot)
+                specs.append(OutSpec(f"{k}.{slot}", t.dtype, tuple(t.shape)))
+                where[f"{k}.{slot}"] = (k, slot)
+        finally:
             m.close()
+    cur: dict = {}                                  # the one layer file open for reading
+
+    def produce(name: str) -> np.ndarray:
+        if name not in where:
+            return _plain_tensor(src, name, report)
+        k, slot = where[name]
+        if cur.get("key") != k:
+            if cur:
+                cur["reader"].close()
+            cur.update(key=k, reader=SourceReader(open_model(work.layer_path(k))))
+        return cur["reader"].read(slot)
+
+    try:
+        _write_streaming(tmp, specs, produce, o.shard_size, "output" if o.target == "exl2" else "model")
+    finally:
+        if cur:
+            cur["reader"].close()
     copy_side_files(src_dir, tmp)
     _write_metadata(tmp, config, o, report)
 
@@ -665,14 +773,16 @@ def _verify(tmp: Path, work: _Work, layer_keys: list[str], o: QuantOptions, repo
     """The output must pass the deep validator, and every layer must hold exactly the tensors quantized."""
     from ..container import open_model
 
+    from ..converters.base import SourceReader
+
     _validate_or_raise(tmp)
-    out = open_model(tmp)
+    out = SourceReader(open_model(tmp))             # pread, not the map: one tensor resident at a time
     try:
         for k in layer_keys + (["lm_head"] if o.target == "exl2" else []):
-            m = open_model(work.layer_path(k))
+            m = SourceReader(open_model(work.layer_path(k)))
             try:
-                for slot in m.names():
-                    if not np.array_equal(np.asarray(out.get(f"{k}.{slot}")), np.asarray(m.get(slot))):
+                for slot in m.model.names():
+                    if not np.array_equal(out.read(f"{k}.{slot}"), m.read(slot)):
                         raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, "written tensor differs from the quantized "
                                         "layer", file=str(tmp), tensor=f"{k}.{slot}")
             finally:
@@ -706,8 +816,8 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
     (and N % 32 == 0 for GPTQ) is quantized with an identity Hessian (round-to-nearest with the scale search,
     no act-order); the budget is spread by the relative weight error of each candidate setting, one layer per
     slot.  Everything else is written as fp16."""
-    from ..container import write_sharded
-    from ..converters.base import _remove, check_paths, copy_side_files, make_partial_dir, publish
+    from ..container import numpy_to_safetensors_dtype
+    from ..converters.base import OutSpec, _remove, check_paths, copy_side_files, make_partial_dir, publish
     from . import forward as F
     from .gptq import prepare, quantize_exl2, quantize_gptq
     from .qparams import QParams, block_options
@@ -773,9 +883,10 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
     t = time.monotonic()
     check_paths(src_p, dst_p, force)
     tmp = make_partial_dir(dst_p)
+    layer_dir = Path(tempfile.mkdtemp(prefix=f".{dst_p.name[:100]}.exl2fmt-layers-", dir=tmp.parent))
     try:
-        tensors: dict[str, np.ndarray] = {}
-        done = set()
+        # each packed layer goes to a file as it is made; the output is then written tensor by tensor
+        specs, where = [], {}
         for li, key in enumerate(keys):
             w, b, prep = load(key)
             bias = None if b is None else b.numpy()
@@ -784,14 +895,25 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
             else:
                 r = quantize_gptq(w, prep, o.bits, o.group_size, sym=o.sym)
             packed = r.tensors(bias)
-            tensors.update({f"{key}.{slot}": arr for slot, arr in packed.items()})
+            path = layer_dir / f"{li}.safetensors"
+            _save_tensors(path, packed)
+            for slot, arr in packed.items():
+                specs.append(OutSpec(f"{key}.{slot}", numpy_to_safetensors_dtype(arr.dtype), tuple(arr.shape)))
+                where[f"{key}.{slot}"] = (path, slot)
             err = float((r.weight_hat - w).norm() / w.norm().clamp_min(1e-30))
             report.layers.append(LayerResult(key, _plan_of(r), _bpw_of(packed, w.shape[0]), err))
-            done |= {f"{key}.weight", f"{key}.bias"}
+            del r, packed, w
             if progress:
                 progress("quantize", li + 1, len(keys), key)
-        tensors.update(_plain_tensors(src, done, report))
-        write_sharded(tmp, tensors, o.shard_size, prefix="output" if o.target == "exl2" else "model")
+        specs += _plain_specs(src, {f"{k}.{s}" for k in keys for s in ("weight", "bias")})
+
+        def produce(name):
+            if name not in where:
+                return _plain_tensor(src, name, report)
+            path, slot = where[name]
+            return _load_tensors(path)[slot]
+
+        _write_streaming(tmp, specs, produce, o.shard_size, "output" if o.target == "exl2" else "model")
         copy_side_files(src_p if src_p.is_dir() else src_p.parent, tmp)
         _write_metadata(tmp, config, o, report, weight_only=True)
         _validate_or_raise(tmp)
@@ -799,6 +921,8 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
     except BaseException:
         _remove(tmp)
         raise
+    finally:
+        shutil.rmtree(layer_dir, ignore_errors=True)
     report.seconds["quantize+compile+verify"] = time.monotonic() - t
     report.seconds["total"] = time.monotonic() - t0
     return report
@@ -897,7 +1021,11 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         layer_keys = [spec.linear_key(i, n) for i, k in _blocks(spec) for n in _linears(spec, k)]
         tmp = make_partial_dir(dst_p)
         try:
+            if progress:
+                progress("compile", 0, 1, "writing the output")
             _compile(spec, srcw, src_p if src_p.is_dir() else src_p.parent, tmp, work, o, report, config, layer_keys)
+            if progress:
+                progress("verify", 0, 1, "validating the output")
             _verify(tmp, work, layer_keys, o, report)
             publish(tmp, dst_p, force)
         except BaseException:
