@@ -71,14 +71,39 @@ def make_1b(d: Path) -> None:
     (d / "config.json").write_text(json.dumps(c, indent=2))
 
 
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
 def child(src: str, dst: str, bits: float, rows: int, length: int, ids: str | None) -> None:
+    import threading
+
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
 
+    phase, peaks = ["setup"], {}
+    base = _rss_kb()
+
+    def sample():                       # resident set per phase, sampled every 20 ms
+        while True:
+            p = phase[0]
+            peaks[p] = max(peaks.get(p, 0), _rss_kb())
+            time.sleep(0.02)
+
+    def progress(ph, done, total, what):
+        phase[0] = ph
+
+    threading.Thread(target=sample, daemon=True).start()
     t = time.monotonic()
     rep = quantize_model(src, dst, QuantOptions(target="exl2", bits=bits, rows=rows, length=length, device="cpu",
-                                                calibration=ids))
+                                                calibration=ids), progress=progress)
+    time.sleep(0.05)
     print(json.dumps({"seconds": rep.seconds, "wall": time.monotonic() - t, "bpw": rep.decoder_bpw,
-                      "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+                      "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "base_kb": base,
+                      "phase_peak_kb": peaks}))
 
 
 def run_child(src, dst, bits, rows, length, ids=None) -> dict:
@@ -87,6 +112,25 @@ def run_child(src, dst, bits, rows, length, ids=None) -> dict:
     if p.returncode:
         raise SystemExit(p.stderr[-4000:])
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _describe(r: dict) -> str:
+    peaks = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in r["phase_peak_kb"].items())
+    return (f"{r['wall'] / 60:.1f} min ({', '.join(f'{k} {v:.0f} s' for k, v in r['seconds'].items())}), "
+            f"peak RSS {r['maxrss_kb'] / 1e6:.2f} GB (process after imports {r['base_kb'] / 1e6:.2f} GB; peak by "
+            f"phase, GB: {peaks})")
+
+
+def _floor(c: dict, rows: int, length: int) -> str:
+    """The issue's memory yardstick for one decoder layer: its weights in float32, the calibration hidden
+    states, the MLP's widest activation batch and the Hessians of its linear layers."""
+    H, I = c["hidden_size"], c["intermediate_size"]
+    kv = H // c["num_attention_heads"] * c["num_key_value_heads"]
+    weights = 4 * (2 * H * H + 2 * H * kv + 3 * H * I)
+    acts = 4 * rows * length * H * 3 + 4 * min(rows * length, 8192) * I * 2
+    hess = 4 * (2 * H * H + I * I)
+    return (f"one layer's float32 weights {weights / 1e9:.2f} GB + calibration activations {acts / 1e9:.2f} GB + "
+            f"Hessians {hess / 1e9:.2f} GB = {(weights + acts + hess) / 1e9:.2f} GB above the process itself")
 
 
 def main() -> None:
@@ -105,8 +149,7 @@ def main() -> None:
         tmp = Path(tmp)
         r = run_child(FIXTURE, tmp / "fx", 4.0, 32, 512)
         lines.append(f"- fixture (4.2M params, 4 layers), 4.0 bpw, calibration 32 x 512 (CPU defaults): "
-                     f"{r['wall']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in r['seconds'].items())}), "
-                     f"peak RSS {r['maxrss_kb'] / 1e6:.2f} GB")
+                     + _describe(r))
         print(lines[-1], flush=True)
         if not a.skip_1b:
             t = time.monotonic()
@@ -118,10 +161,8 @@ def main() -> None:
             print(f"wrote the 1B-class model in {time.monotonic() - t:.0f} s", flush=True)
             r = run_child(tmp / "1b", tmp / "1b-exl2", 4.0, a.rows, a.length, str(ids))
             lines.append(f"- 1B-class (TinyLlama-1.1B shapes, random weights, 2.2 GB fp16), 4.0 bpw, calibration "
-                         f"{a.rows} x {a.length}: {r['wall'] / 60:.1f} min ({', '.join(f'{k} {v:.0f} s' for k, v in r['seconds'].items())}), "
-                         f"decoder {r['bpw']:.4f} bpw, peak RSS {r['maxrss_kb'] / 1e6:.2f} GB (one block's fp32 "
-                         f"weights ~0.4 GB, its fp16 candidate reconstructions ~1.4 GB, the 32000 x 2048 head and "
-                         f"embeddings in fp32 ~0.5 GB)")
+                         f"{a.rows} x {a.length}: decoder {r['bpw']:.4f} bpw, " + _describe(r)
+                         + "; " + _floor(TINYLLAMA, a.rows, a.length))
             print(lines[-1], flush=True)
     if a.record:
         with open(ROOT / "bench" / "RESULTS.md", "a", encoding="utf-8") as f:
