@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 
 import numpy as np
@@ -127,6 +128,35 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs():
     rtn = layer_from_tensors("L", quantize_rtn(W.numpy(), tiers, p.perm.numpy())).dequantize().astype(np.float32)
     e_gptq, e_rtn = proxy_error(W, r.weight_hat, H), proxy_error(W, torch.from_numpy(rtn), H)
     assert e_gptq < 0.85 * e_rtn, (e_gptq, e_rtn)
+
+
+@pytest.mark.parametrize("act_order", [True, False])
+def test_prepare_is_the_cholesky_factor_of_the_damped_inverse(act_order):
+    """Oracle: float64 inverse of the permuted, damped Hessian; U must be upper triangular with U^T U = H^-1."""
+    H = _correlated(96)
+    p = prepare(H, percdamp=0.05, act_order=act_order)
+    d = torch.diag(H).double()
+    perm = torch.argsort(d, descending=True, stable=True) if act_order else torch.arange(96)
+    assert torch.equal(p.perm, perm)
+    Hp = H.double()[perm][:, perm] + p.damp * torch.eye(96, dtype=torch.float64)
+    assert p.damp == pytest.approx(0.05 * float(d.mean()), rel=1e-6)
+    U = p.U.double()
+    assert torch.equal(U, torch.triu(U))
+    want = torch.linalg.inv(Hp)
+    assert float((U.T @ U - want).abs().max() / want.abs().max()) < 1e-4
+    assert torch.equal(p.H, H)                                  # the undamped Hessian is kept, unpermuted
+
+
+def test_prepare_retries_with_more_damping():
+    """An indefinite Hessian (one eigenvalue -1) factors only once the damping exceeds 1, i.e. on the ninth
+    step of 0.12 x mean(diag) = 0.1125: the retry loop must step the damping up and report the one that worked."""
+    K = 32
+    H = torch.eye(K)
+    H[0, 0] = -1.0                                              # diag mean = (K - 2) / K
+    base = 0.12 * float(torch.diag(H).mean())
+    p = prepare(H, act_order=False)
+    assert p.damp > 1.0 and p.damp == pytest.approx(base * math.ceil(1.0 / base + 1e-9), rel=1e-6)
+    assert bool(torch.isfinite(p.U).all())
 
 
 def test_degenerate_hessian_is_a_clear_error():
@@ -434,3 +464,50 @@ def test_cpu_kernel_and_torch_row_loop_give_the_same_bits():
         codes = G._sweep(Wt, p.U, groups, fit, use_kernel=use_kernel)
         out.append((codes, Wt))
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+def test_calibration_perplexity_in_chunks_equals_the_whole_logit_computation(tiny_llama):
+    """Oracle: the full forward's logits for every row at once, log-softmax, gather."""
+    from exl2fmt.quant import forward as F
+    from exl2fmt.quant.pipeline import _calibration_ppl
+
+    src_dir, ids_path = tiny_llama
+    spec, src = F.load_spec(src_dir)
+    ids = torch.as_tensor(np.load(ids_path))
+    logits = F.forward(spec, src, ids)
+    lp = torch.log_softmax(logits[:, :-1].double(), dim=-1).gather(-1, ids[:, 1:, None])
+    want = math.exp(-float(lp.mean()))
+    h = F.embed(spec, src, ids)
+    cs = F.rope(spec, ids.shape[1], "cpu")
+    for i in range(spec.num_layers):
+        h = F.mlp_block(spec, i, F.attention_block(spec, i, h, src, {}, rope=cs), src, {})
+    head = F.dense_linear(src.get("lm_head.weight"))
+    for limit in (4 * spec.vocab_size * 5, 64 << 20):           # 5-token chunks (uneven split of 47) and one chunk
+        assert _calibration_ppl(spec, src, h, ids, head, max_logit_bytes=limit) == pytest.approx(want, rel=1e-5)
+    src.close()
+
+
+def test_exl2_pipeline_writes_shards_with_an_index(tiny_llama, tmp_path):
+    """A small --shard-size splits the output; the index maps every tensor to the shard that holds it and the
+    sharded model holds the same tensors, byte for byte, as the single-file one."""
+    from exl2fmt.container import open_model
+    from exl2fmt.quant.pipeline import quantize_model
+    from exl2fmt.validate import validate_model
+
+    src, ids = tiny_llama
+    quantize_model(src, tmp_path / "one", _opts(ids))
+    quantize_model(src, tmp_path / "many", _opts(ids, shard_size=60_000))
+    shards = sorted(p.name for p in (tmp_path / "many").glob("output-*.safetensors"))
+    assert len(shards) > 2 and not (tmp_path / "many" / "output.safetensors").exists()
+    index = json.loads((tmp_path / "many" / "output.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    assert not validate_model(tmp_path / "many", deep=True).failed
+    a, b = open_model(tmp_path / "one"), open_model(tmp_path / "many")
+    try:
+        assert sorted(a.names()) == sorted(b.names()) == sorted(index["weight_map"])
+        for n in a.names():
+            assert b.info(n).file.endswith(index["weight_map"][n])
+            assert bytes(a.get_bytes(n)) == bytes(b.get_bytes(n)), n
+    finally:
+        a.close()
+        b.close()

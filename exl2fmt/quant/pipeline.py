@@ -593,14 +593,15 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
     report.calibration_ppl = _calibration_ppl(spec, src, h, ids.to(device), head)
 
 
-def _calibration_ppl(spec, src, h, ids, head) -> float:
+def _calibration_ppl(spec, src, h, ids, head, max_logit_bytes: int = 64 << 20) -> float:
     """Perplexity of next-token prediction over the calibration rows, from the last hidden state ``h`` float
     [rows, T, hidden] and the token ids int64 [rows, T].  The logits are made a few thousand tokens at a time
-    (at most ~64 MiB of them), never for a whole batch: 8192 tokens x a 128k vocabulary would be 4 GiB."""
+    (at most ``max_logit_bytes`` of them), never for a whole batch: 8192 tokens x a 128k vocabulary would be
+    4 GiB."""
     from . import forward as F
 
     rows, T = ids.shape
-    chunk = max(16, (64 << 20) // (4 * spec.vocab_size))
+    chunk = max(1, max_logit_bytes // (4 * spec.vocab_size))
     nll, count = 0.0, 0
     for r in range(rows):
         for a in range(0, T - 1, chunk):
