@@ -5,7 +5,8 @@
 1. **Calibration**: token ids [rows, length] (``calib.load_calibration``; the built-in set by default).
 2. **Measurement** (EXL2 only, skipped with ``measurement=``): for every attention and MLP block, the GPTQ
    Hessians of its linear layers are accumulated from the block's reference inputs; every distinct candidate
-   setting of every layer is GPTQ-quantized; every candidate option of the block is scored by the relative
+   setting of every layer is GPTQ-quantized (and parked, packed, in the work directory, so memory does not
+   grow with the candidate tables); every candidate option of the block is scored by the relative
    error of the block's output, ``1 - mean_rows ||y_test - y_ref||_F / ||y_ref||_F`` (ExLlamaV2's
    "accuracy").  Blocks are measured independently: the next block's input is the reference output.
 3. **Optimization**: ``solver.solve`` picks one option per block so that the decoder linears' stored bits
