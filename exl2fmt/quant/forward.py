@@ -491,8 +491,11 @@ def embed(spec: ModelSpec, src: WeightSource, ids: torch.Tensor, device: "torch.
     dev = device if device is not None else ids.device
     ids = ids.to(device=dev, dtype=torch.int64)
     ids = torch.where((ids >= 0) & (ids < spec.vocab_size), ids, torch.zeros_like(ids))
-    table = src.get("model.embed_tokens.weight", dtype=dtype, device=dev)
-    return F.embedding(ids, table)
+    # the table stays in its stored 16-bit dtype (a 128k x 8192 table is 4 GiB in float32); only the looked-up
+    # rows are widened, which is exact
+    name = "model.embed_tokens.weight"
+    table = src.get(name, dtype=src.stored_dtype(name), device=dev)
+    return F.embedding(ids, table).to(dtype)
 
 
 def _causal_mask(seq_len: int, window: int | None, device: Any) -> torch.Tensor | None:
