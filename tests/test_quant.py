@@ -307,6 +307,17 @@ def test_exl2_pipeline_hits_the_budget_validates_and_is_reproducible(tiny_llama,
     assert cfg["quantization_config"]["quant_method"] == "exl2" and cfg["quantization_config"]["bits"] == 3.5
     manifest = json.loads((tmp_path / "a" / "exl2fmt-manifest.json").read_text())
     assert len(manifest["layers"]) == 2 * 7 + 1
+    # the FP16 calibration perplexity against the whole-model forward (oracle), the quantized one near it
+    from exl2fmt.quant import forward as F
+
+    spec, srcw = F.load_spec(src)
+    cal = torch.as_tensor(np.load(ids))
+    lp = torch.log_softmax(F.forward(spec, srcw, cal)[:, :-1].double(), dim=-1).gather(-1, cal[:, 1:, None])
+    srcw.close()
+    ppl = manifest["calibration_perplexity"]
+    assert ppl["fp16"] == pytest.approx(math.exp(-float(lp.mean())), rel=1e-5) == r.calibration_ppl_fp16
+    assert ppl["quantized"] == r.calibration_ppl and 0.9 < ppl["quantized"] / ppl["fp16"] < 1.5
+    assert not any("perplexity" in w for w in r.warnings)
     assert _files(src) == before                                     # the source is never modified
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no work dir or partial dir left
     # same inputs -> byte-identical output; the saved measurement reproduces it without measuring
@@ -355,14 +366,19 @@ def test_exl2_pipeline_resumes_to_the_same_bytes(tiny_llama, tmp_path):
     assert not work.exists()
 
 
-def test_gptq_pipeline_writes_a_valid_gptq_model(tiny_llama, tmp_path):
+def test_gptq_pipeline_writes_a_valid_gptq_model(tiny_llama, tmp_path, monkeypatch):
     from exl2fmt.container import open_model
     from exl2fmt.model import load_layer
     from exl2fmt.quant.pipeline import quantize_model
     from exl2fmt.validate import validate_model
 
+    from exl2fmt.quant import pipeline as P
+
     src, ids = tiny_llama
+    # a warning threshold no quantization can meet: the warning must reach the report, the output is still written
+    monkeypatch.setattr(P, "_PPL_WARN_RATIO", 1e-3)
     r = quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=64))
+    assert [w for w in r.warnings if "perplexity rose from" in w] and r.calibration_ppl_fp16 > 1
     rep = validate_model(tmp_path / "g", deep=True)
     assert not rep.failed, rep.as_dict()
     qc = json.loads((tmp_path / "g" / "quantize_config.json").read_text())

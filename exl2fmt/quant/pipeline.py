@@ -48,7 +48,9 @@ from ..layout import pad32
 
 __all__ = ["QuantOptions", "QuantReport", "quantize_model", "WORK_VERSION"]
 
-WORK_VERSION = 1
+WORK_VERSION = 2        # 2: the quantization pass snapshots the FP16 hidden state too
+#: Warn when the quantized model's calibration perplexity exceeds the FP16 model's by this factor.
+_PPL_WARN_RATIO = 2.0
 _SNAPSHOT_SECONDS = 180.0
 
 Progress = Callable[[str, int, int, str], None]   # (phase, done, total, what)
@@ -136,7 +138,8 @@ class QuantReport:
     blocks: list[dict] = field(default_factory=list)      # per block: key, option index, measured accuracy, rfn
     decoder_bpw: float | None = None
     head_bpw: float | None = None
-    calibration_ppl: float | None = None
+    calibration_ppl: float | None = None          # next-token perplexity on the calibration rows, quantized
+    calibration_ppl_fp16: float | None = None     # ... and of the source model
     seconds: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -151,7 +154,8 @@ class QuantReport:
             out.append(f"decoder linears: {self.decoder_bpw:.4f} bpw (target {tgt}); head {self.head_bpw:.3f} bpw"
                        if self.head_bpw is not None else f"decoder linears: {self.decoder_bpw:.4f} bpw")
         if self.calibration_ppl is not None:
-            out.append(f"calibration perplexity of the quantized model: {self.calibration_ppl:.3f}")
+            ref = "" if self.calibration_ppl_fp16 is None else f" (FP16 {self.calibration_ppl_fp16:.3f})"
+            out.append(f"calibration perplexity of the quantized model: {self.calibration_ppl:.3f}{ref}")
         out.append("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()))
         return out
 
@@ -277,21 +281,22 @@ class _Work:
     def save(self) -> None:
         _atomic_json(self.job_path, self.job)
 
-    def snapshot(self, phase: str, next_block: int, h: torch.Tensor, force: bool = False) -> None:
-        """Save the hidden state before block ``next_block`` of ``phase`` (at most every few minutes)."""
+    def snapshot(self, phase: str, next_block: int, states: dict[str, torch.Tensor], force: bool = False) -> None:
+        """Save the hidden states (name -> tensor) before block ``next_block`` of ``phase`` (at most every few
+        minutes)."""
         if not force and time.monotonic() - self._last_snapshot < _SNAPSHOT_SECONDS:
             return
-        _save_tensors(self.root / "hidden.safetensors", {"h": h.detach().cpu().numpy()})
+        _save_tensors(self.root / "hidden.safetensors", {k: v.detach().cpu().numpy() for k, v in states.items()})
         self.job["snapshot"] = {"phase": phase, "next_block": next_block}
         self.save()
         self._last_snapshot = time.monotonic()
 
-    def restore(self, phase: str) -> tuple[int, torch.Tensor | None]:
+    def restore(self, phase: str) -> tuple[int, dict[str, torch.Tensor] | None]:
         snap = self.job.get("snapshot")
         if not snap or snap.get("phase") != phase or not (self.root / "hidden.safetensors").exists():
             return 0, None
-        h = _load_tensors(self.root / "hidden.safetensors")["h"]
-        return int(snap["next_block"]), torch.from_numpy(h)
+        states = _load_tensors(self.root / "hidden.safetensors")
+        return int(snap["next_block"]), {k: torch.from_numpy(v) for k, v in states.items()}
 
     def layer_path(self, key: str) -> Path:
         return self.out / f"{key}.safetensors"
@@ -351,10 +356,8 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
 
     device = torch.device(o.device)
     blocks = _blocks(spec)
-    start, h = work.restore("measure")
-    if h is None:
-        h = ids_h()
-        start = 0
+    start, states = work.restore("measure")
+    h = ids_h() if states is None else states["h"]
     h = h.to(device)
     rows, T = h.shape[0], h.shape[1]
     batches = _batches(rows, T, o.batch_tokens)
@@ -398,7 +401,7 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
         h = y_ref
         del W, dense, hess
         _release_memory()
-        work.snapshot("measure", bi + 1, h)
+        work.snapshot("measure", bi + 1, {"h": h})
     return measured
 
 
@@ -492,10 +495,15 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
 
     device = torch.device(o.device)
     blocks = _blocks(spec)
-    start, h = work.restore("quant")
-    if h is None:
-        h, start = ids_h(), 0
-    h = h.to(device)
+    # h: the quantized model's hidden state; h_ref: the FP16 model's, carried along (one more block forward
+    # each) for the FP16 calibration perplexity that the quantized one is judged against
+    start, states = work.restore("quant")
+    if states is None:
+        h = ids_h()
+        h_ref = h.clone()
+    else:
+        h, h_ref = states["h"], states["h_ref"]
+    h, h_ref = h.to(device), h_ref.to(device)
     rows, T = h.shape[0], h.shape[1]
     batches = _batches(rows, T, o.batch_tokens)
     cs = F.rope(spec, T, device)
@@ -552,9 +560,11 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
                 work.job["quantized"].append(k)
         work.save()
         h = y_q
-        del W, lin, dense, y_d
+        del y_d
+        h_ref = blk.sweep(h_ref, dense)
+        del W, lin, dense
         _release_memory()
-        work.snapshot("quant", bi + 1, h)
+        work.snapshot("quant", bi + 1, {"h": h, "h_ref": h_ref})
         if progress:
             progress("quantize", (bi + 1) * 10, len(blocks) * 10, key)
 
@@ -562,10 +572,18 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
     if progress:
         progress("head", 0, 1, "lm_head and calibration perplexity")
     norm_w = src.get("model.norm.weight", torch.float32, device)
+    ids = ids.to(device)
+    # the effective head: the embedding table when the model ties them (or stores no lm_head)
+    head_name = "model.embed_tokens.weight" if F._tied(spec, src) else "lm_head.weight"
+    b = src.get("lm_head.bias", torch.float32, device) if src.has("lm_head.bias") else None
+    dense_head = F.dense_linear(src.get(head_name, torch.float32, device), b)
+    report.calibration_ppl_fp16 = _calibration_ppl(spec, src, h_ref, ids, dense_head)
+    del h_ref
     if o.target == "exl2":
         from .qparams import head_qparams
 
-        head_name = "lm_head.weight" if src.has("lm_head.weight") else "model.embed_tokens.weight"
+        del dense_head
+        _release_memory()
         # the head is often the largest matrix of a model: kept in its stored 16-bit dtype (exact), widened to
         # float32 only inside the quantizer's work matrix
         w = src.get(head_name, src.stored_dtype(head_name), device)
@@ -574,7 +592,6 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
             acc.add(F.rms_norm(h[sl], norm_w, spec.rms_norm_eps))
         prep = prepare(acc.result(), percdamp=EXL2_PERCDAMP, act_order=o.act_order)
         r = quantize_exl2(w, prep, head_qparams(o.head_bits).bits_rows(w.shape[1]))
-        b = src.get("lm_head.bias", torch.float32, device) if src.has("lm_head.bias") else None
         packed = r.tensors(None if b is None else b.cpu().numpy())
         _save_tensors(work.layer_path("lm_head"), packed)
         report.head_bpw = _bpw_of(packed, w.shape[0])
@@ -583,15 +600,18 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         head = F.dense_linear(r.weight_hat, b)
         del w, r, acc, prep, packed
     else:
-        head_name = "model.embed_tokens.weight" if F._tied(spec, src) else "lm_head.weight"
-        b = src.get("lm_head.bias", torch.float32, device) if src.has("lm_head.bias") else None
-        head = F.dense_linear(src.get(head_name, torch.float32, device), b)
+        head = dense_head
     _release_memory()
     # per-layer and per-block results, in model order, including those of an interrupted run's blocks
     order = [spec.linear_key(i, n) for i, k in blocks for n in _linears(spec, k)] + ["lm_head"]
     report.layers = [LayerResult(**work.job["layers"][k]) for k in order if k in work.job["layers"]]
     report.blocks = [work.job["blocks"][measurement_key(spec.layer_prefix(i), k)] for i, k in blocks]
-    report.calibration_ppl = _calibration_ppl(spec, src, h, ids.to(device), head)
+    report.calibration_ppl = _calibration_ppl(spec, src, h, ids, head)
+    a, q = report.calibration_ppl_fp16, report.calibration_ppl
+    if not (math.isfinite(q) and q <= _PPL_WARN_RATIO * a):
+        report.warnings.append(f"the calibration perplexity rose from {a:.3f} (FP16) to {q:.3f} (quantized): the "
+                               "quantization has probably failed; try more --bits or --head-bits, or calibration "
+                               "text closer to the model's use")
 
 
 def _calibration_ppl(spec, src, h, ids, head, max_logit_bytes: int = 64 << 20) -> float:
@@ -754,6 +774,8 @@ def _write_metadata(tmp: Path, config: dict, o: QuantOptions, report: QuantRepor
     (tmp / "config.json").write_text(json.dumps(cfg, indent=4) + "\n", encoding="utf-8")
     manifest = {"producer": f"exl2fmt {__version__}", "target": o.target, "options": o.fingerprint(),
                 "decoder_bpw": report.decoder_bpw, "head_bpw": report.head_bpw,
+                "calibration_perplexity": None if weight_only else {"fp16": report.calibration_ppl_fp16,
+                                                                     "quantized": report.calibration_ppl},
                 "layers": {l.key: {"plan": l.plan, "bpw": l.bpw, "error": l.error} for l in report.layers},
                 "blocks": report.blocks}
     if weight_only:
