@@ -111,6 +111,10 @@ def convert_command(
                                                 "q4_0, 8-bit -> q8_0, otherwise f16; dense keeps its dtype).")
                          ] = GgufType.auto,
     json_: Annotated[bool, typer.Option("--json", help="Print the conversion report as JSON on stdout.")] = False,
+    status_lines: Annotated[bool, typer.Option("--status-lines", help="Report progress as JSON lines on stderr "
+                                               "({\"status\", \"done\", \"total\", \"what\", \"elapsed_s\"}, at "
+                                               "most one a second and one per phase) instead of a progress bar, for "
+                                               "bots and pipelines.")] = False,
 ) -> None:
     """Convert a model between formats: FP16/BF16 -> EXL2/GPTQ (quantize), EXL2/GPTQ -> FP16/BF16, EXL2 <-> GPTQ.
 
@@ -147,6 +151,7 @@ def convert_command(
     * `exl2fmt convert ./Llama-fp16 ./Llama-exl2-6.0 --to exl2 --bits 6.0 --measurement m.json`
     * `exl2fmt convert ./Llama-fp16 ./Llama-gptq --to gptq --bits 4 --group-size 128 --calibration text.jsonl`
     * `exl2fmt convert ./model-gptq ./model-fp16 --to fp16 --json > report.json`
+    * `exl2fmt convert ./Llama-fp16 ./Llama-exl2 --to exl2 --bits 5.0 --status-lines --json 2> status.jsonl`
     * `exl2fmt convert ./model-gptq ./model.gguf --to gguf` · `exl2fmt convert ./model.gguf ./model-fp16 --to fp16`
 
     **Exit codes**: 0 converted and verified · 1 the source breaks a rule or the output failed verification ·
@@ -160,7 +165,8 @@ def convert_command(
     try:
         from exl2fmt.converters import convert
 
-        with out.progress(f"convert -> {to.value}") as cb:
+        bar = out.status_lines if status_lines else out.progress
+        with bar(f"convert -> {to.value}") as cb:
             rep = convert(src, dst, to.value, force=force, shard_size=shard_size, dtype=None if dtype is None else
                           dtype.value, bits=bits, group_size=group_size, sym=sym, progress=cb, verify=verify.value,
                           gguf_type=gguf_type.value,

@@ -614,6 +614,15 @@ def test_cli_convert(sample, tmp_path):
     doc = json.loads(r.stdout)
     assert doc["report"] == "convert" and doc["target"] == "gptq" and doc["verified"] is True
     assert doc["summary"]["layers"] == 15 and "vllm_gptq_marlin" in doc["compatibility"]
+    # --status-lines: JSON progress lines on stderr, the report alone on stdout
+    r = CliRunner().invoke(app, ["convert", str(sample), str(tmp_path / "s"), "--to", "fp16", "--json",
+                                 "--status-lines"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["target"] == "fp16"
+    status = [json.loads(line) for line in r.stderr.splitlines()]
+    assert status and all(set(d) == {"status", "done", "total", "what", "elapsed_s"} for d in status)
+    assert status[-1]["done"] == status[-1]["total"] > 0 and status[-1]["status"] == "convert -> fp16"
+    assert [d["elapsed_s"] for d in status] == sorted(d["elapsed_s"] for d in status)
     r = CliRunner().invoke(app, ["convert", str(tmp_path / "o"), str(tmp_path / "x"), "--to", "exl2"])
     assert r.exit_code == 1 and "CALIBRATION_INVALID" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(app, ["convert", str(tmp_path / "missing"), str(tmp_path / "y"), "--to", "fp16"])

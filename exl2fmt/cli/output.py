@@ -165,6 +165,29 @@ class Output:
 
             yield update
 
+    @contextlib.contextmanager
+    def status_lines(self, description: str, min_interval: float = 1.0) -> Iterator:
+        """A ``progress(done, total, what)`` callback writing one JSON object per line to stderr, for bots and
+        pipelines: ``{"status": description, "done", "total", "what", "elapsed_s"}``.  At most one line per
+        ``min_interval`` seconds, except that a change of ``what``'s phase (the text before ':') and the last
+        step are always written."""
+        import time
+
+        t0 = time.monotonic()
+        last = {"t": -1e9, "phase": None}
+
+        def update(done: int, total: int, what: str) -> None:
+            now = time.monotonic()
+            phase = str(what).split(":", 1)[0]
+            if now - last["t"] < min_interval and phase == last["phase"] and not (total and done >= total):
+                return
+            last.update(t=now, phase=phase)
+            sys.stderr.write(json.dumps({"status": description, "done": int(done), "total": int(total or 0),
+                                         "what": str(what), "elapsed_s": round(now - t0, 3)}) + "\n")
+            sys.stderr.flush()
+
+        yield update
+
     # =====================================================================================================
     # inspect
     # =====================================================================================================
