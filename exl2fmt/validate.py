@@ -29,11 +29,11 @@ layer with the same layer of an FP16/BF16/FP32 model (``reference``): relative F
 error and cosine similarity; the layer FAILs (``REFERENCE_MISMATCH``) when the relative Frobenius error
 exceeds its threshold (``reference_threshold``).
 
-``kernel=True`` (``exl2fmt validate --kernel``, needs ``pip install 'exl2fmt[kernels]'``) runs every EXL2 layer that
-passed the structural checks through the bundled Triton kernels (``exl2fmt.kernels``) on seeded random inputs
+``kernel=True`` (``exl2fmt validate --kernel``, needs ``pip install 'exl2fmt[kernels]'``) runs every EXL2 layer (and
+every 2/4/8-bit GPTQ layer, through the GPTQ kernels of the same family) that passed the structural checks through the bundled Triton kernels (``exl2fmt.kernels``) on seeded random inputs
 and compares with the Numba reference (``kernel``): the kernel's dequantized W [K, N] must equal the reference
 bit for bit, and for every M in ``kernel_ms`` (rows of x, fp16 unit-normal; one path per M,
-``choose_path(M)``) every output of y = x @ W (+ bias) must lie within the fp32-accumulation bound
+``choose_path(M)``; GPTQ: fused up to ``GPTQ_FUSED_MAX_M``) every output of y = x @ W (+ bias) must lie within the fp32-accumulation bound
 u_out |y_ref| + 2 (K + 1) 2^-24 (|x| @ |W_ref| + |bias|) of y_ref computed in float64 from the reference
 weights; otherwise the layer FAILs (``KERNEL_MISMATCH``).  Results per layer in ``Report.layers[i].kernel``.
 On ``device="cpu"`` the kernels run in Triton's interpreter (slow: small models only), with one column block
@@ -562,7 +562,7 @@ def validate_model(path: str | os.PathLike, deep: bool = False, reference: str |
     """Validate a ``.safetensors`` file or model directory; see the module docstring for the checks.
 
     ``reference`` implies ``deep``.  ``progress(done_bytes, total_bytes, what)`` is called during the data
-    pass (and again, from 0, during the kernel pass).  ``kernel`` runs the EXL2 layers through the Triton
+    pass (and again, from 0, during the kernel pass).  ``kernel`` runs the EXL2 and 2/4/8-bit GPTQ layers through the Triton
     kernels on ``device`` ("cpu" = Triton's interpreter, "cuda", "cuda:N"; None = cuda when torch sees one, else
     cpu) with ``kernel_ms`` rows of x (default ``KERNEL_DEFAULT_MS`` of the device) drawn from ``kernel_seed``.
     ``run`` adds the forward pass of the module docstring on ``prompt_ids`` (None = the default sequence).
@@ -1005,30 +1005,47 @@ def _check_ms(ms) -> tuple[int, ...]:
 
 
 def _kernel_layer(ks: KernelSetup, layer, ms: tuple[int, ...], seed: int) -> dict:
-    """One EXL2 layer through the kernels against the Numba reference (``exl2fmt.kernels``' ``check_layer``)."""
-    return ks.module.check_layer(layer, ks.device, ms=ms, seed=seed)
+    """One EXL2 or GPTQ layer through the kernels against the Numba reference (``exl2fmt.kernels``'
+    ``check_layer`` / ``check_gptq_layer``)."""
+    from .layers import GptqLinear
+
+    check = ks.module.check_gptq_layer if isinstance(layer, GptqLinear) else ks.module.check_layer
+    return check(layer, ks.device, ms=ms, seed=seed)
+
+
+#: GPTQ widths the kernels handle (codes that never straddle an int32 word); without importing the kernels.
+_KERNEL_GPTQ_BITS = (2, 4, 8)
 
 
 def _kernel_pass(rep: Report, det, loaded: dict, deep: bool, ks: KernelSetup, progress) -> None:
-    """Every EXL2 layer that passed the structural checks through the kernels (module docstring)."""
+    """Every EXL2 layer, and every 2/4/8-bit GPTQ layer, that passed the structural checks through the kernels
+    (module docstring)."""
     from .detect import ModelFormat
 
     ms = tuple(rep.kernel["ms"])
     seed = rep.kernel["seed"]
-    order = [k for k in sorted(loaded, key=_natural) if det.layers[k].format is ModelFormat.EXL2]
-    n_exl2 = sum(1 for l in det.layers.values() if l.format is ModelFormat.EXL2)
+
+    def runnable(k) -> bool:
+        f = det.layers[k].format
+        return f is ModelFormat.EXL2 or (f is ModelFormat.GPTQ and k in loaded and
+                                         getattr(loaded[k], "bits", None) in _KERNEL_GPTQ_BITS)
+
+    order = [k for k in sorted(loaded, key=_natural) if runnable(k)]
+    n_quant = sum(1 for k, l in det.layers.items() if l.format is ModelFormat.EXL2 or
+                  (l.format is ModelFormat.GPTQ and (k not in loaded or runnable(k))))
     other: dict[str, int] = {}
     for k in loaded:
         f = det.layers[k].format
-        if f not in (ModelFormat.EXL2, ModelFormat.DENSE):
-            other[f.value] = other.get(f.value, 0) + 1
+        if f is not ModelFormat.DENSE and not runnable(k):
+            name = f"{loaded[k].bits}-bit gptq" if f is ModelFormat.GPTQ else f.value
+            other[name] = other.get(name, 0) + 1
     for f, n in sorted(other.items()):
         rep.add(CheckId.KERNEL, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED, f"{n} {f} layer(s) not run: --kernel "
-                "covers EXL2 layers only")
-    if not n_exl2:
+                f"covers EXL2 and {'/'.join(map(str, _KERNEL_GPTQ_BITS))}-bit GPTQ layers")
+    if not n_quant:
         if not other:
-            rep.add(CheckId.KERNEL, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED, "no EXL2 layer to run through the "
-                    "kernels")
+            rep.add(CheckId.KERNEL, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED, "no EXL2 or GPTQ layer to run "
+                    "through the kernels")
         return
     by_key = {l.key: l for l in rep.layers}
     sizes = {k: det.layers[k].stored_bytes for k in order}
@@ -1038,12 +1055,14 @@ def _kernel_pass(rep: Report, det, loaded: dict, deep: bool, ks: KernelSetup, pr
         progress(0, total, "")
     n_ok = 0
     worst = 0.0
+    seen: dict[int, set] = {}                      # M -> the kernel paths that ran
     where = f"{ks.device}" + (" (Triton interpreter)" if ks.interpreted else "")
     for key in order:
         layer = loaded[key]
         res = by_key.get(key)
         if res is None:
-            res = LayerResult(key, "exl2", shape=[int(layer.out_features), int(layer.in_features)])
+            res = LayerResult(key, det.layers[key].format.value, shape=[int(layer.out_features),
+                                                                         int(layer.in_features)])
             rep.layers.append(res)
         run = True
         if not deep:  # the data invariants the kernels rely on (permutation, finite scales) were not checked yet
@@ -1062,6 +1081,8 @@ def _kernel_pass(rep: Report, det, loaded: dict, deep: bool, ks: KernelSetup, pr
                         f"layer ({where}): {type(e).__name__}: {_one_line(e)}", tensor=key, file=layer.file)
             else:
                 res.kernel = kr
+                for r in kr["results"]:
+                    seen.setdefault(r["M"], set()).add(r["path"])
                 bad = []
                 if not kr["dequant_exact"]:
                     bad.append(f"dequantization differs from the reference in {kr['mismatches']} of "
@@ -1082,10 +1103,11 @@ def _kernel_pass(rep: Report, det, loaded: dict, deep: bool, ks: KernelSetup, pr
         if progress is not None:
             progress(done, total, key)
     if n_ok:
-        paths = ", ".join(f"M={m} ({ks.module.choose_path(m)})" for m in ms)
-        skipped = n_exl2 - len(order)
-        note = f"; {skipped} EXL2 layer(s) skipped: they failed the structural checks" if skipped else ""
-        rep.ok(CheckId.KERNEL, PassCode.KERNEL_OK, f"{n_ok} EXL2 layer(s) through the Triton kernels on {where}: "
+        paths = ", ".join(f"M={m} ({'/'.join(sorted(seen.get(m, ())))})" for m in ms)
+        skipped = n_quant - len(order)
+        note = f"; {skipped} layer(s) skipped: they failed the structural checks" if skipped else ""
+        kinds = " and ".join(sorted({det.layers[k].format.value.upper() for k in order}))
+        rep.ok(CheckId.KERNEL, PassCode.KERNEL_OK, f"{n_ok} {kinds} layer(s) through the Triton kernels on {where}: "
                f"dequantization bit-exact with the reference, every output of {paths} within the fp32-accumulation "
                f"bound; max rel err {worst:.2e}{note}", count=n_ok)
 

@@ -7,6 +7,7 @@ The kernels import the layout from ``exl2fmt.layout``; they never define it.
     from exl2fmt.kernels import load_triton
     kt = load_triton("cpu")          # or "cuda"; None = cuda when available, else cpu
     y = kt.exl2_matmul(x, q_weight, q_scale, q_scale_max, q_groups, q_invperm, out_features=N, bias=b)
+    y = kt.gptq_matmul(x, qweight, qzeros, scales, g_idx, bits=4, bias=b)      # GPTQ 2/4/8-bit, same family
 
 ``load_triton`` imports ``exl2fmt.kernels.exl2_triton``.  For a CPU device it first sets ``TRITON_INTERPRET=1``
 (Triton's CPU interpreter; slow, for tests and small models): Triton fixes the mode when a kernel is defined,

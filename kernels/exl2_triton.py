@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from ..groups import GroupTable, decode_q_groups
+from ._triton_common import _round_out, check_outputs
 from ..layout import BIT_WIDTHS, EXL2_BITS, MAX_K, N_PAD_MULTIPLE, ROW_MULTIPLE, SCALE_CODE_BITS, SCALE_DIVISOR
 
 __all__ = [
@@ -337,19 +338,6 @@ def _dequant_slot(qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr, b
                 tl.store(optr, _round_out(w.to(tl.float32), True), mask=n_ok)
             else:
                 tl.store(optr, w, mask=n_ok)
-
-
-@triton.jit
-def _round_out(acc, OUT_BF16: tl.constexpr):
-    """fp32 -> fp16 or bf16, round to nearest even.  The bf16 rounding is spelled out on the bits so that the
-    interpreter (whose bf16 cast truncates) rounds exactly like the GPU."""
-    if OUT_BF16:
-        u = acc.to(tl.uint32, bitcast=True)
-        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        r = tl.where(acc != acc, 0x7FC0, r)  # NaN stays a quiet NaN
-        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return acc.to(tl.float16)
 
 
 @triton.jit
@@ -975,12 +963,6 @@ def exl2_linear(x: torch.Tensor, layer: Any, **kw) -> torch.Tensor:
 
 #: Column-block cap under the interpreter (BLOCK_N = N_pad rounded up to a power of two, at most this).
 _INTERP_MAX_BLOCK_N = 4096
-#: float64 elements of the reference weight converted per chunk (bounded memory for large layers).
-_REF_CHUNK_ELEMS = 1 << 24
-
-
-def _finite_or_none(v: float) -> float | None:
-    return v if math.isfinite(v) else None
 
 
 def check_layer(layer: Any, device: torch.device | str | None = None, ms: tuple[int, ...] = (1, 16),
@@ -1014,40 +996,15 @@ def check_layer(layer: Any, device: torch.device | str | None = None, ms: tuple[
                           unpermute=True, block_n=bn)  # float16 [K, N]
     mism = int((got.view(torch.int16) != w_ref.view(torch.int16)).sum()) if got.shape == w_ref.shape else K * N
     del got
-    b = layer.bias()
-    b64 = None if b is None else torch.from_numpy(np.asarray(b, dtype=np.float64)).to(dev)
-    gen = torch.Generator().manual_seed(int(seed))
-    step = max(1, _REF_CHUNK_ELEMS // max(K, 1))
-    u_out = 2.0 ** -11 * (1 + 2.0 ** -10)
-    acc = 2 * (K + 1) * 2.0 ** -24
-    results = []
-    for M in ms:
-        x = torch.randn(M, K, generator=gen).half().to(dev)
-        xd = x.double()
-        xa = xd.abs()
-        for path in (paths or (choose_path(M),)):
-            kw = {"block_n": bn} if bn is not None and path != "dense" else {}
-            y = lin(x, path=path, **kw)
-            nonfinite = int((~torch.isfinite(y)).sum())
-            err_max = ref_max = 0.0
-            outside = 0
-            nan = False
-            for n0 in range(0, N, step):
-                n1 = min(N, n0 + step)
-                W = w_ref[:, n0:n1].double()
-                r = xd @ W
-                A = xa @ W.abs()
-                if b64 is not None:
-                    r += b64[n0:n1]
-                    A += b64[n0:n1].abs()
-                e = (y[:, n0:n1].double() - r).abs()
-                outside += int((~(e <= u_out * r.abs() + acc * A)).sum())  # NaN counts as outside
-                nan = nan or bool(torch.isnan(e).any())
-                err_max = max(err_max, float(torch.nan_to_num(e, nan=0.0, posinf=math.inf).max()))
-                ref_max = max(ref_max, float(torch.nan_to_num(r.abs(), nan=0.0, posinf=math.inf).max()))
-                del W, r, A, e
-            rel = math.nan if nan else err_max / max(ref_max, 1e-300)
-            results.append({"M": int(M), "path": path, "max_rel_err": _finite_or_none(rel),
-                            "within_bound": outside == 0, "outside": outside, "nonfinite": nonfinite})
+    results = check_outputs(lambda x, path: lin(x, path=path, **({"block_n": bn} if bn is not None and
+                                                                   path != "dense" else {})),
+                            w_ref, layer.bias(), ms, paths or {M: (choose_path(M),) for M in ms}, seed)
     return {"dequant_exact": mism == 0, "mismatches": mism, "block_n": bn, "results": results,
             "seconds": round(time.perf_counter() - t0, 3)}
+
+
+# The GPTQ kernels of the same family, reached through the same loader (``kt.gptq_matmul``).
+from .gptq_triton import FUSED_MAX_M as GPTQ_FUSED_MAX_M  # noqa: E402
+from .gptq_triton import check_gptq_layer, gptq_dequantize, gptq_matmul  # noqa: E402
+
+__all__ += ["gptq_dequantize", "gptq_matmul", "check_gptq_layer", "GPTQ_FUSED_MAX_M"]

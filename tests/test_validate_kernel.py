@@ -226,3 +226,30 @@ def test_kernel_options_usage(sample_dir):
         assert "USAGE" in r.output and "Traceback" not in r.output
     assert ErrorCode.KERNEL_MISMATCH.category.value == "invalid"
     assert ErrorCode.KERNEL_UNAVAILABLE.category.value == "unreadable"
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 3])
+def test_gptq_layers_run_through_the_gptq_kernels(sample_dir, tmp_path, bits):
+    """The sample converted to GPTQ: 4-bit layers go through the GPTQ kernels (dequantization bit-exact, outputs
+    within the bound); 3-bit codes straddle words and are reported as not run, with a warning."""
+    from exl2fmt.converters import convert
+
+    convert(sample_dir, tmp_path / "g", "gptq", bits=bits)
+    p = cli("validate", tmp_path / "g", "--kernel", "--device", "cpu", "--kernel-m", "1", "--kernel-m", "33", "--json")
+    doc = json.loads(p.stdout)
+    checks = [c for c in doc["checks"] if c["check"] == "kernel"]
+    run = {l["key"]: l["kernel"] for l in doc["layers"] if l.get("kernel")}
+    if bits == 3:
+        assert p.returncode == 0 and not run
+        assert [(c["status"], c["code"]) for c in checks] == [("WARN", "FORMAT_UNSUPPORTED")]
+        assert "14 3-bit gptq layer(s) not run" in checks[0]["message"]       # the head stays fp16 in GPTQ
+        return
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    assert len(run) == 14                                                      # the head stays fp16 in GPTQ
+    for key, k in run.items():
+        assert k["dequant_exact"] and k["mismatches"] == 0, key
+        assert [(r["M"], r["path"]) for r in k["results"]] == [(1, "fused"), (33, "fused")]
+        assert all(r["within_bound"] and 0 < r["max_rel_err"] < 2.0 ** -10 for r in k["results"]), (key, k)
+    assert [(c["status"], c["code"], c["count"]) for c in checks] == [("PASS", "KERNEL_OK", 14)]
+    assert "14 GPTQ layer(s)" in checks[0]["message"] and "M=1 (fused)" in checks[0]["message"]

@@ -134,7 +134,7 @@ def validate(
     fix_index: Annotated[bool, typer.Option("--fix-index", help="First write a correct "
                          "model.safetensors.index.json (atomically; tensor files are never touched).")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Treat warnings as failures.")] = False,
-    kernel: Annotated[bool, typer.Option("--kernel", help="Run every EXL2 layer through the bundled Triton kernels "
+    kernel: Annotated[bool, typer.Option("--kernel", help="Run every EXL2 layer (and 2/4/8-bit GPTQ layer) through the bundled Triton kernels "
                       "on random inputs and compare with the reference: dequantization bit for bit, y = x @ W "
                       "within the fp32-accumulation bound (needs pip install 'exl2fmt[kernels]').")] = False,
     run: Annotated[bool, typer.Option("--run", help="A full forward pass (llama, mistral, qwen2, qwen3) on fixed "
@@ -157,7 +157,7 @@ def validate(
     Structural checks read headers only: safetensors container, index <-> shards both ways, config.json <->
     tensor shapes, every EXL2 invariant, GPTQ shapes, control characters in names, one format per layer,
     quantization_config.bits vs measured bpw.  `--deep` reads the data; `--reference DIR` adds an error
-    bound per layer against the original model; `--kernel` proves every EXL2 layer runs through the Triton
+    bound per layer against the original model; `--kernel` proves every EXL2 (and 2/4/8-bit GPTQ) layer runs through the Triton
     kernels and matches the reference (on `--device cpu` in Triton's interpreter: slow, small models only);
     `--run` runs the whole model through the kernel on fixed token ids and compares the logits with the
     forward over the dequantized weights.
