@@ -20,6 +20,8 @@ GPU run
   [K, N] fp16 W, then ``torch.matmul``).  For each M the plausible kernel paths are timed (gemv / dot for small
   M, dot / dense for large M); "auto" is what ``exl2_matmul`` picks.  "err" is the max relative difference
   between the auto path and dequantize + matmul (sanity at full size).
+* Then GPTQ 4-bit g128 act-order through ``kt.gptq_matmul`` (fused and dense) on the same shapes, while the
+  budget lasts (not a target of issue 6; a comparison point).
 * ``--budget-s`` (default 420) stops starting new configurations when the run gets near the lease.
 
 Targets (issue 6): M = 1 at 4.0 bpw on the large shapes >= 70 % of copy bandwidth; M = 16 >= 2.5x fp16 matmul;
@@ -207,6 +209,7 @@ def run(args) -> str:
                    "and over dequantize + matmul; err = max |y - y_dense| / max |y_dense|.")
     lines.append("")
     results = []
+    fp16_all: dict = {}
     stopped = None
     for (K, N) in shapes:
         # fp16 reference weights, rotated
@@ -218,6 +221,7 @@ def run(args) -> str:
         for M in ms:
             xs = [torch.randn(M, K, generator=g).half().to(device) for _ in range(Rw)]
             fp16_t[M] = timer.graph(lambda i: torch.matmul(xs[i % Rw], Ws[i % Rw]), Rw)
+            fp16_all[(K, N, M)] = fp16_t[M]
         del Ws
         for pname, tiers in plans.items():
             if time.perf_counter() - t_start > args.budget_s:
@@ -284,10 +288,52 @@ def run(args) -> str:
                          f"{r['fp16'] / r['t']:.2f} | {r['dm'] / r['t']:.2f} | {other} | {r['err']:.1e} |")
         lines.append("")
     lines += summary(results, args.smoke)
+    if not stopped:
+        lines += gptq_rows(torch, kt, timer, device, shapes, ms, fp16_all, t_start, args.budget_s)
     if stopped:
         lines += ["", f"Incomplete: {stopped}."]
     lines.append("")
     return "\n".join(lines)
+
+
+def gptq_rows(torch, kt, timer, device, shapes, ms, fp16_all, t_start, budget_s) -> list[str]:
+    """GPTQ 4-bit g128 act-order through the GPTQ kernels of the same family (fused and dense paths) against
+    torch fp16 x @ W, on the same shapes, while the budget lasts."""
+    out = ["", "GPTQ 4-bit, group size 128, act-order g_idx (`kt.gptq_matmul`): µs per call; × = over torch fp16.",
+           "", "| K | N | M | fused µs | dense µs | × fp16 (fused) | err |", "|---|---|---|---|---|---|---|"]
+    n = 0
+    for (K, N) in shapes:
+        if time.perf_counter() - t_start > budget_s:
+            out.append(f"| stopped at {K}x{N}: budget reached | | | | | | |")
+            break
+        G = K // 128
+        g = torch.Generator(device="cpu").manual_seed(K * 3 + N)
+        lay = {"qw": torch.randint(-2**31, 2**31 - 1, (K // 8, N), dtype=torch.int32, generator=g),
+               "qz": torch.randint(-2**31, 2**31 - 1, (G, N // 8), dtype=torch.int32, generator=g),
+               "sc": (torch.rand(G, N, generator=g) * 0.01).half(),
+               "gi": torch.from_numpy(np.random.default_rng(K).permutation(np.arange(K) // 128).astype(np.int32))}
+        nbytes = sum(t.numel() * t.element_size() for t in lay.values())
+        R = max(2, math.ceil(ROTATE_BYTES / nbytes)) if timer.cuda else 1
+        copies = [{k: v.to(device) for k, v in lay.items()} for _ in range(R)]
+
+        def mm(i, x, path):
+            c = copies[i % R]
+            return kt.gptq_matmul(x, c["qw"], c["qz"], c["sc"], c["gi"], 4, path=path)
+
+        for M in ms:
+            xs = [torch.randn(M, K, generator=g).half().to(device) for _ in range(R)]
+            tf = timer.graph(lambda i: mm(i, xs[i], "fused"), R)
+            td = timer.graph(lambda i: mm(i, xs[i], "dense"), R)
+            y, yd = mm(0, xs[0], "fused").float(), mm(0, xs[0], "dense").float()
+            err = float((y - yd).abs().max() / yd.abs().max().clamp_min(1e-30))
+            f16 = fp16_all.get((K, N, M))
+            out.append(f"| {K} | {N} | {M} | {tf * 1e6:.1f} | {td * 1e6:.1f} | "
+                       f"{'-' if f16 is None else f'{f16 / tf:.2f}'} | {err:.1e} |")
+            n += 1
+        del copies
+        if timer.cuda:
+            torch.cuda.empty_cache()
+    return out if n else []
 
 
 def summary(results, smoke: bool) -> list[str]:
