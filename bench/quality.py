@@ -51,7 +51,7 @@ def rtn_source(model_dir, bits=4, group_size=128):
 
 
 def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_eval=64, length_eval=256,
-        gptq=True, rtn=True, fp16_head=True, upstream_tables=(), log=print) -> dict:
+        gptq=True, rtn=True, fp16_head=True, upstream_tables=(), log=print, refine_scales=True) -> dict:
     """Quantize the fixture into ``work`` and evaluate; returns {name: metrics + bpw + seconds}."""
     from exl2fmt.quant import forward as fw
     from exl2fmt.quant.evaluate import compare_many, dequantized_source, eval_ids
@@ -64,7 +64,7 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
     for i, bits in enumerate(exl2_bits):
         t = time.monotonic()
         opts = QuantOptions(target="exl2", bits=bits, rows=rows_cal, length=length_cal, device="cpu",
-                            **({"save_measurement": str(meas)} if i == 0 else {"measurement": str(meas)}))
+                            refine_scales=refine_scales, **({"save_measurement": str(meas)} if i == 0 else {"measurement": str(meas)}))
         rep = quantize_model(FIXTURE, work / f"exl2-{bits}", opts)
         name = f"EXL2 {bits}"
         deq = dequantized_source(work / f"exl2-{bits}")
@@ -81,7 +81,7 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
         # the same measurement, but only ExLlamaV2's own candidate rows may be chosen
         rep = quantize_model(FIXTURE, work / f"exl2-up-{bits}", QuantOptions(
             target="exl2", bits=bits, rows=rows_cal, length=length_cal, device="cpu", measurement=str(meas),
-            extended=False))
+            extended=False, refine_scales=refine_scales))
         deq = dequantized_source(work / f"exl2-up-{bits}")
         mem = {n: deq.get(n) for n in deq.names()}
         mem["lm_head.weight"] = ref.get("lm_head.weight")
@@ -128,10 +128,13 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64, help="held-out evaluation rows")
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--upstream-scales", action="store_true", help="EXL2 with ExLlamaV2's scale search only "
+                    "(no per-column refinement of the scale codes)")
     a = ap.parse_args()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as d:
-        res = run(Path(d), rows_eval=a.rows, length_eval=a.length, upstream_tables=(4.0, 3.0, 2.5))
+        res = run(Path(d), rows_eval=a.rows, length_eval=a.length, upstream_tables=(4.0, 3.0, 2.5),
+                  refine_scales=not a.upstream_scales)
     lines = table(res)
     print("\n".join(lines))
     total = time.monotonic() - t0
@@ -145,7 +148,9 @@ def main() -> None:
                     f"{a.length} tokens. EXL2 rows share one measurement. GPTQ/RTN keep the fp16 head; EXL2 "
                     f"quantizes it (--head-bits 6); the 'fp16 head' rows put the FP16 head back on the EXL2 decoder "
                     f"for a like-for-like comparison (decoder bpw is what --bits sets); 'upstream tables' rows may only pick "
-                    f"ExLlamaV2's own candidate rows (same measurement, same solver). Whole run {total:.0f} s.\n\n" + "\n".join(lines) + "\n")
+                    f"ExLlamaV2's own candidate rows (same measurement, same solver). Scale codes: "
+                    f"{'ExLlamaV2 search only (--upstream-scales)' if a.upstream_scales else 'searched, then refined per column'}. "
+                    f"Whole run {total:.0f} s.\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -43,14 +43,16 @@ def _f16(x):
     return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
 
 
-def find_scales(x: np.ndarray, bits: int):
+def find_scales(x: np.ndarray, bits: int, refine: bool = False):
     """Scale search for one group (ExLlamaV2's ``find_params``).  ``x`` float32 [rows, N_pad].
 
     Returns (scale_codes uint8 [N_pad] in 0..15, q_scale_max float16 scalar, s float32 [N_pad] = the exact
     fp16 scales used to quantize).  All-zero columns get code 0.  An all-zero group gets the smallest positive
     q_scale_max (the validator requires > 0); its scales round to 0 and every code is the zero point.
+    ``refine``: afterwards, each column takes the nearby code with the smallest squared error
+    (``codec.scale_search.refine_scale_codes``; exl2fmt's, not ExLlamaV2's).
     """
-    from .codec.scale_search import P_GRID, grid_errors
+    from .codec.scale_search import P_GRID, grid_errors, refine_scale_codes
 
     x = np.ascontiguousarray(x, dtype=np.float32)
     maxq = (1 << bits) - 1
@@ -62,16 +64,18 @@ def find_scales(x: np.ndarray, bits: int):
     best_p = float(P_GRID[int(np.argmin(grid_errors(x, trial, bits)))])
     qsm = np.float16(max(float(np.float16(smax * np.float32(best_p))), 2.0 ** -24))
     m = _f16(np.float32(qsm) * np.float32(1 / 256))
+    if refine:
+        qs = refine_scale_codes(x, (qs - 1).astype(np.uint8), qsm, bits).astype(np.int64) + 1
     s = _f16(_f16((qs * qs).astype(np.float32)) * m)
     return (qs - 1).astype(np.uint8), qsm, s
 
 
 def quantize_rtn(weight: np.ndarray, tiers: list[Tier], perm: np.ndarray | None = None,
-                 bias: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                 bias: np.ndarray | None = None, refine_scales: bool = False) -> dict[str, np.ndarray]:
     """Quantize an ``nn.Linear`` weight [N, K] (any float dtype) to EXL2 tensors by round-to-nearest.
 
     ``perm`` [K]: stored row k holds input feature perm[k] (act-order); default identity.  K must be a
-    multiple of 32; N is zero-padded to a multiple of 32.
+    multiple of 32; N is zero-padded to a multiple of 32.  ``refine_scales``: see ``find_scales(refine=)``.
     """
     w = np.asarray(weight, dtype=np.float32)
     N, K = w.shape
@@ -89,7 +93,7 @@ def quantize_rtn(weight: np.ndarray, tiers: list[Tier], perm: np.ndarray | None 
     r0 = 0
     for g, (b, r) in enumerate(bits_rows):
         x = Ws[r0:r0 + r]
-        c, m, s = find_scales(x, b)
+        c, m, s = find_scales(x, b, refine=refine_scales)
         z = BIT_WIDTHS[b].zero_point
         with np.errstate(divide="ignore", invalid="ignore"):
             q = np.where(s > 0, np.rint(x / np.where(s > 0, s, 1)) + z, z)

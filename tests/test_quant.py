@@ -45,15 +45,18 @@ def _weight(N, K, seed=1):
 # ------------------------------------------------------------------------------------------------ GPTQ engine
 
 
-def test_identity_hessian_is_round_to_nearest_bit_for_bit():
+@pytest.mark.parametrize("refine", [False, True])
+def test_identity_hessian_is_round_to_nearest_bit_for_bit(refine):
     W = _weight(96, 256)
     tiers = [Tier(0.25, 6, 32), Tier(0.75, 3, 64)]
-    r = quantize_exl2(W, prepare(torch.eye(256), act_order=False), plan_rows(256, tiers))
-    ref = quantize_rtn(W.numpy(), tiers)
+    r = quantize_exl2(W, prepare(torch.eye(256), act_order=False), plan_rows(256, tiers), refine_scales=refine)
+    ref = quantize_rtn(W.numpy(), tiers, refine_scales=refine)
     got = r.tensors()
     assert set(got) == set(ref)
     for k in ref:
         assert np.array_equal(got[k], ref[k]), k
+    if refine:                                                 # the refinement changed some codes
+        assert not np.array_equal(got["q_scale"], quantize_rtn(W.numpy(), tiers)["q_scale"])
 
 
 def test_exl2_output_validates_and_decodes_to_the_reconstruction():
@@ -527,3 +530,48 @@ def test_exl2_pipeline_writes_shards_with_an_index(tiny_llama, tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def _refine_twin(x, codes, qsm, bits, radius=2):
+    """NumPy twin of ``refine_scale_codes``: every candidate code's exact fp16 scale, RTN, squared error."""
+    f16 = lambda v: np.asarray(v, dtype=np.float32).astype(np.float16).astype(np.float32)   # noqa: E731
+    m = f16(np.float32(np.float16(qsm)) * np.float32(1 / 256))
+    z, maxq = np.float32(1 << (bits - 1)), np.float32((1 << bits) - 1)
+    out = codes.copy()
+    for n in range(x.shape[1]):
+        order = [0] + [d for k in range(1, radius + 1) for d in (-k, k)]
+        best = None
+        for d in order:
+            c = int(codes[n]) + d
+            if not 0 <= c <= 15:
+                continue
+            s = f16(f16(np.float32((c + 1) ** 2)) * m)
+            q = np.clip(np.rint(x[:, n] / s) + z, 0, maxq) if s > 0 else np.full(x.shape[0], z)
+            e = float(((f16((q - z) * s).astype(np.float64) - x[:, n]) ** 2).sum())
+            if best is None or e < best[0]:
+                best = (e, c)
+        out[n] = best[1]
+    return out
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_scale_refinement_matches_its_numpy_twin_and_never_raises_the_error(bits):
+    from exl2fmt.codec.scale_search import refine_scale_codes
+
+    rng = np.random.default_rng(bits)
+    x = (rng.standard_normal((128, 96)) * np.exp(rng.standard_normal(96))).astype(np.float32)
+    x[:, 0] = 0.0                                                  # an all-zero column
+    c0, qsm, s0 = find_scales(x, bits)
+    c1 = refine_scale_codes(x, c0, qsm, bits)
+    assert np.array_equal(c1, _refine_twin(x, c0, qsm, bits))
+    assert np.abs(c1.astype(int) - c0).max() <= 2 and c1[0] == c0[0]
+    c2, qsm2, s2 = find_scales(x, bits, refine=True)
+    assert np.array_equal(c2, c1) and qsm2 == qsm
+
+    def err(s):
+        z, maxq = 1 << (bits - 1), (1 << bits) - 1
+        q = np.where(s > 0, np.clip(np.rint(x / np.where(s > 0, s, 1)) + z, 0, maxq), z)
+        return ((((q - z) * s).astype(np.float16).astype(np.float64) - x) ** 2).sum(0)
+
+    e0, e2 = err(s0), err(s2)
+    assert (e2 <= e0).all() and e2.sum() < e0.sum()                # per column never worse; better overall

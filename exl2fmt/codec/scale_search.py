@@ -15,7 +15,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["P_GRID", "grid_errors"]
+from ._f16 import f16_bits_to_f32, f32_to_f16_bits
+
+__all__ = ["P_GRID", "grid_errors", "refine_scale_codes", "REFINE_RADIUS"]
+
+#: Scale codes tried on either side of the searched one by ``refine_scale_codes``.
+REFINE_RADIUS = 2
 
 #: The 97 multipliers ExLlamaV2 tries (float32, as its kernel computes them).
 P_GRID = np.linspace(0.70, 1.20, 97, dtype=np.float32)
@@ -58,3 +63,54 @@ def grid_errors(x: np.ndarray, trial: np.ndarray, bits: int, pgrid: np.ndarray =
     out = np.empty(len(pgrid), dtype=np.float64)
     _grid_errors(x, trial, np.ascontiguousarray(pgrid, dtype=np.float32), 1 << (bits - 1), (1 << bits) - 1, out)
     return out
+
+
+@njit(cache=True)
+def _f16r(v):
+    return f16_bits_to_f32(f32_to_f16_bits(np.float32(v)))
+
+
+@njit(cache=True, parallel=True, fastmath=False)
+def _refine(x, codes, m, zero, maxq, radius, out):
+    R, N = x.shape
+    for n in prange(N):
+        best_c = codes[n]
+        best_e = np.inf
+        # the searched code first, so that it wins ties; then outwards, lower side first
+        for t in range(2 * radius + 1):
+            d = 0 if t == 0 else ((t + 1) // 2 if t % 2 == 0 else -((t + 1) // 2))
+            c = np.int64(codes[n]) + d
+            if c < 0 or c > 15:
+                continue
+            s = _f16r(_f16r(np.float32((c + 1) * (c + 1))) * m)
+            e = 0.0
+            for r in range(R):
+                v = x[r, n]
+                if s > 0:
+                    q = min(max(np.rint(v / s) + zero, np.float32(0)), np.float32(maxq))
+                else:
+                    q = np.float32(zero)
+                w = _f16r((q - zero) * s)
+                e += (np.float64(w) - np.float64(v)) ** 2
+            if e < best_e:
+                best_e = e
+                best_c = c
+        out[n] = best_c
+
+
+def refine_scale_codes(x: np.ndarray, codes: np.ndarray, q_scale_max, bits: int,
+                       radius: int = REFINE_RADIUS) -> np.ndarray:
+    """exl2fmt's refinement of the searched scale codes (not in ExLlamaV2): with the group's ``q_scale_max``
+    fixed, each column independently takes the code within ``radius`` of its searched one whose exact fp16 scale
+    ``fp16(fp16((c + 1)^2) * fp16(q_scale_max / 256))`` gives the smallest squared round-to-nearest error of its
+    rows (ties keep the searched code, then the nearer, lower code).  The search rounds ``16 sqrt(base / smax)``
+    to a code before ``p`` is chosen; on the real MiniLM weights choosing each column's code afterwards lowers
+    the RTN weight error by about 5 % at 4 bits and 10 % at 2 bits.
+
+    ``x`` float32 [R, N]: the group's rows; ``codes`` uint8 [N] in 0..15.  Returns uint8 [N]."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    m = np.float32(np.float16(np.float32(np.float16(q_scale_max)) * np.float32(1 / 256)))
+    out = np.empty(x.shape[1], dtype=np.int64)
+    _refine(x, np.ascontiguousarray(codes, dtype=np.uint8), m, np.float32(1 << (bits - 1)),
+            np.float32((1 << bits) - 1), int(radius), out)
+    return out.astype(np.uint8)

@@ -260,9 +260,11 @@ class Exl2Result:
         return exl2_tensors(self.codes, self.scale_codes, self.q_scale_max, self.bits_rows, self.q_invperm, bias)
 
 
-def quantize_exl2(weight: torch.Tensor, prep: Prepared, bits_rows: list[tuple[int, int]]) -> Exl2Result:
+def quantize_exl2(weight: torch.Tensor, prep: Prepared, bits_rows: list[tuple[int, int]],
+                  refine_scales: bool = False) -> Exl2Result:
     """GPTQ-quantize ``weight`` float [N, K] to the EXL2 group plan ``bits_rows`` (``layout.plan_rows``), with
-    ExLlamaV2's per-group 4-bit scale search (``exl2fmt.writer.find_scales``) on the compensated rows."""
+    ExLlamaV2's per-group 4-bit scale search (``exl2fmt.writer.find_scales``) on the compensated rows;
+    ``refine_scales`` adds exl2fmt's per-column refinement of the scale codes (``find_scales(refine=True)``)."""
     from ..writer import find_scales
 
     N, K = weight.shape
@@ -280,7 +282,7 @@ def quantize_exl2(weight: torch.Tensor, prep: Prepared, bits_rows: list[tuple[in
 
     def fit(g, X):
         bits = bits_rows[g][0]
-        c, m, s = find_scales(X.detach().cpu().numpy(), bits)
+        c, m, s = find_scales(X.detach().cpu().numpy(), bits, refine=refine_scales)
         scale_codes[g], qsm[g] = c, m
         z = float(BIT_WIDTHS[bits].zero_point)
         s_t = torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32)).to(X.device)

@@ -77,6 +77,7 @@ class QuantOptions:
     resume: bool = False
     work_dir: str | None = None
     extended: bool = True                 # add exl2fmt's extra candidate settings to upstream's tables
+    refine_scales: bool = True            # refine each column's scale code after the search (not in ExLlamaV2)
     norm: float = 2.0                     # solver objective: sum of block error ** norm
     batch_tokens: int = 8192              # calibration tokens per forward batch
 
@@ -305,7 +306,7 @@ class _Work:
 # ------------------------------------------------------------------------------------------------ measurement
 
 
-def _variants(blk: _Block, W, hess, options, vdir: Path, progress=None) -> dict[str, dict]:
+def _variants(blk: _Block, W, hess, options, vdir: Path, refine_scales: bool) -> dict[str, dict]:
     """GPTQ-quantize every distinct candidate setting of every layer of the block and store each result in its
     packed EXL2 form in ``vdir`` (one small file per layer and setting).  Returns {layer: {QParams: path}}.
 
@@ -320,7 +321,7 @@ def _variants(blk: _Block, W, hess, options, vdir: Path, progress=None) -> dict[
             if qp in out[n]:
                 continue
             w, _ = W[n]
-            r = quantize_exl2(w, prepared[_OWNER[n]], qp.bits_rows(w.shape[1]))
+            r = quantize_exl2(w, prepared[_OWNER[n]], qp.bits_rows(w.shape[1]), refine_scales)
             path = vdir / f"{n}.{len(out[n])}.safetensors"
             _save_tensors(path, r.tensors(None))
             out[n][qp] = path
@@ -377,7 +378,7 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
             vdir = work.root / "variants"
             shutil.rmtree(vdir, ignore_errors=True)
             vdir.mkdir()
-            cache = _VariantCache(F, _variants(blk, W, hess, options, vdir), W)
+            cache = _VariantCache(F, _variants(blk, W, hess, options, vdir, o.refine_scales), W)
             rows_out = []
             y = torch.empty_like(h)
             for j, opt in enumerate(options):
@@ -516,7 +517,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
             ov = strategy["overrides"].get(key)
             qp = QParams.from_json(ov, key) if ov is not None else \
                 options_of(kind)[strategy["options"][measurement_key(spec.layer_prefix(i), kind)]].get(n)
-            r = quantize_exl2(w, prep, qp.bits_rows(w.shape[1]))
+            r = quantize_exl2(w, prep, qp.bits_rows(w.shape[1]), o.refine_scales)
         else:
             r = quantize_gptq(w, prep, o.bits, o.group_size, sym=o.sym)
         bias = None if b is None else b.cpu().numpy()
@@ -591,7 +592,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         for sl in batches:
             acc.add(F.rms_norm(h[sl], norm_w, spec.rms_norm_eps))
         prep = prepare(acc.result(), percdamp=EXL2_PERCDAMP, act_order=o.act_order)
-        r = quantize_exl2(w, prep, head_qparams(o.head_bits).bits_rows(w.shape[1]))
+        r = quantize_exl2(w, prep, head_qparams(o.head_bits).bits_rows(w.shape[1]), o.refine_scales)
         packed = r.tensors(None if b is None else b.cpu().numpy())
         _save_tensors(work.layer_path("lm_head"), packed)
         report.head_bpw = _bpw_of(packed, w.shape[0])
@@ -888,7 +889,7 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
             numel += K * pad32(N) + (pad32(N) if b is not None else 0)
             row = []
             for qp in settings:
-                r = quantize_exl2(w, prep, qp.bits_rows(K))
+                r = quantize_exl2(w, prep, qp.bits_rows(K), o.refine_scales)
                 err = float((r.weight_hat - w).norm() / w.norm().clamp_min(1e-30))
                 row.append((qp.total_bits(K, N, b is not None), err))
             slots.append(row)
@@ -915,7 +916,7 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
             w, b, prep = load(key)
             bias = None if b is None else b.numpy()
             if o.target == "exl2":
-                r = quantize_exl2(w, prep, chosen[key].bits_rows(w.shape[1]))
+                r = quantize_exl2(w, prep, chosen[key].bits_rows(w.shape[1]), o.refine_scales)
             else:
                 r = quantize_gptq(w, prep, o.bits, o.group_size, sym=o.sym)
             packed = r.tensors(bias)
