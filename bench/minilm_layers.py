@@ -4,7 +4,8 @@
 For every layer, the relative weight error ||W_hat - W||_F / ||W||_F of:
 
 * EXL2 single-width settings 1 x {2,3,4,5,6,8} bits in groups of 128 and 4-bit in groups of 32 (the scale search
-  of ``exl2fmt.writer.find_scales``: 4-bit quadratic scale codes per column + one fp16 maximum per group);
+  of ``exl2fmt.writer.find_scales``: 4-bit quadratic scale codes per column + one fp16 maximum per group), each
+  with ExLlamaV2's search alone and with exl2fmt's per-column refinement of the codes ("refined");
 * GPTQ 4-bit g128 round-to-nearest with a per-column fp16 scale (``converters.gptq_quant.rtn_quantize``).
 
 No calibration data exists for a sentence encoder here, so this is the weight-space error (identity Hessian).
@@ -48,9 +49,10 @@ def errors(w: np.ndarray) -> dict[str, float]:
     out = {}
     nw = np.linalg.norm(w)
     for bits, gs in SETTINGS:
-        t = quantize_rtn(w, [Tier(1.0, bits, gs)])
-        wq = layer_from_tensors("L", t, out_features=w.shape[0]).dequantize().astype(np.float32)
-        out[f"EXL2 {bits}b_{gs}g"] = float(np.linalg.norm(wq - w) / nw)
+        for refine in (False, True):
+            t = quantize_rtn(w, [Tier(1.0, bits, gs)], refine_scales=refine)
+            wq = layer_from_tensors("L", t, out_features=w.shape[0]).dequantize().astype(np.float32)
+            out[f"EXL2 {bits}b_{gs}g" + (" refined" if refine else "")] = float(np.linalg.norm(wq - w) / nw)
     codes, scales, zeros, g_idx = rtn_quantize(w, 4, 128)
     wq = np.empty_like(w.T)
     for g in range(scales.shape[0]):

@@ -45,3 +45,5 @@ def test_errors_on_real_minilm_layers():
         assert e["EXL2 4b_32g"] < e["EXL2 4b_128g"], k
         assert e["EXL2 4b_128g"] < 1.15 * e["GPTQ 4b g128 RTN"], (k, e)
         assert 0.05 < e["EXL2 4b_128g"] < 0.2, (k, e)    # real weights: ~11% at 4 bits, not a degenerate layer
+        for bits, gs in ((2, 128), (3, 128), (4, 128), (4, 32)):  # the scale-code refinement pays on real weights
+            assert e[f"EXL2 {bits}b_{gs}g refined"] < 0.99 * e[f"EXL2 {bits}b_{gs}g"], (k, bits, gs, e)
