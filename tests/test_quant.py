@@ -427,6 +427,7 @@ def test_bad_options_are_usage_errors(tiny_llama, tmp_path):
     r = quantize_model(other, tmp_path / "y", _opts(ids))
     assert any("weight-only" in w for w in r.warnings) and 3.48 <= r.decoder_bpw <= 3.5
     assert len(r.layers) == 14 and not validate_model(tmp_path / "y", deep=True).failed
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]   # its layer files are gone too
 
 
 @pytest.mark.parametrize("sym", [True, False])
