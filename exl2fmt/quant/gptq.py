@@ -52,10 +52,20 @@ class HessianAccumulator:
         self.rows += x2.shape[0]
 
     def result(self) -> torch.Tensor:
-        """H / rows, float32 [K, K]; the identity when nothing was added (weight-only mode)."""
+        """H / rows, float32 [K, K] (a new matrix); the identity when nothing was added (weight-only mode)."""
         if self.rows == 0:
             return torch.eye(self.K, dtype=torch.float32, device=self.H.device)
         return self.H / self.rows
+
+    def take(self) -> torch.Tensor:
+        """``result()`` without a copy: the sum is divided in place and handed over; the accumulator is then
+        spent (a K x K float32 matrix is 127 MB at K = 5632 and 3.3 GB at K = 28672)."""
+        if self.H is None:
+            raise RuntimeError("HessianAccumulator.take() was already called")
+        H, self.H = self.H, None
+        if self.rows == 0:
+            return torch.eye(self.K, dtype=torch.float32, device=H.device)
+        return H.div_(self.rows)
 
 
 @dataclass(frozen=True)
@@ -217,9 +227,10 @@ def _work_matrix(weight: torch.Tensor, perm: torch.Tensor, n_cols: int) -> torch
 
 
 def _unpermute(Wt_hat: torch.Tensor, perm: torch.Tensor, N: int) -> torch.Tensor:
-    """float32 [K, N_pad] stored order -> float32 [N, K] original order."""
+    """float32 [K, N_pad] stored order -> float32 [N, K] original order (rows copied straight into the
+    transposed view of the result: no temporary of the full matrix)."""
     out = torch.empty((N, Wt_hat.shape[0]), dtype=torch.float32, device=Wt_hat.device)
-    out[:, perm] = Wt_hat[:, :N].T
+    out.T.index_copy_(0, perm, Wt_hat[:, :N])
     return out
 
 

@@ -314,7 +314,7 @@ def _variants(blk: _Block, W, hess, options, vdir: Path, refine_scales: bool) ->
     measurement's memory does not grow with the number of candidates."""
     from .gptq import prepare, quantize_exl2
 
-    prepared = {o: prepare(acc.result()) for o, acc in hess.items()}
+    prepared = {o: prepare(acc.take()) for o, acc in hess.items()}
     out: dict[str, dict] = {n: {} for n in blk.names}
     for opt in options:
         for n, qp in opt.layers:
@@ -510,9 +510,8 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
     cs = F.rope(spec, T, device)
     damp = EXL2_PERCDAMP if o.target == "exl2" else GPTQ_PERCDAMP
 
-    def quant_layer(i, n, w, b, H):
+    def quant_layer(i, n, w, b, prep):
         key = spec.linear_key(i, n)
-        prep = prepare(H, percdamp=damp, act_order=o.act_order)
         if o.target == "exl2":
             ov = strategy["overrides"].get(key)
             qp = QParams.from_json(ov, key) if ov is not None else \
@@ -538,10 +537,11 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
             owner = _OWNER[group[0]]
             acc = HessianAccumulator(W[owner][0].shape[1], device)
             blk.sweep(h, lin, {owner: acc})
-            H = acc.result()
+            prep = prepare(acc.take(), percdamp=damp, act_order=o.act_order)   # one factorization per group
+            del acc
             for n in group:
                 w, b = W[n]
-                r, packed = quant_layer(i, n, w, b, H)
+                r, packed = quant_layer(i, n, w, b, prep)
                 lin[n] = F.dense_linear(r.weight_hat, b)
                 lk = spec.linear_key(i, n)
                 work.job.setdefault("layers", {})[lk] = asdict(LayerResult(lk, _plan_of(r), _bpw_of(packed, w.shape[0]),
@@ -591,7 +591,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         acc = HessianAccumulator(w.shape[1], device)
         for sl in batches:
             acc.add(F.rms_norm(h[sl], norm_w, spec.rms_norm_eps))
-        prep = prepare(acc.result(), percdamp=EXL2_PERCDAMP, act_order=o.act_order)
+        prep = prepare(acc.take(), percdamp=EXL2_PERCDAMP, act_order=o.act_order)
         r = quantize_exl2(w, prep, head_qparams(o.head_bits).bits_rows(w.shape[1]), o.refine_scales)
         packed = r.tensors(None if b is None else b.cpu().numpy())
         _save_tensors(work.layer_path("lm_head"), packed)
@@ -1041,6 +1041,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
             report.decoder_bpw = work.job.get("decoder_bpw")
         t = time.monotonic()
         _quantize(spec, srcw, ids, ids_h, strategy, options_of, work, o, progress, report)
+        _release_memory()                 # the head's work matrices: hand the pages back before compiling
         report.seconds["quantize"] = time.monotonic() - t
         t = time.monotonic()
         layer_keys = [spec.linear_key(i, n) for i, k in _blocks(spec) for n in _linears(spec, k)]
