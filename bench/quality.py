@@ -51,7 +51,7 @@ def rtn_source(model_dir, bits=4, group_size=128):
 
 
 def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_eval=64, length_eval=256,
-        gptq=True, rtn=True, fp16_head=True, upstream_tables=(), log=print, refine_scales=True) -> dict:
+        gptq=True, rtn=True, fp16_head=True, upstream_tables=(), log=print, refine_scales=None) -> dict:
     """Quantize the fixture into ``work`` and evaluate; returns {name: metrics + bpw + seconds}."""
     from exl2fmt.quant import forward as fw
     from exl2fmt.quant.evaluate import compare_many, dequantized_source, eval_ids
@@ -128,13 +128,13 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64, help="held-out evaluation rows")
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--record", action="store_true")
-    ap.add_argument("--upstream-scales", action="store_true", help="EXL2 with ExLlamaV2's scale search only "
-                    "(no per-column refinement of the scale codes)")
+    ap.add_argument("--refine-scales", action="store_true", help="EXL2 with exl2fmt's per-column refinement of "
+                    "the scale codes (off by default with calibration)")
     a = ap.parse_args()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as d:
         res = run(Path(d), rows_eval=a.rows, length_eval=a.length, upstream_tables=(4.0, 3.0, 2.5),
-                  refine_scales=not a.upstream_scales)
+                  refine_scales=a.refine_scales)
     lines = table(res)
     print("\n".join(lines))
     total = time.monotonic() - t0
@@ -149,7 +149,7 @@ def main() -> None:
                     f"quantizes it (--head-bits 6); the 'fp16 head' rows put the FP16 head back on the EXL2 decoder "
                     f"for a like-for-like comparison (decoder bpw is what --bits sets); 'upstream tables' rows may only pick "
                     f"ExLlamaV2's own candidate rows (same measurement, same solver). Scale codes: "
-                    f"{'ExLlamaV2 search only (--upstream-scales)' if a.upstream_scales else 'searched, then refined per column'}. "
+                    f"{'searched, then refined per column (--refine-scales)' if a.refine_scales else 'ExLlamaV2 search'}. "
                     f"Whole run {total:.0f} s.\n\n" + "\n".join(lines) + "\n")
 
 

@@ -88,9 +88,12 @@ def convert_command(
     upstream_tables: Annotated[bool, typer.Option("--upstream-tables", help="FP16 -> exl2: choose only among "
                                                   "ExLlamaV2's own candidate settings (default: also exl2fmt's "
                                                   "extra rows; see bench/RESULTS.md).")] = False,
-    upstream_scales: Annotated[bool, typer.Option("--upstream-scales", help="FP16 -> exl2: ExLlamaV2's scale "
-                                                  "search only (default: each column's 4-bit scale code is "
-                                                  "refined afterwards; see bench/RESULTS.md).")] = False,
+    refine_scales: Annotated[Optional[bool], typer.Option("--refine-scales/--upstream-scales", show_default=False,
+                                                          help="FP16 -> exl2: after ExLlamaV2's scale search, move "
+                                                          "each column's 4-bit scale code to the neighbour with the "
+                                                          "smallest squared error. Default: on in weight-only mode "
+                                                          "(round-to-nearest), off with calibration, where it "
+                                                          "measurably hurts (bench/RESULTS.md).")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", show_default=False, help="--to gptq: rows "
                                                       "per group, -1 = one group (default: the largest of 128/64/32 "
                                                       "that splits every EXL2 group, so the result stays exact). "
@@ -176,7 +179,7 @@ def convert_command(
                           quant={"head_bits": head_bits, "calibration": calibration, "rows": rows, "length": length,
                                  "measurement": measurement, "save_measurement": save_measurement,
                                  "device": device, "seed": seed, "resume": resume, "act_order": act_order,
-                                 "extended": not upstream_tables, "refine_scales": not upstream_scales})
+                                 "extended": not upstream_tables, "refine_scales": refine_scales})
         _render(out, rep)
         code = EXIT_OK
     except typer.Exit:

@@ -77,7 +77,10 @@ class QuantOptions:
     resume: bool = False
     work_dir: str | None = None
     extended: bool = True                 # add exl2fmt's extra candidate settings to upstream's tables
-    refine_scales: bool = True            # refine each column's scale code after the search (not in ExLlamaV2)
+    # refine each column's scale code after the search (not in ExLlamaV2).  None = auto: on in weight-only mode
+    # (plain round-to-nearest, where it lowers the weight error ~5-10%), off with calibration (under GPTQ's error
+    # feedback the tighter scales clip compensated rows and the KL rises: bench/RESULTS.md)
+    refine_scales: bool | None = None
     norm: float = 2.0                     # solver objective: sum of block error ** norm
     batch_tokens: int = 8192              # calibration tokens per forward batch
 
@@ -378,7 +381,7 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
             vdir = work.root / "variants"
             shutil.rmtree(vdir, ignore_errors=True)
             vdir.mkdir()
-            cache = _VariantCache(F, _variants(blk, W, hess, options, vdir, o.refine_scales), W)
+            cache = _VariantCache(F, _variants(blk, W, hess, options, vdir, bool(o.refine_scales)), W)
             rows_out = []
             y = torch.empty_like(h)
             for j, opt in enumerate(options):
@@ -516,7 +519,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
             ov = strategy["overrides"].get(key)
             qp = QParams.from_json(ov, key) if ov is not None else \
                 options_of(kind)[strategy["options"][measurement_key(spec.layer_prefix(i), kind)]].get(n)
-            r = quantize_exl2(w, prep, qp.bits_rows(w.shape[1]), o.refine_scales)
+            r = quantize_exl2(w, prep, qp.bits_rows(w.shape[1]), bool(o.refine_scales))
         else:
             r = quantize_gptq(w, prep, o.bits, o.group_size, sym=o.sym)
         bias = None if b is None else b.cpu().numpy()
@@ -592,7 +595,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         for sl in batches:
             acc.add(F.rms_norm(h[sl], norm_w, spec.rms_norm_eps))
         prep = prepare(acc.take(), percdamp=EXL2_PERCDAMP, act_order=o.act_order)
-        r = quantize_exl2(w, prep, head_qparams(o.head_bits).bits_rows(w.shape[1]), o.refine_scales)
+        r = quantize_exl2(w, prep, head_qparams(o.head_bits).bits_rows(w.shape[1]), bool(o.refine_scales))
         packed = r.tensors(None if b is None else b.cpu().numpy())
         _save_tensors(work.layer_path("lm_head"), packed)
         report.head_bpw = _bpw_of(packed, w.shape[0])
@@ -889,7 +892,7 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
             numel += K * pad32(N) + (pad32(N) if b is not None else 0)
             row = []
             for qp in settings:
-                r = quantize_exl2(w, prep, qp.bits_rows(K), o.refine_scales)
+                r = quantize_exl2(w, prep, qp.bits_rows(K), o.refine_scales is not False)
                 err = float((r.weight_hat - w).norm() / w.norm().clamp_min(1e-30))
                 row.append((qp.total_bits(K, N, b is not None), err))
             slots.append(row)
@@ -916,7 +919,7 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
             w, b, prep = load(key)
             bias = None if b is None else b.numpy()
             if o.target == "exl2":
-                r = quantize_exl2(w, prep, chosen[key].bits_rows(w.shape[1]), o.refine_scales)
+                r = quantize_exl2(w, prep, chosen[key].bits_rows(w.shape[1]), o.refine_scales is not False)
             else:
                 r = quantize_gptq(w, prep, o.bits, o.group_size, sym=o.sym)
             packed = r.tensors(bias)
