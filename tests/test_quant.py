@@ -576,3 +576,27 @@ def test_scale_refinement_matches_its_numpy_twin_and_never_raises_the_error(bits
 
     e0, e2 = err(s0), err(s2)
     assert (e2 <= e0).all() and e2.sum() < e0.sum()                # per column never worse; better overall
+
+
+def test_too_little_disk_space_is_refused_before_any_work(tiny_llama, tmp_path, monkeypatch):
+    """The preflight estimate is compared with the free space; the numbers are in the message and nothing is
+    written.  Oracle for the estimate: it covers what a real run writes (output + work files + candidates)."""
+    import shutil as sh
+
+    from exl2fmt.quant import forward as F
+    from exl2fmt.quant import pipeline as P
+
+    src, ids = tiny_llama
+    spec, srcw = F.load_spec(src)
+    o = _opts(ids).resolved()
+    need = P._disk_needed(spec, srcw, o, measuring=True)
+    srcw.close()
+    P.quantize_model(src, tmp_path / "ok", _opts(ids))
+    written = sum(p.stat().st_size for p in (tmp_path / "ok").rglob("*.safetensors"))
+    assert written < need < 6 * written + (64 << 20)      # above the output, not absurdly so
+    real = sh.disk_usage
+    monkeypatch.setattr(P.shutil, "disk_usage", lambda p: real(p)._replace(free=need - 1))
+    with pytest.raises(Exl2Error) as e:
+        P.quantize_model(src, tmp_path / "no", _opts(ids))
+    assert e.value.code is ErrorCode.DISK_SPACE and "GB free" in e.value.message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]

@@ -306,6 +306,45 @@ class _Work:
         return self.out / f"{key}.safetensors"
 
 
+# ------------------------------------------------------------------------------------------------ preflight
+
+#: Stored bits per weight of all distinct candidate settings of one layer, summed (the extended tables give
+#: 76-85 with overhead; upstream's alone fewer): what the parked candidates of a block take on disk.
+_CANDIDATE_BITS = 88
+
+
+def _disk_needed(spec, src, o: QuantOptions, measuring: bool) -> int:
+    """Bytes the run will write next to DST, a slight overestimate: the output (decoder linears at ``bits``, the
+    head at ~``head_bits`` + overhead, everything else as fp16), the per-layer copies in the work directory (the
+    same again), one block's parked candidates while measuring, and two hidden-state snapshots."""
+    lin = sum(K * N for i, kind in _blocks(spec) for n in _linears(spec, kind) for N, K in [spec.linear_shape(n)])
+    quant_bits = float(o.bits) + 0.2 if o.target == "exl2" else float(o.bits) + 0.3
+    head = spec.vocab_size * spec.hidden_size
+    head_bits = (o.head_bits + 1.5) if o.target == "exl2" else 16
+    other = sum(int(np.prod(src.shape(n))) for n in src.names()) - lin - head
+    out = lin * quant_bits / 8 + head * head_bits / 8 + max(other, 0) * 2
+    quantized = lin * quant_bits / 8 + (head * head_bits / 8 if o.target == "exl2" else 0)
+    block = max(sum(K * N for n in _linears(spec, kind) for N, K in [spec.linear_shape(n)]) for kind in ("attn", "mlp"))
+    variants = block * _CANDIDATE_BITS / 8 if measuring else 0
+    hidden = 2 * 4 * o.rows * o.length * spec.hidden_size
+    return int(out + quantized + variants + hidden)
+
+
+def _check_disk(path: Path, need: int) -> None:
+    """Refuse to start when the filesystem holding ``path`` has less free space than ``need`` bytes."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return                                   # cannot tell: let the writes report what happens
+    if free < need:
+        raise Exl2Error(ErrorCode.DISK_SPACE, f"the run needs about {need / 1e9:.2f} GB for its work files and "
+                        f"the output, and the filesystem has {free / 1e9:.2f} GB free; free some space or choose a "
+                        "destination on another filesystem", file=str(probe))
+
+
 # ------------------------------------------------------------------------------------------------ measurement
 
 
@@ -998,6 +1037,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         if ids.max() >= spec.vocab_size:
             raise Exl2Error(ErrorCode.CALIBRATION_INVALID, f"token id {int(ids.max())} is outside the model's "
                             f"vocabulary ({spec.vocab_size})", file=o.calibration)
+        _check_disk(dst_p.parent, _disk_needed(spec, srcw, o, measuring=o.target == "exl2" and not o.measurement))
         tok_hash = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
         fp = dict(o.fingerprint(), calibration_sha256=tok_hash, source_config=config)
         work_root = Path(o.work_dir) if o.work_dir else dst_p.parent / f".{dst_p.name}.exl2fmt-work"
