@@ -1097,6 +1097,8 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                 progress("verify", 0, 1, "validating the output")
             _verify(tmp, work, layer_keys, o, report)
             publish(tmp, dst_p, force)
+            if progress:
+                progress("done", 1, 1, str(dst_p))
         except BaseException:
             _remove(tmp)
             raise
