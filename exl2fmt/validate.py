@@ -773,8 +773,6 @@ def _natural(key: str):
 
 
 def _deep_pass(rep: Report, model, det, loaded: dict, reference, progress) -> None:
-    import numpy as np
-
     # tensors not belonging to a layer that was checked in depth: scan every float tensor for NaN/Inf
     # (the float tensors of EXL2 / GPTQ / dense layers are checked by the layers' own deep validation)
     from .detect import ModelFormat
@@ -1211,12 +1209,9 @@ def _run_pass(rep: Report, model, det, loaded: dict, deep: bool, ks: KernelSetup
     from .quant import forward as fw
 
     total = sum(det.layers[k].stored_bytes for k in quant) or 1
-    cb = None
+    cb = None if progress is None else (lambda done, n, what: progress(int(total * done / n), total, what))
     if progress is not None:
         progress(0, total, "")
-
-        def cb(done, n, what):
-            progress(int(total * done / n), total, what)
     try:
         res = rc.run_forward(spec, fw.WeightSource(model), quant, pre["ids"], kernels=ks.module, device=ks.device,
                              progress=cb)

@@ -43,7 +43,6 @@ bias, rounded).  Act-order therefore costs one gather of x (M x K), never a pass
 
 from __future__ import annotations
 
-import math
 import time
 import weakref
 from dataclasses import dataclass
