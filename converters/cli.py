@@ -82,7 +82,11 @@ def convert_command(
     seed: Annotated[int, typer.Option("--seed", help="FP16 -> exl2/gptq: seed of the built-in calibration "
                                       "set; same inputs and seed give byte-identical output.")] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="FP16 -> exl2/gptq: continue an interrupted run from "
-                                         "its work directory (.DST.exl2fmt-work next to DST).")] = False,
+                                         "its work directory (.DST.exl2fmt-work next to DST, or --work-dir).")] = False,
+    work_dir: Annotated[Optional[str], typer.Option("--work-dir", metavar="DIR", show_default=False, help="FP16 -> exl2/gptq: "
+                                                     "where checkpoints, per-layer files and the measurement's "
+                                                     "candidates go (default: .DST.exl2fmt-work next to DST); "
+                                                     "removed after success.")] = None,
     act_order: Annotated[bool, typer.Option("--act-order/--no-act-order", help="FP16 -> exl2/gptq: process "
                                             "input features by decreasing Hessian diagonal.")] = True,
     upstream_tables: Annotated[bool, typer.Option("--upstream-tables", help="FP16 -> exl2: choose only among "
@@ -179,6 +183,7 @@ def convert_command(
                           quant={"head_bits": head_bits, "calibration": calibration, "rows": rows, "length": length,
                                  "measurement": measurement, "save_measurement": save_measurement,
                                  "device": device, "seed": seed, "resume": resume, "act_order": act_order,
+                                 "work_dir": work_dir,
                                  "extended": not upstream_tables, "refine_scales": refine_scales})
         _render(out, rep)
         code = EXIT_OK

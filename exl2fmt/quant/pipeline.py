@@ -313,36 +313,53 @@ class _Work:
 _CANDIDATE_BITS = 88
 
 
-def _disk_needed(spec, src, o: QuantOptions, measuring: bool) -> int:
-    """Bytes the run will write next to DST, a slight overestimate: the output (decoder linears at ``bits``, the
-    head at ~``head_bits`` + overhead, everything else as fp16), the per-layer copies in the work directory (the
-    same again), one block's parked candidates while measuring, and two hidden-state snapshots."""
+def _disk_needed(spec, src, o: QuantOptions, measuring: bool) -> tuple[int, int]:
+    """Bytes the run will write, a slight overestimate, as (output, work directory): the output (decoder linears
+    at ``bits``, the head at ~``head_bits`` + overhead, everything else as fp16); in the work directory the
+    per-layer copies (the quantized part again), one block's parked candidates while measuring, and two
+    hidden-state snapshots."""
     lin = sum(K * N for i, kind in _blocks(spec) for n in _linears(spec, kind) for N, K in [spec.linear_shape(n)])
     quant_bits = float(o.bits) + 0.2 if o.target == "exl2" else float(o.bits) + 0.3
     head = spec.vocab_size * spec.hidden_size
     head_bits = (o.head_bits + 1.5) if o.target == "exl2" else 16
     other = sum(int(np.prod(src.shape(n))) for n in src.names()) - lin - head
-    out = lin * quant_bits / 8 + head * head_bits / 8 + max(other, 0) * 2
+    headers = 2048 * len(src.names())          # safetensors header entries: ~6 slots x ~200 bytes per weight
+    out = lin * quant_bits / 8 + head * head_bits / 8 + max(other, 0) * 2 + headers
     quantized = lin * quant_bits / 8 + (head * head_bits / 8 if o.target == "exl2" else 0)
     block = max(sum(K * N for n in _linears(spec, kind) for N, K in [spec.linear_shape(n)]) for kind in ("attn", "mlp"))
     variants = block * _CANDIDATE_BITS / 8 if measuring else 0
     hidden = 2 * 4 * o.rows * o.length * spec.hidden_size
-    return int(out + quantized + variants + hidden)
+    return int(out), int(quantized + variants + hidden)
 
 
-def _check_disk(path: Path, need: int) -> None:
-    """Refuse to start when the filesystem holding ``path`` has less free space than ``need`` bytes."""
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_disk(dst_parent: Path, work_root: Path, need: tuple[int, int]) -> None:
+    """Refuse to start when a filesystem has less free space than the run will write to it (``need`` = (output
+    bytes, work-directory bytes); both count against one filesystem when DST and the work directory share it)."""
+    out_at, work_at = _existing(dst_parent), _existing(work_root)
+    try:
+        same = os.stat(out_at).st_dev == os.stat(work_at).st_dev
+        checks = [(out_at, need[0] + need[1])] if same else [(out_at, need[0]), (work_at, need[1])]
+    except OSError:
+        return
+    for probe, n in checks:
+        _check_free(probe, n)
+
+
+def _check_free(probe: Path, need: int) -> None:
     try:
         free = shutil.disk_usage(probe).free
     except OSError:
         return                                   # cannot tell: let the writes report what happens
     if free < need:
         raise Exl2Error(ErrorCode.DISK_SPACE, f"the run needs about {need / 1e9:.2f} GB for its work files and "
-                        f"the output, and the filesystem has {free / 1e9:.2f} GB free; free some space or choose a "
-                        "destination on another filesystem", file=str(probe))
+                        f"the output, and the filesystem has {free / 1e9:.2f} GB free; free some space, or choose a "
+                        "destination or --work-dir on another filesystem", file=str(probe))
 
 
 # ------------------------------------------------------------------------------------------------ measurement
@@ -1037,10 +1054,11 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         if ids.max() >= spec.vocab_size:
             raise Exl2Error(ErrorCode.CALIBRATION_INVALID, f"token id {int(ids.max())} is outside the model's "
                             f"vocabulary ({spec.vocab_size})", file=o.calibration)
-        _check_disk(dst_p.parent, _disk_needed(spec, srcw, o, measuring=o.target == "exl2" and not o.measurement))
+        work_root = Path(o.work_dir) if o.work_dir else dst_p.parent / f".{dst_p.name}.exl2fmt-work"
+        _check_disk(dst_p.parent, work_root,
+                    _disk_needed(spec, srcw, o, measuring=o.target == "exl2" and not o.measurement))
         tok_hash = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
         fp = dict(o.fingerprint(), calibration_sha256=tok_hash, source_config=config)
-        work_root = Path(o.work_dir) if o.work_dir else dst_p.parent / f".{dst_p.name}.exl2fmt-work"
         work = _Work(work_root, fp, o.resume)
         report = QuantReport(source=str(src_p), destination=str(dst_p), target=o.target, options=o.fingerprint())
 
