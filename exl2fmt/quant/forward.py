@@ -364,19 +364,23 @@ class WeightSource:
         if info.dtype not in ("F16", "F32", "BF16"):
             raise Exl2Error(ErrorCode.SLOT_DTYPE, f"expected an F16, BF16 or F32 weight, found {info.dtype}",
                             file=info.file, tensor=name)
-        if self._reader is None:
-            from ..converters.base import SourceReader
-
-            self._reader = SourceReader(self._files)
-        # read with pread into a private array rather than through the memory map: the map's pages would stay
-        # in the resident set, so a pass over every block would end up holding the whole model
-        arr = self._reader.read(name)
+        arr = self.read_stored(name)
         if info.dtype == "BF16":
             # the container hands BF16 back as its uint16 bit patterns: widen to the top half of an fp32
             t = torch.from_numpy((arr.astype(np.uint32) << 16).view(np.float32))
         else:
             t = torch.from_numpy(arr)
         return t.to(device=device or "cpu", dtype=dtype)
+
+    def read_stored(self, name: str) -> np.ndarray:
+        """The tensor exactly as stored (numpy dtype of its safetensors dtype; BF16 as uint16 bits), in a private
+        array read with pread rather than through the memory map: the map's pages would stay in the resident
+        set, so a pass over every block would end up holding the whole model.  File-backed sources only."""
+        if self._reader is None:
+            from ..converters.base import SourceReader
+
+            self._reader = SourceReader(self._files)
+        return self._reader.read(name)
 
     def close(self) -> None:
         if self._reader is not None:

@@ -737,73 +737,64 @@ def _plain_tensor(src, name: str, report: QuantReport) -> np.ndarray:
         if np.isfinite(a).all() and np.abs(a).max(initial=0) > 65504:
             report.warnings.append(f"{name}: values beyond the fp16 range were clamped")
         return np.clip(a, -65504, 65504).astype(np.float16)
-    from ..converters.base import SourceReader
-
-    reader = SourceReader(src.files)
-    try:
-        return reader.read(name)
-    finally:
-        reader.close_files()
+    return src.read_stored(name)
 
 
-def _write_streaming(tmp: Path, specs: list, produce: Callable[[str], np.ndarray], shard_size: int,
-                     prefix: str) -> None:
-    """Write ``specs`` (OutSpecs, sorted by name) into ``prefix`` shards of at most ``shard_size`` bytes, one
-    tensor in memory at a time: ``produce(name)`` makes each one just before it is written."""
-    from ..converters.base import ShardWriter, plan_shards
+def _write_output(tmp: Path, src, layers: list[tuple[str, Path]], skip: set[str], o: QuantOptions,
+                  report: QuantReport) -> None:
+    """Write the output model into ``tmp`` tensor by tensor (never the whole model in memory): every tensor of
+    ``src`` not in ``skip`` converted by ``_plain_tensor``, and the slots of each quantized layer (key, packed
+    layer file) as ``{key}.{slot}``.  Shards of at most ``o.shard_size`` bytes, sorted by name, named
+    ``output`` (EXL2) or ``model`` (GPTQ), with ``{prefix}.safetensors.index.json`` when there are several."""
+    from ..container import open_model
+    from ..converters.base import OutSpec, ShardWriter, SourceReader, plan_shards
 
-    specs = sorted(specs, key=lambda s: s.name)
-    writer = ShardWriter(tmp, plan_shards(specs, shard_size), {"format": "pt"}, prefix=prefix,
+    specs = _plain_specs(src, skip)
+    where: dict[str, tuple[Path, str]] = {}         # output name -> (layer file, slot)
+    for key, path in layers:
+        m = open_model(path)
+        try:
+            for slot in m.names():
+                t = m.info(slot)
+                specs.append(OutSpec(f"{key}.{slot}", t.dtype, tuple(t.shape)))
+                where[f"{key}.{slot}"] = (path, slot)
+        finally:
+            m.close()
+    specs.sort(key=lambda sp: sp.name)
+    prefix = "output" if o.target == "exl2" else "model"
+    writer = ShardWriter(tmp, plan_shards(specs, o.shard_size), {"format": "pt"}, prefix=prefix,
                          index_name=f"{prefix}.safetensors.index.json")
+    cur: dict = {}                                  # the one layer file open for reading (a layer's slots are adjacent)
     try:
         for sp in specs:
-            writer.feed(sp.name, produce(sp.name))
+            if sp.name in where:
+                path, slot = where[sp.name]
+                if cur.get("path") != path:
+                    if cur:
+                        cur["reader"].close()
+                    cur.update(path=path, reader=SourceReader(open_model(path)))
+                arr = cur["reader"].read(slot)
+            else:
+                arr = _plain_tensor(src, sp.name, report)
+            writer.feed(sp.name, arr)
         writer.finish()
     except BaseException:
         writer.abort()
         raise
+    finally:
+        if cur:
+            cur["reader"].close()
 
 
 def _compile(spec, src, src_dir: Path, tmp: Path, work: _Work, o: QuantOptions, report: QuantReport,
              config: dict, layer_keys: list[str]) -> None:
-    """Write the output model tensor by tensor: the plain tensors converted from ``src`` one at a time, the
-    quantized layers read from the work directory's layer files (never the whole model in memory)."""
-    from ..container import open_model
-    from ..converters.base import OutSpec, SourceReader
+    """The output model from the work directory's layer files and the source's other tensors, plus side files
+    and metadata."""
     from ..converters.base import copy_side_files
 
-    heads = ["lm_head"] if o.target == "exl2" else []
-    skip = {f"{k}.weight" for k in layer_keys} | {f"{k}.bias" for k in layer_keys}
-    if o.target == "exl2":
-        skip |= {"lm_head.weight", "lm_head.bias"}
-    specs = _plain_specs(src, skip)
-    where: dict[str, tuple[str, str]] = {}          # output name -> (layer key, slot)
-    for k in layer_keys + heads:
-        m = open_model(work.layer_path(k))
-        try:
-            for slot in m.names():
-                t = m.info(slot)
-                specs.append(OutSpec(f"{k}.{slot}", t.dtype, tuple(t.shape)))
-                where[f"{k}.{slot}"] = (k, slot)
-        finally:
-            m.close()
-    cur: dict = {}                                  # the one layer file open for reading
-
-    def produce(name: str) -> np.ndarray:
-        if name not in where:
-            return _plain_tensor(src, name, report)
-        k, slot = where[name]
-        if cur.get("key") != k:
-            if cur:
-                cur["reader"].close()
-            cur.update(key=k, reader=SourceReader(open_model(work.layer_path(k))))
-        return cur["reader"].read(slot)
-
-    try:
-        _write_streaming(tmp, specs, produce, o.shard_size, "output" if o.target == "exl2" else "model")
-    finally:
-        if cur:
-            cur["reader"].close()
+    keys = layer_keys + (["lm_head"] if o.target == "exl2" else [])
+    skip = {f"{k}.{s}" for k in keys for s in ("weight", "bias")}
+    _write_output(tmp, src, [(k, work.layer_path(k)) for k in keys], skip, o, report)
     copy_side_files(src_dir, tmp)
     _write_metadata(tmp, config, o, report)
 
@@ -856,7 +847,6 @@ def _validate_or_raise(tmp: Path) -> None:
 def _verify(tmp: Path, work: _Work, layer_keys: list[str], o: QuantOptions, report: QuantReport) -> None:
     """The output must pass the deep validator, and every layer must hold exactly the tensors quantized."""
     from ..container import open_model
-
     from ..converters.base import SourceReader
 
     _validate_or_raise(tmp)
@@ -900,8 +890,7 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
     (and N % 32 == 0 for GPTQ) is quantized with an identity Hessian (round-to-nearest with the scale search,
     no act-order); the budget is spread by the relative weight error of each candidate setting, one layer per
     slot.  Everything else is written as fp16."""
-    from ..container import numpy_to_safetensors_dtype
-    from ..converters.base import OutSpec, _remove, check_paths, copy_side_files, make_partial_dir, publish
+    from ..converters.base import _remove, check_paths, copy_side_files, make_partial_dir, publish
     from . import forward as F
     from .gptq import prepare, quantize_exl2, quantize_gptq
     from .qparams import QParams, block_options
@@ -970,7 +959,7 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
     layer_dir = Path(tempfile.mkdtemp(prefix=f".{dst_p.name[:100]}.exl2fmt-layers-", dir=tmp.parent))
     try:
         # each packed layer goes to a file as it is made; the output is then written tensor by tensor
-        specs, where = [], {}
+        layers = []
         for li, key in enumerate(keys):
             w, b, prep = load(key)
             bias = None if b is None else b.numpy()
@@ -981,23 +970,13 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
             packed = r.tensors(bias)
             path = layer_dir / f"{li}.safetensors"
             _save_tensors(path, packed)
-            for slot, arr in packed.items():
-                specs.append(OutSpec(f"{key}.{slot}", numpy_to_safetensors_dtype(arr.dtype), tuple(arr.shape)))
-                where[f"{key}.{slot}"] = (path, slot)
+            layers.append((key, path))
             err = float((r.weight_hat - w).norm() / w.norm().clamp_min(1e-30))
             report.layers.append(LayerResult(key, _plan_of(r), _bpw_of(packed, w.shape[0]), err))
             del r, packed, w
             if progress:
                 progress("quantize", li + 1, len(keys), key)
-        specs += _plain_specs(src, {f"{k}.{s}" for k in keys for s in ("weight", "bias")})
-
-        def produce(name):
-            if name not in where:
-                return _plain_tensor(src, name, report)
-            path, slot = where[name]
-            return _load_tensors(path)[slot]
-
-        _write_streaming(tmp, specs, produce, o.shard_size, "output" if o.target == "exl2" else "model")
+        _write_output(tmp, src, layers, {f"{k}.{s}" for k in keys for s in ("weight", "bias")}, o, report)
         copy_side_files(src_p if src_p.is_dir() else src_p.parent, tmp)
         _write_metadata(tmp, config, o, report, weight_only=True)
         _validate_or_raise(tmp)
