@@ -390,16 +390,28 @@ class GptqLinear(_Base):
             issues += self._finite("scales") + self._finite("bias")
         return issues
 
+    def scales_f16(self) -> np.ndarray:
+        """``scales`` as float16 [G, N]: F16 as stored; BF16 / F32 rounded to fp16 once, as ExLlamaV2 does."""
+        sc = self.tensors["scales"]
+        if self.dtypes["scales"] == "F16":
+            return np.asarray(sc)
+        return _as_float32(sc, self.dtypes["scales"]).astype(np.float16)
+
+    def group_index(self) -> np.ndarray:
+        """The group of every input row, int32 [K]: ``g_idx`` when stored, else contiguous groups of
+        ``group_size`` (the last one may be short)."""
+        if "g_idx" in self.tensors:
+            return np.asarray(self.tensors["g_idx"]).astype(np.int32)
+        return np.minimum(np.arange(self.K) // max(self.group_size, 1), max(self.G - 1, 0)).astype(np.int32)
+
     def dequantize(self) -> np.ndarray:
         from .codec.gptq import dequantize
 
         self.raise_if_invalid(deep=False)
         t = self.tensors
-        scales = _as_float32(t["scales"], self.dtypes["scales"]) if self.dtypes["scales"] != "F16" else t["scales"]
         try:
-            return dequantize(np.asarray(t["qweight"]), np.asarray(t["qzeros"]), np.asarray(scales),
-                              None if "g_idx" not in t else np.asarray(t["g_idx"]), self.bits, v2=self.v2,
-                              group_size=self.group_size)
+            return dequantize(np.asarray(t["qweight"]), np.asarray(t["qzeros"]), self.scales_f16(),
+                              self.group_index(), self.bits, v2=self.v2)
         except ValueError as e:
             raise Exl2Error(ErrorCode.GPTQ_G_IDX if "g_idx" in str(e) else ErrorCode.SLOT_SHAPE, str(e),
                             tensor=self.key, file=self.file) from None

@@ -187,27 +187,19 @@ def check_gptq_layer(layer: Any, device: torch.device | str | None = None, ms: t
     """Run one ``exl2fmt.layers.GptqLinear`` (2/4/8 bits) through the GPTQ kernels on random inputs and compare
     with the Numba reference, with the same inputs, bound and result dict as the EXL2 ``check_layer`` (what
     ``exl2fmt validate --kernel`` reports per layer).  A layer without g_idx gets the contiguous one of its group
-    size; scales stored as bf16/fp32 are rounded to fp16 first, as the reference does."""
+    size; scales stored as bf16/fp32 are rounded to fp16 first, as the reference does (``GptqLinear.group_index``,
+    ``GptqLinear.scales_f16``)."""
     t0 = time.perf_counter()
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     t = layer.tensors
-    bits, K, G = int(layer.bits), int(layer.K), int(layer.G)
-    if "g_idx" in t:
-        g_idx = np.asarray(t["g_idx"]).astype(np.int32)
-    else:
-        g_idx = np.minimum(np.arange(K) // max(int(layer.group_size), 1), G - 1).astype(np.int32)
+    bits = int(layer.bits)
     w16 = np.asarray(layer.dequantize(), dtype=np.float16)                  # [N, K], the reference
-    scales = np.asarray(t["scales"])
-    if layer.dtypes.get("scales") != "F16":                                 # bf16 bits / fp32 -> fp16, as dequantize
-        from ..layers import _as_float32
-
-        scales = _as_float32(scales, layer.dtypes["scales"]).astype(np.float16)
 
     def dev_t(a):
         return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
 
-    qw, qz, sc, gi = dev_t(np.asarray(t["qweight"]).view(np.int32)), dev_t(np.asarray(t["qzeros"]).view(np.int32)), \
-        dev_t(scales), dev_t(g_idx)
+    qw, qz = dev_t(np.asarray(t["qweight"]).view(np.int32)), dev_t(np.asarray(t["qzeros"]).view(np.int32))
+    sc, gi = dev_t(layer.scales_f16()), dev_t(layer.group_index())
     w_ref = dev_t(w16.T)                                                    # float16 [K, N]
     got = gptq_dequantize(qw, qz, sc, gi, bits, v2=bool(layer.v2))
     mism = int((got.view(torch.int16) != w_ref.view(torch.int16)).sum())
