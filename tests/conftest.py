@@ -7,6 +7,12 @@ seed into NumPy arrays, so that examples shrink well and stay cheap.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -102,3 +108,26 @@ def random_f16(rng: np.random.Generator, n: int, lo: int = 0x0001, hi: int = 0x7
 def f16_bits(a) -> np.ndarray:
     """The uint16 bit patterns of a float16 array (compare fp16 results bit for bit with this)."""
     return np.ascontiguousarray(np.asarray(a, dtype=np.float16)).view(np.uint16)
+
+
+#: The repository root (bench/ scripts, the CLI's working directory in subprocess tests).
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_bench(name: str):
+    """Import ``bench/<name>.py`` as a module (the tests reuse the benchmarks' helpers on smaller runs)."""
+    spec = importlib.util.spec_from_file_location(f"exl2fmt_bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_cli(*args, pythonpath: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m exl2fmt.cli.app ARGS`` in a fresh process (no inherited TRITON_INTERPRET; ``pythonpath``
+    prepended, e.g. to shadow a dependency)."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "exl2fmt.cli.app", *map(str, args)], capture_output=True,
+                          text=True, cwd=str(ROOT), env=env, timeout=timeout)

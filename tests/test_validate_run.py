@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_cli
 from typer.testing import CliRunner
 
 from exl2fmt.cli.app import app
@@ -47,12 +48,7 @@ FEW_IDS = [1, 17, 503, 999, 0, 250, 731, 42]
 
 
 def cli(*args, pythonpath: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "exl2fmt.cli.app", *map(str, args)], capture_output=True,
-                          text=True, cwd=str(ROOT), env=env, timeout=timeout)
+    return run_cli(*args, pythonpath=pythonpath, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
