@@ -128,6 +128,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
     """
     from ..container import open_model
     from ..detect import ModelFormat, detect_model
+    from ..extras import require
     from .base import ConversionReport as Report
     from .base import check_paths, parse_size, run_conversion
 
@@ -140,10 +141,19 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
     if target not in TARGETS:
         raise Exl2Error(ErrorCode.USAGE, f"unknown target {to!r}; expected one of {', '.join(TARGETS)}")
     size = parse_size(shard_size)
+    # every argument is checked before DST is looked at (an invalid --bits is reported as such, not as
+    # OUTPUT_EXISTS), and the optional packages a path needs before any work (exit 3 with the pip command)
+    _check_arguments(target, bits, group_size, sym, dtype, gguf_type)
+    if target not in ("exl2", "gptq"):
+        _no_quantizer_options(quant, f"--to {target} does not quantize")
+    if dtype is not None:
+        dtype = _ALIASES.get(str(dtype).lower(), str(dtype).lower())
     from ..inspect import is_gguf
 
     if target == "gguf" or (os.path.isfile(src) and is_gguf(src)):  # the GGUF bridge has its own driver
+        require("gguf", "converting to GGUF" if target == "gguf" else "reading a GGUF file")
         if target == "gguf":
+            _no_quantizer_options(quant, "the target is gguf")
             from .gguf_write import convert_to_gguf
 
             return convert_to_gguf(src, dst, gguf_type=gguf_type, force=force, progress=progress, verify=verify,
@@ -151,19 +161,13 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
         from .gguf_read import convert_from_gguf
 
         if target in ("exl2", "gptq"):
+            require("quant", f"quantizing to {target.upper()}")
             return _gguf_to_quantized(src, dst, target, bits, group_size, sym, size, force, progress, quant)
+        _no_quantizer_options(quant, "a GGUF file is decoded, not quantized")
         return convert_from_gguf(src, dst, target, force=force, shard_size=size, progress=progress, verify=verify,
                                  _fail_after=_fail_after)
-    if bits is not None and (isinstance(bits, bool) or not isinstance(bits, (int, float))):
-        raise Exl2Error(ErrorCode.USAGE, f"bits must be a number, got {bits!r}")
-    if dtype is not None:
-        d = _ALIASES.get(str(dtype).lower(), str(dtype).lower())
-        if d not in ("fp16", "bf16"):
-            raise Exl2Error(ErrorCode.USAGE, f"dtype must be fp16 or bf16, got {dtype!r}")
-        dtype = d
     model = open_model(src)
     try:
-        check_paths(_path(src), _path(dst), force)
         config = model.config
         det = detect_model(model.tensors, config, root=model.root)
         fatal = [i for i in det.issues if i.code is ErrorCode.FORMAT_AMBIGUOUS]
@@ -173,12 +177,18 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
         if fmt is ModelFormat.UNKNOWN:
             raise Exl2Error(ErrorCode.FORMAT_UNKNOWN, "no linear layer of a known format found", file=str(src))
         if fmt is ModelFormat.DENSE and target in ("exl2", "gptq"):
+            require("quant", f"quantizing to {target.upper()}")
             model.close()
-            return _quantize(src, dst, target, bits, group_size, sym, size, force, progress, quant)
+            return _quantize(src, dst, target, bits, group_size, sym, size, force, progress, quant,
+                             linear_layers=sorted(det.layers))
+        _no_quantizer_options(quant, f"the source is {fmt.value}, not an FP16/BF16 model to quantize")
         if bits is not None and not float(bits).is_integer():
             raise Exl2Error(ErrorCode.USAGE, f"bits must be an integer for {fmt.value} -> {target}, got {bits!r}")
+        if target == "exl2" and bits is not None and int(bits) not in (2, 3, 4, 5, 6, 8):
+            raise Exl2Error(ErrorCode.USAGE, f"--bits for {fmt.value} -> exl2 must be 2, 3, 4, 5, 6 or 8, got {bits!r}")
         bits = None if bits is None else int(bits)
         cls = get(fmt.value, target)
+        check_paths(_path(src), _path(dst), force)
     except BaseException:
         model.close()
         raise
@@ -186,17 +196,68 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
     report = Report(source=str(src), destination=str(dst), source_format=fmt.value, target=target,
                     options={"shard_size": size, "dtype": dtype, "bits": bits, "group_size": group_size, "sym": sym,
                              "force": force, "verify": verify})
+    if fmt is ModelFormat.DENSE:
+        report.linear_layers = len(det.layers)
     for i in det.issues:
         report.warnings.append(f"detect: [{i.code.value}] {i.message}")
     return run_conversion(cls, src, dst, opts, force=force, progress=progress, model=model, detection=det,
                           report=report, verify=verify, _fail_after=_fail_after)
 
 
-def _quantize(src, dst, target, bits, group_size, sym, size, force, progress, quant):
-    """Dense source -> EXL2 / GPTQ: the calibrated quantizer (``exl2fmt.quant.pipeline``)."""
+#: the quantizer's options (``quant=``) by the command-line flag that sets them, for messages
+QUANT_FLAGS = {"head_bits": "--head-bits", "calibration": "--calibration", "rows": "--rows", "length": "--length",
+               "measurement": "--measurement", "save_measurement": "--save-measurement", "device": "--device",
+               "seed": "--seed", "resume": "--resume", "act_order": "--act-order/--no-act-order",
+               "work_dir": "--work-dir", "extended": "--upstream-tables",
+               "refine_scales": "--refine-scales/--upstream-scales"}
+
+
+def _no_quantizer_options(quant: dict | None, why: str) -> None:
+    given = sorted(k for k, v in (quant or {}).items() if v is not None)
+    if given:
+        flags = ", ".join(QUANT_FLAGS.get(k, k) for k in given)
+        raise Exl2Error(ErrorCode.USAGE, f"{flags} only appl{'ies' if len(given) == 1 else 'y'} when quantizing an "
+                        f"FP16/BF16 model (--to exl2 or gptq); {why}")
+
+
+def _check_arguments(target: str, bits, group_size, sym, dtype, gguf_type) -> None:
+    """The checks that need no file: types, ranges, and options that do not apply to ``target``."""
+    if bits is not None:
+        if isinstance(bits, bool) or not isinstance(bits, (int, float)):
+            raise Exl2Error(ErrorCode.USAGE, f"bits must be a number, got {bits!r}")
+        if target not in ("exl2", "gptq"):
+            raise Exl2Error(ErrorCode.USAGE, f"--bits applies only to --to exl2 or gptq, not --to {target}")
+        if target == "gptq" and float(bits) not in (2.0, 3.0, 4.0, 8.0):
+            raise Exl2Error(ErrorCode.USAGE, f"--bits for --to gptq must be 2, 3, 4 or 8, got {bits!r}")
+        if target == "exl2" and not (2.0 <= float(bits) <= 8.5):
+            raise Exl2Error(ErrorCode.USAGE, f"--bits for --to exl2 must lie in [2, 8.5], got {bits!r}")
+    if group_size is not None:
+        if target not in ("exl2", "gptq"):
+            raise Exl2Error(ErrorCode.USAGE, f"--group-size applies only to --to exl2 or gptq, not --to {target}")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or \
+                (group_size != -1 and (group_size <= 0 or group_size % 32)) or (target == "exl2" and group_size == -1):
+            raise Exl2Error(ErrorCode.USAGE, f"--group-size must be a positive multiple of 32"
+                            f"{' or -1' if target == 'gptq' else ''}, got {group_size!r}")
+    if sym is not None and target != "gptq":
+        raise Exl2Error(ErrorCode.USAGE, f"--sym/--asym applies only to --to gptq, not --to {target}")
+    if dtype is not None:
+        d = _ALIASES.get(str(dtype).lower(), str(dtype).lower())
+        if d not in ("fp16", "bf16"):
+            raise Exl2Error(ErrorCode.USAGE, f"dtype must be fp16 or bf16, got {dtype!r}")
+        if target not in ("exl2", "gptq"):
+            raise Exl2Error(ErrorCode.USAGE, f"--dtype applies only to --to exl2 or gptq (the unquantized tensors); "
+                            f"--to {target} already names the dtype")
+    if gguf_type not in (None, "auto") and target != "gguf":
+        raise Exl2Error(ErrorCode.USAGE, f"--gguf-type applies only to --to gguf, not --to {target}")
+
+
+def _quantize(src, dst, target, bits, group_size, sym, size, force, progress, quant, linear_layers=None):
+    """Dense source -> EXL2 / GPTQ: the calibrated quantizer (``exl2fmt.quant.pipeline``).  ``linear_layers``:
+    the source's linear layers as ``inspect`` counts them; those the quantizer keeps unquantized are named in a
+    warning, so the two counts can be reconciled."""
     from ..quant.pipeline import QuantOptions, quantize_model
 
-    q = dict(quant or {})
+    q = {k: v for k, v in dict(quant or {}).items() if v is not None}
     if group_size is not None:
         q["group_size"] = group_size
     if sym is not None:
@@ -206,7 +267,14 @@ def _quantize(src, dst, target, bits, group_size, sym, size, force, progress, qu
         raise Exl2Error(ErrorCode.USAGE, f"unknown quantizer option(s): {', '.join(sorted(unknown))}")
     opts = QuantOptions(target=target, bits=bits, shard_size=size, **q)
     cb = None if progress is None else (lambda phase, done, total, what: progress(done, total, f"{phase}: {what}"))
-    return quantize_model(src, dst, opts, force=force, progress=cb)
+    rep = quantize_model(src, dst, opts, force=force, progress=cb)
+    if linear_layers:
+        done = {l.key for l in rep.layers}
+        kept = [k for k in linear_layers if k not in done and k != "lm_head"]  # GPTQ keeps a dense head
+        if kept:
+            rep.warnings.append(f"{len(done)} of the source's {len(linear_layers)} linear layers quantized; kept "
+                                f"as they are: {', '.join(kept[:8])}{', ...' if len(kept) > 8 else ''}")
+    return rep
 
 
 def _gguf_to_quantized(src, dst, target, bits, group_size, sym, size, force, progress, quant):
@@ -219,6 +287,10 @@ def _gguf_to_quantized(src, dst, target, bits, group_size, sym, size, force, pro
     from .base import check_paths
     from .gguf_read import convert_from_gguf
 
+    from ..quant.pipeline import QuantOptions
+
+    q0 = {k: v for k, v in dict(quant or {}).items() if v is not None and k in QuantOptions.__dataclass_fields__}
+    QuantOptions(target=target, bits=bits, shard_size=size, **q0).resolved()   # the options, before DST
     d = _path(dst)
     check_paths(_path(src), d, force)
     parent = d.parent if str(d.parent) else _path(".")

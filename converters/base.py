@@ -242,6 +242,8 @@ class ConversionReport:
     verified: bool = False
     verify_mode: str = ""
     seconds: dict = field(default_factory=dict)
+    #: a dense source: its linear layers as ``inspect`` counts them (they are cast as tensors, not layers)
+    linear_layers: int | None = None
 
     @property
     def exact(self) -> bool:
@@ -271,6 +273,7 @@ class ConversionReport:
         worst = max(lossy, key=lambda l: l.rel_error, default=None)
         return {
             "layers": len(self.layers), "exact_layers": len(self.layers) - len(lossy), "lossy_layers": len(lossy),
+            "linear_layers": len(self.layers) if self.linear_layers is None else self.linear_layers,
             "worst_layer": None if worst is None else worst.key,
             "worst_rel_error": None if worst is None else _finite(worst.rel_error),
             "tensors": len(self.tensors), "cast_tensors": sum(t.source_dtype != t.target_dtype for t in self.tensors),
@@ -279,9 +282,14 @@ class ConversionReport:
 
     def summary_lines(self) -> list[str]:
         s = self.summary()
-        lines = [f"{self.source_format} -> {self.target}: {s['layers']} linear layers "
-                 f"({s['exact_layers']} exact, {s['lossy_layers']} lossy), {s['tensors']} other tensors "
-                 f"({s['cast_tensors']} cast), {s['shards']} shard(s), {s['bytes_written']} bytes"]
+        if self.linear_layers is not None and not self.layers:  # dense -> fp16/bf16: a cast of every tensor
+            lines = [f"{self.source_format} -> {self.target}: {self.linear_layers} linear layers and the other "
+                     f"tensors, {s['tensors']} tensors in all ({s['cast_tensors']} cast), {s['shards']} shard(s), "
+                     f"{s['bytes_written']} bytes"]
+        else:
+            lines = [f"{self.source_format} -> {self.target}: {s['layers']} linear layers "
+                     f"({s['exact_layers']} exact, {s['lossy_layers']} lossy), {s['tensors']} other tensors "
+                     f"({s['cast_tensors']} cast), {s['shards']} shard(s), {s['bytes_written']} bytes"]
         if s["lossy_layers"]:
             lines.append(f"worst layer: {s['worst_layer']} relative error {s['worst_rel_error']:.3e}")
         lines.append(f"verified ({self.verify_mode})" if self.verified else "not verified")
@@ -772,16 +780,20 @@ def _is_within(child: Path, parent: Path) -> bool:
         return False
 
 
-def check_paths(src: Path, dst: Path, force: bool) -> None:
+def check_paths(src: Path, dst: Path, force: bool, kind: str = "dir") -> None:
+    """DST must lie outside SRC; an existing DST is an error without ``force``, and with it is replaced only
+    when it is an output of the same ``kind`` (see ``exl2fmt.outputs.replaceable``)."""
+    from ..outputs import existing_output_error
+
     rs, rd = _resolve(src), _resolve(dst)
     # a directory source: nothing may be written inside it; any source: DST must not be it or contain it
     # (replacing DST with --force would delete it)
     if rd == rs or (rs.is_dir() and _is_within(rd, rs)) or _is_within(rs, rd):
         raise Exl2Error(ErrorCode.USAGE, f"the destination {dst} must lie outside the source {src} (and not "
                         "contain it): a conversion never writes into or replaces its source", file=str(dst))
-    if os.path.lexists(dst) and not force:
-        raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "the destination exists; pass --force (force=True) to replace it",
-                        file=str(dst))
+    err = existing_output_error(dst, force, kind)
+    if err is not None:
+        raise err
 
 
 def make_partial_dir(dst: Path) -> Path:

@@ -43,14 +43,21 @@ class PlainDtype(str, enum.Enum):
 
 
 def convert_command(
-    src: Annotated[str, typer.Argument(help="The source model: a model directory (sharded or not) or one "
-                                       ".safetensors file. Never modified.", show_default=False)],
-    dst: Annotated[str, typer.Argument(help="The new model directory. Must not exist (see --force) and must lie "
-                                       "outside SRC.", show_default=False)],
-    to: Annotated[Target, typer.Option("--to", "-t", case_sensitive=False, show_default=False,
-                                       help="Target format: fp16 / bf16 (a plain Hugging Face model), gptq, exl2.")],
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing DST (only once the new model is "
-                                        "complete and verified).")] = False,
+    ctx: typer.Context,
+    src: Annotated[str, typer.Argument(metavar="SRC", help="The source model: a model directory (sharded or not), "
+                                       "one .safetensors file, or a .gguf file. Never modified.",
+                                       show_default=False)],
+    dst: Annotated[str, typer.Argument(metavar="DST", help="The output: a new model directory, or a .gguf file for "
+                                       "--to gguf. Must not exist (see --force) and must lie outside SRC.",
+                                       show_default=False)],
+    to: Annotated[Optional[Target], typer.Option("--to", "-t", case_sensitive=False, show_default=False,
+                                                 help="Target format: fp16 / bf16 (a plain Hugging Face model; also "
+                                                 "from a .gguf SRC), gptq, exl2 (quantize an FP16/BF16 model, or "
+                                                 "re-pack EXL2 <-> GPTQ), gguf (one llama.cpp file). Optional when "
+                                                 "DST ends in .gguf (then gguf).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing DST of the same kind (a model "
+                                        "directory, or a GGUF file for --to gguf; never another file), only once the "
+                                        "new model is complete and verified.")] = False,
     shard_size: Annotated[str, typer.Option("--shard-size", metavar="SIZE", help="Maximum tensor bytes per "
                                             "output shard: 5GB (10^9), 500MB, 2GiB (2^30) or a byte count. Several "
                                             "shards are named model-0000i-of-0000N.safetensors with an index.")] = "5GB",
@@ -126,7 +133,7 @@ def convert_command(
                                                "most one a second and one per phase) instead of a progress bar, for "
                                                "bots and pipelines.")] = False,
 ) -> None:
-    """Convert a model between formats: FP16/BF16 -> EXL2/GPTQ (quantize), EXL2/GPTQ -> FP16/BF16, EXL2 <-> GPTQ.
+    """Convert a model between formats: FP16/BF16 -> EXL2/GPTQ (quantize), EXL2/GPTQ -> FP16/BF16, EXL2 <-> GPTQ, EXL2/GPTQ/FP16 -> GGUF, GGUF -> FP16/BF16/EXL2/GPTQ.
 
     The source format is detected from the tensors. Every conversion plans the whole output first, streams
     layer by layer (peak memory about one layer), writes into a hidden temporary directory next to DST and
@@ -165,35 +172,167 @@ def convert_command(
     * `exl2fmt convert ./model-gptq ./model.gguf --to gguf` · `exl2fmt convert ./model.gguf ./model-fp16 --to fp16`
 
     **Exit codes**: 0 converted and verified · 1 the source breaks a rule or the output failed verification ·
-    2 usage error (unknown pair, DST exists without --force, DST inside SRC) · 3 unreadable source ·
-    4 internal error.
+    2 usage error (unknown pair, an option that does not apply, DST exists without --force, DST inside SRC) ·
+    3 unreadable or unsupported source, or a missing optional package (the pip command is named) ·
+    4 internal error (the traceback with --debug) · 130 interrupted (the quantizer's progress is kept for --resume).
     """
-    from exl2fmt.cli.errors import EXIT_OK, handle_exception
+    from exl2fmt.cli.errors import EXIT_OK, EXIT_USAGE, handle_exception
     from exl2fmt.cli.output import Output
 
     out = Output("json" if json_ else "human")
+    given = _given(ctx)
+    bar = None
+    target = None
     try:
         from exl2fmt.converters import convert
+        from exl2fmt.errors import ErrorCode, Exl2Error
+        from exl2fmt.outputs import infer_target, name_warning
 
-        bar = out.status_lines if status_lines else out.progress
-        with bar(f"convert -> {to.value}") as cb:
-            rep = convert(src, dst, to.value, force=force, shard_size=shard_size, dtype=None if dtype is None else
-                          dtype.value, bits=bits, group_size=group_size, sym=sym, progress=cb, verify=verify.value,
-                          gguf_type=gguf_type.value,
-                          quant={"head_bits": head_bits, "calibration": calibration, "rows": rows, "length": length,
-                                 "measurement": measurement, "save_measurement": save_measurement,
-                                 "device": device, "seed": seed, "resume": resume, "act_order": act_order,
-                                 "work_dir": work_dir,
-                                 "extended": not upstream_tables, "refine_scales": refine_scales})
+        if to is None:
+            target = infer_target(dst)
+            if target is None:
+                raise Exl2Error(ErrorCode.USAGE, "name the target with --to fp16|bf16|gptq|exl2|gguf (it can be "
+                                "left out only when DST ends in .gguf)")
+        else:
+            target = to.value
+        if target == "gguf" and "shard_size" in given:
+            raise Exl2Error(ErrorCode.USAGE, "--shard-size does not apply to --to gguf (one file)")
+        # said once the arguments have passed (at the first progress step, or with the report)
+        warn = name_warning(dst, target) if out.mode == "human" else None
+        quant = {k: v for k, v in {
+            "head_bits": head_bits, "calibration": calibration, "rows": rows, "length": length,
+            "measurement": measurement, "save_measurement": save_measurement, "device": device, "seed": seed,
+            "resume": resume, "act_order": act_order, "work_dir": work_dir, "extended": not upstream_tables,
+            "refine_scales": refine_scales}.items() if _QUANT_PARAM.get(k, k) in given}
+        bar = _progress(out, status_lines, target, measuring=measurement is None, resume=resume, dst=dst,
+                        work_dir=work_dir, warn=warn)
+        with _sigterm_as_interrupt():
+            rep = convert(src, dst, target, force=force, shard_size=shard_size, dtype=None if dtype is None else
+                          dtype.value, bits=bits, group_size=group_size, sym=sym, progress=bar, verify=verify.value,
+                          gguf_type=gguf_type.value, quant=quant)
+        _clear(bar)
+        if bar.pending_warning():
+            out.warn(warn)
         _render(out, rep)
         code = EXIT_OK
     except typer.Exit:
+        _clear(bar)
         raise
     except BaseException as e:  # noqa: BLE001 - the command's one exception boundary
+        _clear(bar)
         if isinstance(e, SystemExit):
             raise
         code = handle_exception(e, out)
+        if isinstance(e, KeyboardInterrupt) and target in ("exl2", "gptq") and out.mode == "human":
+            _interrupted_note(out, dst, work_dir)
     raise typer.Exit(code or 0)
+
+
+#: convert's parameter names of the quantizer options (``quant`` keys) where they differ
+_QUANT_PARAM = {"extended": "upstream_tables"}
+
+
+def _given(ctx) -> set[str]:
+    """The parameters set on the command line or from the environment (not their defaults)."""
+    out = set()
+    for name in ctx.params:
+        src = ctx.get_parameter_source(name)   # by name: typer may carry its own copy of click's enum
+        if getattr(src, "name", None) in ("COMMANDLINE", "ENVIRONMENT"):
+            out.add(name)
+    return out
+
+
+def _progress(out, status_lines: bool, target: str, *, measuring: bool, resume: bool, dst: str, work_dir,
+              warn: str | None = None):
+    """The progress callback: one overall bar on a terminal, JSON lines with --status-lines, else nothing drawn
+    (but a --resume still says where it resumes, once the quantizer starts)."""
+    import sys
+
+    from exl2fmt.cli.progress import Bar, Overall, StatusLines, phases_for
+
+    quantizing = target in ("exl2", "gptq")
+    overall = Overall(phases_for(target, measuring) if quantizing else [])
+    if status_lines:
+        draw = StatusLines(f"convert -> {target}", overall)
+    elif out.mode != "json" and sys.stderr.isatty():
+        draw = Bar(overall, first=f"convert -> {target}: reading the source")
+    else:
+        draw = None
+    said = {"resume": not (resume and quantizing), "warn": warn is None}
+
+    def cb(done: int, total: int, what: str) -> None:
+        if not said["warn"]:
+            said["warn"] = True
+            if draw is not None and hasattr(draw, "clear"):
+                draw.clear()
+            out.warn(warn)
+        if not said["resume"] and str(what).startswith("calibrate:"):
+            said["resume"] = True
+            _resume_note(out, dst, work_dir, draw)
+        if draw is not None:
+            draw(done, total, what)
+
+    cb.draw = draw
+    cb.pending_warning = lambda: not said["warn"]
+    return cb
+
+
+def _clear(bar) -> None:
+    draw = getattr(bar, "draw", None)
+    if draw is not None and hasattr(draw, "clear"):
+        draw.clear()
+
+
+def _resume_note(out, dst, work_dir, draw) -> None:
+    from exl2fmt.quant.workdir import describe, work_root
+
+    root = work_root(dst, work_dir)
+    d = describe(root) if root.exists() else None
+    msg = f"resuming {d} from {root}" if d else f"nothing to resume in {root}, starting fresh"
+    if out.mode == "json":
+        return
+    if draw is not None and hasattr(draw, "clear"):
+        draw.clear()
+    out.info(msg)
+
+
+def _interrupted_note(out, dst, work_dir) -> None:
+    """After Ctrl-C / SIGTERM in the quantizer: where its progress is and how to continue or discard it."""
+    from exl2fmt.quant.workdir import describe, work_root
+
+    root = work_root(dst, work_dir)
+    d = describe(root) if root.exists() else None
+    if d is None:
+        out.info("nothing was saved (the quantizer had not started its first block); run the command again")
+        return
+    out.info(f"progress saved in {root}: interrupted in {d}.")
+    out.info("run the same command with --resume to continue from there, or delete that directory to start over")
+
+
+class _sigterm_as_interrupt:
+    """SIGTERM (a job scheduler, `kill`, `timeout`) is handled like Ctrl-C: the KeyboardInterrupt unwinds through
+    the converters' cleanup and the interrupt message, then exit 130.  Only when SIGTERM has its default action
+    and this is the main thread."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.old = None
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            def on_term(signum, frame):
+                raise KeyboardInterrupt("SIGTERM")
+
+            self.old = signal.signal(signal.SIGTERM, on_term)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.old is not None:
+            signal.signal(signal.SIGTERM, self.old)
+        return False
 
 
 def _fmt_err(x) -> str:

@@ -262,7 +262,7 @@ def convert_to_gguf(src, dst, *, gguf_type: str = "auto", force: bool = False, p
     model = open_model(src)
     reader = SourceReader(model)
     try:
-        check_paths(src_p, dst_p, force)
+        check_paths(src_p, dst_p, force, kind="gguf")
         if dst_p.is_dir():
             raise Exl2Error(ErrorCode.USAGE, "the GGUF destination is a directory; name a .gguf file",
                             file=str(dst_p))

@@ -112,7 +112,9 @@ class ErrorCode(str, enum.Enum):
     FORMAT_MISMATCH = ("FORMAT_MISMATCH", Category.INVALID,
                        "config.json quantization_config.quant_method must name the format the tensors are in")
     FORMAT_UNKNOWN = ("FORMAT_UNKNOWN", Category.INVALID, "the tensors should form linear layers of a known format")
-    FORMAT_UNSUPPORTED = ("FORMAT_UNSUPPORTED", Category.INVALID,
+    # UNREADABLE (exit 3, "unsupported input", as the README assigns): a format or architecture exl2fmt recognises
+    # but does not convert; validate reports it as a check, never as a fatal error
+    FORMAT_UNSUPPORTED = ("FORMAT_UNSUPPORTED", Category.UNREADABLE,
                           "layers of a recognised-only format (EXL3, AWQ data) are named but not checked in depth")
     BITS_MISMATCH = ("BITS_MISMATCH", Category.INVALID,
                      "quantization_config.bits should match the measured average bpw of the decoder linears")

@@ -16,7 +16,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from .errors import EXIT_INVALID, EXIT_OK, EXIT_USAGE, handle_exception
+from .errors import EXIT_INVALID, EXIT_OK, EXIT_USAGE, handle_exception, set_debug
 
 __all__ = ["app", "main"]
 
@@ -56,6 +56,7 @@ def _root(
 ) -> None:
     """Reference toolkit for the EXL2 quantized-LLM format: inspect, validate, dequantize, convert."""
     _STATE["debug"] = debug
+    set_debug(debug)   # every command's exception boundary, convert's included
 
 
 def _output(json_: bool = False, markdown: bool = False):
@@ -432,10 +433,30 @@ def demo(
 # The converters own their command (exl2fmt.converters.cli); importing it loads neither numpy nor numba.
 from ..converters.cli import convert_command  # noqa: E402
 
-app.command("convert", epilog=EXIT_CODES_HELP)(convert_command)
+app.command("convert")(convert_command)   # its own exit-code paragraph (in its help) replaces the epilog
 
 
 # ------------------------------------------------------------------------------------------------ entry
+
+
+def _no_bool_metavar() -> None:
+    """Flags take no value: typer's help shows a ``<bool>`` type for them (and for -h/--help); show none."""
+    from typer.core import TyperOption
+
+    if getattr(TyperOption.display_type_rich, "_exl2fmt", False):
+        return
+    plain = TyperOption.display_type_rich
+
+    def display_type_rich(self, ctx):
+        if getattr(self, "is_flag", False) and self.metavar is None:
+            return None
+        return plain(self, ctx)
+
+    display_type_rich._exl2fmt = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_no_bool_metavar()
 
 
 def main(argv: list[str] | None = None) -> None:

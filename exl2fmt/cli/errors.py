@@ -24,7 +24,7 @@ import traceback
 from ..errors import Category, Exl2Error
 
 __all__ = ["EXIT_OK", "EXIT_INVALID", "EXIT_USAGE", "EXIT_UNREADABLE", "EXIT_INTERNAL", "EXIT_INTERRUPTED",
-           "EXIT_BROKEN_PIPE", "EXIT_FOR_CATEGORY", "exit_code_for", "debug_enabled", "handle_exception"]
+           "EXIT_BROKEN_PIPE", "EXIT_FOR_CATEGORY", "exit_code_for", "debug_enabled", "set_debug", "handle_exception"]
 
 EXIT_OK = 0
 EXIT_INVALID = 1
@@ -53,8 +53,22 @@ def exit_code_for(exc: BaseException) -> int:
     return EXIT_INTERNAL
 
 
+_DEBUG = {"on": False}
+
+
+def set_debug(flag: bool) -> None:
+    """The global ``--debug`` (set by the root callback): every command's exception boundary sees it."""
+    _DEBUG["on"] = bool(flag)
+
+
 def debug_enabled(flag: bool = False) -> bool:
-    return bool(flag) or os.environ.get("EXL2FMT_DEBUG", "") not in ("", "0")
+    return bool(flag) or _DEBUG["on"] or os.environ.get("EXL2FMT_DEBUG", "") not in ("", "0")
+
+
+def _extra_error(exc: BaseException):
+    from ..extras import missing_extra
+
+    return missing_extra(exc)
 
 
 def handle_exception(exc: BaseException, out, *, debug: bool = False) -> int:
@@ -76,6 +90,12 @@ def handle_exception(exc: BaseException, out, *, debug: bool = False) -> int:
                   category=Category.UNREADABLE.value, exit_code=code)
     elif isinstance(exc, KeyboardInterrupt):
         out.error("INTERRUPTED", "interrupted", exit_code=code)
+    elif _extra_error(exc) is not None:   # an optional package missing on a path no pre-check foresaw
+        e = _extra_error(exc)
+        out.error(e.code.value, e.message, category=e.code.category.value, exit_code=EXIT_UNREADABLE)
+        code = EXIT_UNREADABLE
+        if debug_enabled(debug):
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     else:
         hint = None if debug_enabled(debug) else "run with --debug (or EXL2FMT_DEBUG=1) for the traceback"
         out.error("INTERNAL", f"internal error: {type(exc).__name__}: {exc}", category="internal",

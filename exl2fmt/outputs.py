@@ -1,0 +1,102 @@
+"""What may be replaced: the rules for an existing output path (``--force``) and for DST names.
+
+``--force`` replaces an output *of the same kind*, never anything else (git refuses to clobber untracked files,
+``huggingface-cli download --local-dir`` writes only into a model folder):
+
+* a model directory (``kind="dir"``: the fp16/bf16/gptq/exl2 targets) replaces only a directory that is empty
+  or that exl2fmt (or any Hugging Face tool) could have written: it holds ``config.json`` or
+  ``exl2fmt-manifest.json`` and at least one ``.safetensors`` file, and no sub-directory other than a few
+  known ones (a ``.git`` checkout is not a model directory exl2fmt writes);
+* a GGUF file (``kind="gguf"``) replaces only a regular file that starts with the GGUF magic.
+
+``name_warning(dst, target)`` says when the DST name contradicts the target (``out.gguf`` for a directory
+target, a GGUF file named without ``.gguf``); ``infer_target(dst)`` gives ``gguf`` for a ``.gguf`` DST.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import ErrorCode, Exl2Error
+
+__all__ = ["replaceable", "existing_output_error", "kind_of", "name_warning", "infer_target"]
+
+#: sub-directories a model directory may hold (tokenizer / processor folders of some repositories)
+_OK_SUBDIRS = frozenset({"tokenizer", "processor", "original", ".cache"})
+
+
+def kind_of(target: str) -> str:
+    return "gguf" if target == "gguf" else "dir"
+
+
+def replaceable(dst: str | os.PathLike, kind: str) -> str | None:
+    """None when ``dst`` (which exists) may be replaced by an output of ``kind``; otherwise what it is, for the
+    message ("a regular file", "a directory without config.json and .safetensors files", ...)."""
+    p = Path(os.fspath(dst))
+    if p.is_symlink():
+        return "a symbolic link"
+    if kind == "gguf":
+        if p.is_dir():
+            return "a directory"
+        if not p.is_file():
+            return "not a regular file"
+        try:
+            with open(p, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            return f"unreadable ({e.strerror or e})"
+        return None if magic == b"GGUF" else "a file that is not GGUF (no GGUF magic)"
+    if not p.is_dir():
+        return "a regular file" if p.is_file() else "not a directory"
+    try:
+        entries = list(os.scandir(p))
+    except OSError as e:
+        return f"an unreadable directory ({e.strerror or e})"
+    if not entries:
+        return None
+    names = {e.name for e in entries}
+    has_meta = bool(names & {"config.json", "exl2fmt-manifest.json"})
+    has_weights = any(n.endswith(".safetensors") for n in names)
+    subdirs = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False) and e.name not in _OK_SUBDIRS)
+    if not (has_meta and has_weights):
+        return "a directory that holds no model (no config.json and .safetensors files)"
+    if subdirs:
+        return f"a directory with other content ({subdirs[0]}/)"
+    return None
+
+
+def existing_output_error(dst: str | os.PathLike, force: bool, kind: str) -> Exl2Error | None:
+    """The error for an existing ``dst`` (None when it does not exist, or ``force`` may replace it)."""
+    p = Path(os.fspath(dst))
+    if not os.path.lexists(p):
+        return None
+    what = "directory" if p.is_dir() and not p.is_symlink() else "file"
+    why = replaceable(p, kind)
+    if why is None:
+        if force:
+            return None
+        return Exl2Error(ErrorCode.OUTPUT_EXISTS, f"the output {what} exists; pass --force to replace it",
+                         file=str(dst))
+    wants = "a GGUF file" if kind == "gguf" else "a model directory (or an empty one)"
+    return Exl2Error(ErrorCode.OUTPUT_EXISTS, f"the output path exists and is {why}; --force replaces only "
+                     f"{wants}: remove it yourself or choose another output path", file=str(dst))
+
+
+def name_warning(dst: str | os.PathLike, target: str) -> str | None:
+    """A warning when the DST name contradicts the target, else None."""
+    name = Path(os.fspath(dst)).name.lower()
+    if target == "gguf":
+        if not name.endswith(".gguf"):
+            return (f"--to gguf writes one file, and {os.fspath(dst)} does not end in .gguf (llama.cpp and the "
+                    "Hub look for *.gguf)")
+        return None
+    if name.endswith((".gguf", ".safetensors", ".bin", ".npy")):
+        return (f"--to {target} writes a model directory, but {os.fspath(dst)} is named like a file; it will be "
+                "a directory")
+    return None
+
+
+def infer_target(dst: str | os.PathLike) -> str | None:
+    """The target a DST name implies when --to is omitted: ``gguf`` for ``*.gguf``, else None."""
+    return "gguf" if Path(os.fspath(dst)).name.lower().endswith(".gguf") else None
