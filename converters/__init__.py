@@ -266,6 +266,8 @@ def _quantize(src, dst, target, bits, group_size, sym, size, force, progress, qu
     if unknown:
         raise Exl2Error(ErrorCode.USAGE, f"unknown quantizer option(s): {', '.join(sorted(unknown))}")
     opts = QuantOptions(target=target, bits=bits, shard_size=size, **q)
+    if progress is not None:   # at once: tokenizing and embedding the calibration set takes a while
+        progress(0, 1, "calibrate: calibrating (tokenizing and embedding the calibration set)")
     cb = None if progress is None else (lambda phase, done, total, what: progress(done, total, f"{phase}: {what}"))
     rep = quantize_model(src, dst, opts, force=force, progress=cb)
     if linear_layers:

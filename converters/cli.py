@@ -206,7 +206,7 @@ def convert_command(
             "refine_scales": refine_scales}.items() if _QUANT_PARAM.get(k, k) in given}
         bar = _progress(out, status_lines, target, measuring=measurement is None, resume=resume, dst=dst,
                         work_dir=work_dir, warn=warn)
-        with _sigterm_as_interrupt():
+        with _sigterm_as_interrupt(), _jit_notice(out, bar):
             rep = convert(src, dst, target, force=force, shard_size=shard_size, dtype=None if dtype is None else
                           dtype.value, bits=bits, group_size=group_size, sym=sym, progress=bar, verify=verify.value,
                           gguf_type=gguf_type.value, quant=quant)
@@ -277,6 +277,21 @@ def _progress(out, status_lines: bool, target: str, *, measuring: bool, resume: 
     return cb
 
 
+def _jit_notice(out, bar):
+    """Say once when the Numba codecs are compiled (first run of an install), above the bar."""
+    import contextlib
+
+    if out.mode == "json":
+        return contextlib.nullcontext()
+    from exl2fmt.jitnote import compile_notice
+
+    def say(msg: str) -> None:
+        _clear(bar)
+        out.info(msg)
+
+    return compile_notice(say)
+
+
 def _clear(bar) -> None:
     draw = getattr(bar, "draw", None)
     if draw is not None and hasattr(draw, "clear"):
@@ -335,6 +350,21 @@ class _sigterm_as_interrupt:
         return False
 
 
+def _files_lines(out, rep) -> None:
+    """What the output holds, listed from the directory itself (so "wrote README.md" only when it is there)."""
+    import os
+
+    if getattr(rep, "files_copied", None):
+        out.line(f"copied from the source: {', '.join(rep.files_copied)}")
+    if getattr(rep, "files_left_out", None):
+        out.line(f"not copied (not part of a model): {', '.join(rep.files_left_out)}")
+    try:
+        names = sorted(n for n in os.listdir(rep.destination) if not n.startswith("."))
+    except OSError:
+        return
+    out.line(f"wrote {rep.destination}: {', '.join(names)}")
+
+
 def _fmt_err(x) -> str:
     return "-" if x is None else ("0" if x == 0 else f"{x:.3e}")
 
@@ -348,6 +378,7 @@ def _render(out, rep) -> None:
             out.warn(w)
         out.table(f"dense -> {rep.target}: layers", ["layer", "plan", "bpw", "proxy error"],
                   [[l.key, l.plan, f"{l.bpw:.3f}", f"{l.error:.4f}"] for l in rep.layers])
+        _files_lines(out, rep)
         for line in rep.summary_lines():
             out.line(line, "bold")
         return

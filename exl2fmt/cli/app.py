@@ -202,7 +202,7 @@ def validate(
                          f"total_size {written['total_size']}")
         what = ("validate --kernel" if kernel else "validate --run" if run else "validate --deep"
                 if reference is None else "validate --reference")
-        with out.progress(what) as cb:
+        with out.progress(what) as cb, _jit_notice(out, deep or reference is not None or kernel or run):
             rep = validate_model(path, deep=deep, reference=reference, strict=strict, progress=cb, kernel=kernel,
                                  device=None if ks is None else ks.device,
                                  kernel_ms=tuple(kernel_m) if kernel_m else None, run=run, prompt_ids=ids)
@@ -213,6 +213,18 @@ def validate(
         return rep.exit_code
 
     _run(out, body)
+
+
+def _jit_notice(out, uses_codecs: bool):
+    """"compiling kernels, once per install..." on stderr when the Numba codecs are compiled (not when they load
+    from the cache); nothing when the command does not use them (structural validate never imports numba)."""
+    import contextlib
+
+    if not uses_codecs or out.mode == "json":
+        return contextlib.nullcontext()
+    from ..jitnote import compile_notice
+
+    return compile_notice(out.info)
 
 
 def _load_kernels(out, device, kernel_m, what="--kernel"):

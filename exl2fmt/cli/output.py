@@ -315,12 +315,9 @@ class Output:
         for k, v in self._summary_pairs(rep):
             w(f"| {md_escape(k)} | {md_escape(v)} |\n")
         if show_layers and rep["layers"]:
-            w("\n### Linear layers\n\n| layer | in × out | format | plan | bpw | act-order | bias |\n"
-              "|---|---:|---|---|---:|:-:|:-:|\n")
-            for r in rep["layers"]:
-                w(f"| {md_escape(r['key'])} | {r['in_features'] or '?'} × {r['out_features'] or '?'} | "
-                  f"{md_escape(r['format'])} | {md_escape(r['plan'] or '-')} | {_f(r['bpw'])} | "
-                  f"{_yn(r['act_order'])} | {_yn(r['bias'])} |\n")
+            from ..modelcard import layers_markdown   # the same table a quantized model's card holds
+
+            w("\n" + layers_markdown(rep["layers"]))
         if rep["blocks"]:
             w("\n### Per block\n\n| block | layers | params | stored | bpw | min | max |\n"
               "|---|---:|---:|---:|---:|---:|---:|\n")

@@ -146,6 +146,8 @@ class QuantReport:
     calibration_ppl_fp16: float | None = None     # ... and of the source model
     seconds: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    files_copied: list[str] = field(default_factory=list)     # from the source directory (modelcard.MODEL_FILES)
+    files_left_out: list[str] = field(default_factory=list)   # the source's other files, not copied
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -434,6 +436,8 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
         y_ref = blk.sweep(h, dense, hess)
         if key not in measured:
             options = options_of(kind)
+            if progress:
+                progress("measure", bi * 1000, len(blocks) * 1000, f"{key} candidates")
             vdir = work.root / "variants"
             shutil.rmtree(vdir, ignore_errors=True)
             vdir.mkdir()
@@ -790,12 +794,14 @@ def _compile(spec, src, src_dir: Path, tmp: Path, work: _Work, o: QuantOptions, 
              config: dict, layer_keys: list[str]) -> None:
     """The output model from the work directory's layer files and the source's other tensors, plus side files
     and metadata."""
-    from ..converters.base import copy_side_files
+    from ..modelcard import copy_model_files
 
     keys = layer_keys + (["lm_head"] if o.target == "exl2" else [])
     skip = {f"{k}.{s}" for k in keys for s in ("weight", "bias")}
     _write_output(tmp, src, [(k, work.layer_path(k)) for k in keys], skip, o, report)
-    copy_side_files(src_dir, tmp)
+    # the model's own files only (tokenizer, generation config, license...): not a training log; the source's
+    # README.md becomes a marked section of the output's own card (written after verification)
+    report.files_copied, report.files_left_out = copy_model_files(src_dir, tmp)
     _write_metadata(tmp, config, o, report)
 
 
@@ -890,7 +896,7 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
     (and N % 32 == 0 for GPTQ) is quantized with an identity Hessian (round-to-nearest with the scale search,
     no act-order); the budget is spread by the relative weight error of each candidate setting, one layer per
     slot.  Everything else is written as fp16."""
-    from ..converters.base import _remove, check_paths, copy_side_files, make_partial_dir, publish
+    from ..converters.base import _remove, check_paths, make_partial_dir, publish
     from . import forward as F
     from .gptq import prepare, quantize_exl2, quantize_gptq
     from .qparams import QParams, block_options
@@ -977,9 +983,13 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
             if progress:
                 progress("quantize", li + 1, len(keys), key)
         _write_output(tmp, src, layers, {f"{k}.{s}" for k in keys for s in ("weight", "bias")}, o, report)
-        copy_side_files(src_p if src_p.is_dir() else src_p.parent, tmp)
+        from ..modelcard import copy_model_files, write_quant_card
+
+        report.files_copied, report.files_left_out = copy_model_files(src_p if src_p.is_dir() else src_p.parent, tmp)
         _write_metadata(tmp, config, o, report, weight_only=True)
         _validate_or_raise(tmp)
+        write_quant_card(tmp, src_p, config, o, report, (report.files_copied, report.files_left_out),
+                         weight_only=True)
         publish(tmp, dst_p, force)
     except BaseException:
         _remove(tmp)
@@ -1033,7 +1043,9 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         if ids.max() >= spec.vocab_size:
             raise Exl2Error(ErrorCode.CALIBRATION_INVALID, f"token id {int(ids.max())} is outside the model's "
                             f"vocabulary ({spec.vocab_size})", file=o.calibration)
-        work_root = Path(o.work_dir) if o.work_dir else dst_p.parent / f".{dst_p.name}.exl2fmt-work"
+        from .workdir import work_root as _work_root
+
+        work_root = _work_root(dst_p, o.work_dir)
         _check_disk(dst_p.parent, work_root,
                     _disk_needed(spec, srcw, o, measuring=o.target == "exl2" and not o.measurement))
         tok_hash = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
@@ -1093,6 +1105,9 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
             if progress:
                 progress("verify", 0, 1, "validating the output")
             _verify(tmp, work, layer_keys, o, report)
+            from ..modelcard import write_quant_card
+
+            write_quant_card(tmp, src_p, config, o, report, (report.files_copied, report.files_left_out))
             publish(tmp, dst_p, force)
             if progress:
                 progress("done", 1, 1, str(dst_p))

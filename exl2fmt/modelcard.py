@@ -1,0 +1,270 @@
+"""Model cards for quantized outputs, and which of the source's files a quantized output carries.
+
+A quantized model directory gets its own ``README.md`` (Hugging Face model-card conventions: YAML front matter,
+then markdown): ``base_model`` with ``base_model_relation: quantized``, ``quantized_by``, the library that loads
+it, tags, the source's license / language, and a ``quantization`` block (tool exl2fmt and its version, format,
+bits, head bits, calibration set, the measured calibration perplexity of the source and of the output).  The
+body states the same for people and holds the per-layer table that ``exl2fmt inspect --markdown`` prints for
+the output.  The source's card is kept below a clearly marked heading ("Original model card"), its front matter
+dropped (a card has exactly one), never as the output's own card.
+
+``copy_model_files`` copies only the files a model needs to be used (tokenizer, generation config, chat
+template, license and notice files, custom code), not whatever else lies in the source directory (a training
+log, notebooks, images); what was left out is returned so the report can say so.
+
+``layers_markdown`` is the per-layer table of ``exl2fmt inspect --markdown`` (the CLI renders it with this
+function, so the card and the command agree).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .errors import ErrorCode, Exl2Error, escape_name
+
+__all__ = ["MODEL_FILES", "copy_model_files", "layers_markdown", "model_card", "write_model_card",
+           "split_front_matter"]
+
+#: Files a model needs besides its weights and config.json (glob patterns, top level of the source directory).
+MODEL_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "*.tiktoken", "sentencepiece*.model",
+    "generation_config.json", "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
+    "processor_config.json", "LICENSE", "LICENSE.*", "LICENCE*", "NOTICE", "NOTICE.*", "USE_POLICY.md",
+    "configuration_*.py", "modeling_*.py", "tokenization_*.py",
+)
+CARD_NAME = "README.md"
+
+_MD = str.maketrans({c: "\\" + c for c in "\\`*[]<>|#"})
+
+
+def _md(s: Any) -> str:
+    return escape_name(str(s)).translate(_MD)
+
+
+def _f(x, nd: int = 3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _yn(x) -> str:
+    return "-" if x is None else ("yes" if x else "no")
+
+
+def layers_markdown(layers: list[dict]) -> str:
+    """The "Linear layers" table of ``inspect --markdown`` from the report's ``layers`` list."""
+    out = ["### Linear layers\n\n| layer | in × out | format | plan | bpw | act-order | bias |\n"
+           "|---|---:|---|---|---:|:-:|:-:|\n"]
+    for r in layers:
+        out.append(f"| {_md(r['key'])} | {r['in_features'] or '?'} × {r['out_features'] or '?'} | "
+                   f"{_md(r['format'])} | {_md(r['plan'] or '-')} | {_f(r['bpw'])} | "
+                   f"{_yn(r['act_order'])} | {_yn(r['bias'])} |\n")
+    return "".join(out)
+
+
+def _is_model_file(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pat) for pat in MODEL_FILES)
+
+
+def copy_model_files(src_dir: str | os.PathLike, out_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """Copy the source's model files (``MODEL_FILES``) into ``out_dir``; returns (copied, left out).  Weights,
+    indexes, config.json, quantization side files and the source's README.md (kept inside the new card) are
+    neither copied nor listed as left out."""
+    src, out = Path(os.fspath(src_dir)), Path(os.fspath(out_dir))
+    copied, left = [], []
+    if not src.is_dir():
+        return copied, left
+    for e in sorted(os.scandir(src), key=lambda e: e.name):
+        name = e.name
+        if name.startswith(".") or name == CARD_NAME:
+            continue
+        if not e.is_file():
+            if e.is_dir() and name not in ("__pycache__",):
+                left.append(name + "/")
+            continue
+        if name in ("config.json", "quantize_config.json", "quant_config.json", "exl2fmt-manifest.json",
+                    "measurement.json") or name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt",
+                                                          ".h5", ".msgpack", ".onnx")) \
+                or re.fullmatch(r".*\.(safetensors|bin)\.index\.json", name):
+            continue
+        if not _is_model_file(name):
+            left.append(name)
+            continue
+        try:
+            shutil.copyfile(src / name, out / name)
+        except OSError as err:
+            raise Exl2Error(ErrorCode.IO_ERROR, f"cannot copy: {err.strerror or err}", file=str(src / name)) from None
+        copied.append(name)
+    return copied, left
+
+
+def split_front_matter(text: str) -> tuple[str, str]:
+    """(YAML front matter without the ``---`` fences, body) of a model card; ("", text) without one."""
+    m = re.match(r"\A---[ \t]*\r?\n(.*?)\r?\n---[ \t]*(?:\r?\n|\Z)", text, re.S)
+    if not m:
+        return "", text
+    return m.group(1), text[m.end():]
+
+
+#: front-matter keys of the source card carried into the output's (they describe the weights' terms of use)
+_CARRIED = ("license", "license_name", "license_link", "language", "extra_gated_prompt", "extra_gated_fields")
+
+
+def _carried_yaml(front: str) -> str:
+    """The top-level entries ``_CARRIED`` of a YAML front matter, as text (a key and its indented lines)."""
+    out, keep = [], False
+    for line in front.splitlines():
+        if line and not line[0].isspace() and not line.startswith("-"):
+            key = line.split(":", 1)[0].strip()
+            keep = key in _CARRIED
+        if keep:
+            out.append(line)
+    return "\n".join(out)
+
+
+def _yaml_str(s: Any) -> str:
+    s = escape_name(str(s))
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _base_model(config: dict | None, src: Path) -> str:
+    name = (config or {}).get("_name_or_path")
+    if isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) and not os.path.exists(name):
+        return name                  # a Hub id
+    return src.name if src.is_dir() else src.stem
+
+
+_LOADER = {"exl2": "exllamav2", "gptq": "transformers", "gguf": "gguf"}
+_FORMAT = {"exl2": "EXL2", "gptq": "GPTQ", "gguf": "GGUF"}
+
+
+def model_card(*, fmt: str, src: str | os.PathLike, config: dict | None, version: str, facts: dict,
+               inspect_report: dict | None, command: str | None = None, copied: list[str] = (),
+               left_out: list[str] = ()) -> str:
+    """The card's text.  ``facts``: ``bits`` (target), ``decoder_bpw``, ``head_bits``, ``head_bpw``,
+    ``group_size``, ``calibration`` ({dataset, rows, length} or None for weight-only), ``ppl_source``,
+    ``ppl_output``, ``weight_only`` (any may be None)."""
+    src_p = Path(os.fspath(src))
+    src_dir = src_p if src_p.is_dir() else src_p.parent
+    base = _base_model(config, src_p)
+    card_path = src_dir / CARD_NAME
+    source_card = ""
+    if card_path.is_file():
+        try:
+            source_card = card_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            source_card = ""
+    front, body = split_front_matter(source_card)
+    F = _FORMAT.get(fmt, fmt.upper())
+    cal = facts.get("calibration")
+    y = ["---", f"base_model: {_yaml_str(base)}", "base_model_relation: quantized",
+         f"quantized_by: {_yaml_str('exl2fmt ' + version)}", f"library_name: {_LOADER.get(fmt, fmt)}",
+         "tags:", f"- {fmt}", "- quantized", "- exl2fmt"]
+    carried = _carried_yaml(front)
+    if carried:
+        y.append(carried)
+    y += ["quantization:", "  tool: exl2fmt", f"  tool_version: {_yaml_str(version)}", f"  format: {fmt}"]
+    for k in ("bits", "decoder_bpw", "head_bits", "head_bpw", "group_size"):
+        v = facts.get(k)
+        if v is not None:
+            y.append(f"  {k}: {round(v, 4) if isinstance(v, float) else v}")
+    if cal:
+        y += ["  calibration:", f"    dataset: {_yaml_str(cal.get('dataset'))}", f"    rows: {cal.get('rows')}",
+              f"    length: {cal.get('length')}"]
+    else:
+        y.append("  calibration: null")
+    if facts.get("ppl_source") is not None or facts.get("ppl_output") is not None:
+        y += ["  calibration_perplexity:", f"    source: {_f(facts.get('ppl_source'), 4)}",
+              f"    quantized: {_f(facts.get('ppl_output'), 4)}"]
+    y.append("---")
+
+    bits = facts.get("decoder_bpw") or facts.get("bits")
+    title = f"# {_md(base)} — {F}" + (f" {bits:.2f} bpw" if isinstance(bits, (int, float)) else "")
+    lines = [title, "",
+             f"{'An' if F in ('EXL2',) else 'A'} {F} quantization of **{_md(base)}**, made with exl2fmt {_md(version)}"
+             + (f":\n\n```\n{command}\n```" if command else "."), "",
+             "| | |", "|---|---|", f"| format | {F} |"]
+    if facts.get("decoder_bpw") is not None:
+        tgt = f" (target {facts['bits']})" if facts.get("bits") is not None else ""
+        lines.append(f"| decoder linears | {facts['decoder_bpw']:.4f} bits per weight{tgt}, overhead included |")
+    elif facts.get("bits") is not None:
+        lines.append(f"| bits | {facts['bits']} |")
+    if facts.get("group_size") is not None:
+        lines.append(f"| group size | {facts['group_size']} |")
+    if facts.get("head_bits") is not None or facts.get("head_bpw") is not None:
+        hb = facts.get("head_bpw")
+        lines.append(f"| LM head | {facts.get('head_bits') or '-'} bits"
+                     + (f" ({hb:.3f} bpw)" if hb is not None else "") + " |")
+    if cal:
+        lines.append(f"| calibration | {_md(cal.get('dataset'))}, {cal.get('rows')} rows × {cal.get('length')} "
+                     "tokens |")
+    else:
+        lines.append("| calibration | none (weight-only: round-to-nearest with the scale search) |")
+    a, q = facts.get("ppl_source"), facts.get("ppl_output")
+    if a is not None and q is not None:
+        lines.append(f"| calibration perplexity | source {a:.3f} → quantized {q:.3f} ({100 * (q / a - 1):+.1f}%) |")
+    lines.append("")
+    if a is not None and q is not None:
+        lines += ["The perplexity is measured on the calibration rows themselves, so it shows what the quantization "
+                  "cost, not how well the model generalises.", ""]
+    if inspect_report and inspect_report.get("layers"):
+        lines += ["## Layers", "", "As `exl2fmt inspect --markdown` reports them:", "",
+                  layers_markdown(inspect_report["layers"])]
+    lines += ["## Files", ""]
+    if copied:
+        lines.append("Copied from the source: " + ", ".join(f"`{_md(c)}`" for c in copied) + ".")
+    if left_out:
+        lines.append("Not copied (not needed to use the model): " + ", ".join(f"`{_md(c)}`" for c in left_out)
+                     + ".")
+    lines.append("`exl2fmt-manifest.json` lists every layer's setting and error." if fmt in ("exl2", "gptq")
+                 else "")
+    lines.append("")
+    if body.strip():
+        lines += ["---", "", "## Original model card", "",
+                  f"> The card of the source model **{_md(base)}**, unchanged below (without its YAML front matter). "
+                  f"It describes the original weights, not this {F} quantization.", "", body.strip(), ""]
+    return "\n".join(y) + "\n" + "\n".join(lines)
+
+
+def write_model_card(out_dir: str | os.PathLike, **kw) -> Path:
+    """Write ``model_card(**kw)`` to ``out_dir/README.md`` (atomically) and return its path."""
+    d = Path(os.fspath(out_dir))
+    path = d / CARD_NAME
+    tmp = d / f".{CARD_NAME}.tmp"
+    try:
+        tmp.write_text(model_card(**kw), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot write the model card: {e.strerror or e}", file=str(path)) from None
+    return path
+
+
+def write_quant_card(out_dir, src, config: dict | None, options, report, files: tuple[list[str], list[str]],
+                     *, weight_only: bool = False) -> Path:
+    """The quantizer's card: facts from its ``QuantOptions`` (resolved) and ``QuantReport``, the per-layer table
+    from ``inspect_model(out_dir)``."""
+    from . import __version__
+    from .inspect import inspect_model
+
+    o = options
+    exl2 = o.target == "exl2"
+    facts = {"bits": o.bits, "decoder_bpw": report.decoder_bpw,
+             "head_bits": o.head_bits if exl2 and not weight_only else None,
+             "head_bpw": report.head_bpw if exl2 else None,
+             "group_size": None if exl2 else o.group_size,
+             "calibration": None if weight_only else {
+                 "dataset": os.path.basename(o.calibration) if o.calibration else "the built-in set",
+                 "rows": o.rows, "length": o.length},
+             "ppl_source": None if weight_only else report.calibration_ppl_fp16,
+             "ppl_output": None if weight_only else report.calibration_ppl}
+    # the output's own name is left out: the same inputs give the same card, wherever it is written
+    cmd = f"exl2fmt convert {_base_model(config, Path(os.fspath(src)))} OUTPUT --to {o.target} " \
+          f"--bits {o.bits}" + (f" --head-bits {o.head_bits}" if exl2 and not weight_only else "") + \
+          (f" --group-size {o.group_size}" if not exl2 else "")
+    rep = inspect_model(out_dir)
+    return write_model_card(out_dir, fmt=o.target, src=src, config=config, version=__version__, facts=facts,
+                            inspect_report=rep, command=cmd, copied=files[0], left_out=files[1])
