@@ -75,8 +75,14 @@ def get(source: str, target: str) -> Callable:
     try:
         return _REGISTRY[(source, target)]
     except KeyError:
-        have = ", ".join(f"{s}->{t}" for s, t in registered()) or "none yet"
+        have = ", ".join(f"{s}->{t}" for s, t in sorted(set(registered()) | set(DRIVER_PATHS))) or "none yet"
         raise Exl2Error(ErrorCode.USAGE, f"no converter from {source} to {target}; available: {have}") from None
+
+
+#: the paths with their own driver, not in the registry: the quantizer (dense -> exl2 / gptq), and the GGUF bridge
+#: (any safetensors format -> one .gguf file; a .gguf file -> a Hugging Face directory, quantized through FP16)
+DRIVER_PATHS = [("dense", "exl2"), ("dense", "gptq"), ("exl2", "gguf"), ("gptq", "gguf"), ("dense", "gguf"), ("gguf", "fp16"), ("gguf", "bf16"),
+              ("gguf", "exl2"), ("gguf", "gptq")]
 
 
 _LAZY = {"ConversionReport": "base", "LayerReport": "base", "TARGETS": "base", "DEFAULT_SHARD_SIZE": "base",

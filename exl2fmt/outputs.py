@@ -5,8 +5,8 @@
 
 * a model directory (``kind="dir"``: the fp16/bf16/gptq/exl2 targets) replaces only a directory that is empty
   or that exl2fmt (or any Hugging Face tool) could have written: it holds ``config.json`` or
-  ``exl2fmt-manifest.json`` and at least one ``.safetensors`` file, and no sub-directory other than a few
-  known ones (a ``.git`` checkout is not a model directory exl2fmt writes);
+  ``exl2fmt-manifest.json`` and at least one ``.safetensors`` file (sub-directories are allowed: a converter
+  copies the source's, e.g. a tokenizer folder);
 * a GGUF file (``kind="gguf"``) replaces only a regular file that starts with the GGUF magic.
 
 ``name_warning(dst, target)`` says when the DST name contradicts the target (``out.gguf`` for a directory
@@ -21,10 +21,6 @@ from pathlib import Path
 from .errors import ErrorCode, Exl2Error
 
 __all__ = ["replaceable", "existing_output_error", "kind_of", "name_warning", "infer_target"]
-
-#: sub-directories a model directory may hold (tokenizer / processor folders of some repositories)
-_OK_SUBDIRS = frozenset({"tokenizer", "processor", "original", ".cache"})
-
 
 def kind_of(target: str) -> str:
     return "gguf" if target == "gguf" else "dir"
@@ -58,11 +54,8 @@ def replaceable(dst: str | os.PathLike, kind: str) -> str | None:
     names = {e.name for e in entries}
     has_meta = bool(names & {"config.json", "exl2fmt-manifest.json"})
     has_weights = any(n.endswith(".safetensors") for n in names)
-    subdirs = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False) and e.name not in _OK_SUBDIRS)
     if not (has_meta and has_weights):
         return "a directory that holds no model (no config.json and .safetensors files)"
-    if subdirs:
-        return f"a directory with other content ({subdirs[0]}/)"
     return None
 
 

@@ -156,11 +156,17 @@ def write_sample(directory: str | os.PathLike, *, overwrite: bool = False, seed:
     from .errors import ErrorCode, Exl2Error
 
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(d) and not d.is_dir():
+        raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "the sample is a directory, and this path exists as a file: choose "
+                        "another directory", file=str(d))
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot create the directory: {e.strerror or e}", file=str(d)) from None
     cfg_path = d / "config.json"
     if cfg_path.exists() and not overwrite:
-        raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "config.json exists; pass overwrite/--force to replace it",
-                        file=str(cfg_path))
+        raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "a model is already there (config.json exists); pass --force to "
+                        "replace it", file=str(d))
     write_sharded(d, sample_tensors(seed), max_shard_bytes=1 << 40, prefix="output", overwrite=overwrite,
                   metadata={"format": "pt", "producer": "exl2fmt sample"})
     tmp = cfg_path.with_name(".config.json.tmp")

@@ -442,6 +442,13 @@ def test_existing_destination_needs_force(sample, tmp_path):
     with pytest.raises(Exl2Error) as e:
         convert(sample, dst, "fp16")
     assert e.value.code is ErrorCode.OUTPUT_EXISTS and (dst / "marker").exists()
+    # --force replaces only a model directory (issue 12): not yet, this one holds no model
+    with pytest.raises(Exl2Error) as e:
+        convert(sample, dst, "fp16", force=True)
+    assert e.value.code is ErrorCode.OUTPUT_EXISTS and "model directory" in e.value.message
+    assert (dst / "marker").exists()
+    (dst / "config.json").write_text("{}")
+    (dst / "model.safetensors").write_bytes(b"old")
     rep = convert(sample, dst, "fp16", force=True)
     assert rep.verified and not (dst / "marker").exists() and (dst / "model.safetensors").exists()
     assert not [p for p in tmp_path.iterdir() if ".exl2fmt-" in p.name]

@@ -350,6 +350,10 @@ def test_existing_output_needs_force_and_source_is_untouched(dense, tmp_path):
     with pytest.raises(Exl2Error) as e:
         convert(dense, out, "gguf")
     assert e.value.code is ErrorCode.OUTPUT_EXISTS and out.read_bytes() == b"old"
+    with pytest.raises(Exl2Error) as e:           # --force replaces only a GGUF file (issue 12)
+        convert(dense, out, "gguf", force=True)
+    assert e.value.code is ErrorCode.OUTPUT_EXISTS and out.read_bytes() == b"old"
+    out.write_bytes(b"GGUF old")
     convert(dense, out, "gguf", force=True)
     assert out.read_bytes()[:4] == b"GGUF"
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in dense.iterdir()} == before

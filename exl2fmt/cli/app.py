@@ -350,10 +350,18 @@ def dequantize(
         from ..errors import ErrorCode, Exl2Error
         from ..validate import weight_stats
 
-        if output is not None and os.path.exists(output) and not force:
+        if output is not None and os.path.isdir(output):
+            raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "the output path is a directory; -o names the .npy file to "
+                            "write (e.g. -o down.npy)", file=output)
+        if output is not None and os.path.lexists(output) and not force:
             raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "the output file exists; pass --force to replace it",
                             file=output)
-        w = dequantize_layer(path, key)
+        try:
+            w = dequantize_layer(path, key)
+        except Exl2Error as e:
+            if e.code is not ErrorCode.LAYER_NOT_FOUND:
+                raise
+            raise Exl2Error(e.code, e.message + _did_you_mean(path, key), file=e.file, tensor=e.tensor) from None
         if output is not None:
             _save_npy(output, w)
         s = weight_stats(w)
@@ -363,6 +371,25 @@ def dequantize(
         return EXIT_OK
 
     _run(out, body)
+
+
+def _did_you_mean(path: str, key: str) -> str:
+    """"; did you mean: A, B?" with the model's closest linear-layer names (difflib), or "" when none is close."""
+    import difflib
+
+    try:
+        from ..container import open_model
+        from ..model import find_layers
+
+        m = open_model(path)
+        try:
+            names = sorted(find_layers(m.names()))
+        finally:
+            m.close()
+    except Exception:  # noqa: BLE001 - only a hint: the original error stands
+        return ""
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+    return f"; did you mean: {', '.join(close)}?" if close else ""
 
 
 def _save_npy(path: str, w) -> None:

@@ -177,8 +177,9 @@ class Bar:
         f, phase, item = self.overall.update(done, total, what)
         eta = self.eta.update(f)
         text = f"{phase}: {item}" if phase else item
-        self.last = (f, text, eta)
-        self._draw(f, text, eta, force=total and done >= total and phase in ("", "done"))
+        new_phase = self.last is None or phase != self.last[3]
+        self.last = (f, text, eta, phase)
+        self._draw(f, text, eta, force=new_phase or bool(total and done >= total and phase in ("", "done")))
 
     def clear(self) -> None:
         if self.shown:
