@@ -940,13 +940,23 @@ def run_conversion(converter_cls, src: str | os.PathLike, dst: str | os.PathLike
             _write_text(tmp / name, text)
             written.append(name)
         report.files_written = written + report.shards
-        if src_p.is_dir():
+        left_out = None
+        if src_p.is_dir() and options.target in ("gptq", "exl2"):   # a quantized output: its own card (issue 12)
+            from ..modelcard import copy_model_files
+
+            report.files_copied, left_out = copy_model_files(src_p, tmp)
+        elif src_p.is_dir():
             report.files_copied = copy_side_files(src_p, tmp, extra_skip=conv.side_files().keys())
         report.seconds["write"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         _verify(tmp, units, report, progress, writer.checksums, verify)
         report.seconds["verify"] = time.perf_counter() - t0
+        if left_out is not None:
+            from ..modelcard import write_conversion_card
+
+            write_conversion_card(tmp, src_p, reader.model.config, report, left_out)
+            report.files_written.append("README.md")
         publish(tmp, dst_p, force)
         tmp = None
     except BaseException:

@@ -144,7 +144,7 @@ _FORMAT = {"exl2": "EXL2", "gptq": "GPTQ", "gguf": "GGUF"}
 
 def model_card(*, fmt: str, src: str | os.PathLike, config: dict | None, version: str, facts: dict,
                inspect_report: dict | None, command: str | None = None, copied: list[str] = (),
-               left_out: list[str] = ()) -> str:
+               left_out: list[str] = (), note: str | None = None) -> str:
     """The card's text.  ``facts``: ``bits`` (target), ``decoder_bpw``, ``head_bits``, ``head_bpw``,
     ``group_size``, ``calibration`` ({dataset, rows, length} or None for weight-only), ``ppl_source``,
     ``ppl_output``, ``weight_only`` (any may be None)."""
@@ -182,8 +182,9 @@ def model_card(*, fmt: str, src: str | os.PathLike, config: dict | None, version
               f"    quantized: {_f(facts.get('ppl_output'), 4)}"]
     y.append("---")
 
-    bits = facts.get("decoder_bpw") or facts.get("bits")
-    title = f"# {_md(base)} — {F}" + (f" {bits:.2f} bpw" if isinstance(bits, (int, float)) else "")
+    bpw, bits = facts.get("decoder_bpw"), facts.get("bits")
+    title = f"# {_md(base)} — {F}" + (f" {bpw:.2f} bpw" if isinstance(bpw, (int, float)) else
+                                       f" {bits}-bit" if bits is not None else "")
     lines = [title, "",
              f"{'An' if F in ('EXL2',) else 'A'} {F} quantization of **{_md(base)}**, made with exl2fmt {_md(version)}"
              + (f":\n\n```\n{command}\n```" if command else "."), "",
@@ -202,12 +203,14 @@ def model_card(*, fmt: str, src: str | os.PathLike, config: dict | None, version
     if cal:
         lines.append(f"| calibration | {_md(cal.get('dataset'))}, {cal.get('rows')} rows × {cal.get('length')} "
                      "tokens |")
-    else:
+    elif note is None:
         lines.append("| calibration | none (weight-only: round-to-nearest with the scale search) |")
     a, q = facts.get("ppl_source"), facts.get("ppl_output")
     if a is not None and q is not None:
         lines.append(f"| calibration perplexity | source {a:.3f} → quantized {q:.3f} ({100 * (q / a - 1):+.1f}%) |")
     lines.append("")
+    if note:
+        lines += [note, ""]
     if a is not None and q is not None:
         lines += ["The perplexity is measured on the calibration rows themselves, so it shows what the quantization "
                   "cost, not how well the model generalises.", ""]
@@ -268,3 +271,25 @@ def write_quant_card(out_dir, src, config: dict | None, options, report, files: 
     rep = inspect_model(out_dir)
     return write_model_card(out_dir, fmt=o.target, src=src, config=config, version=__version__, facts=facts,
                             inspect_report=rep, command=cmd, copied=files[0], left_out=files[1])
+
+
+def write_conversion_card(out_dir, src, config: dict | None, report, left_out: list[str]) -> Path:
+    """The card of a re-packed output (EXL2 -> GPTQ, GPTQ -> EXL2): facts from its ``quantization_config`` and
+    the conversion report; no calibration (the source's integers are re-packed, not re-calibrated)."""
+    from . import __version__
+    from .inspect import inspect_model
+
+    qc = report.quantization_config or {}
+    rep = inspect_model(out_dir)
+    dec = ((rep.get("summary") or {}).get("bpw") or {}).get("decoder")
+    fmt = report.target
+    facts = {"bits": qc.get("bits"), "decoder_bpw": dec if fmt == "exl2" else None,
+             "group_size": qc.get("group_size") if fmt == "gptq" else None, "calibration": None}
+    s = report.summary()
+    cmd = f"exl2fmt convert {_base_model(config, Path(os.fspath(src)))} OUTPUT --to {fmt}"
+    path = write_model_card(out_dir, fmt=fmt, src=src, config=config, version=__version__, facts=facts,
+                            inspect_report=rep, command=cmd, copied=report.files_copied, left_out=left_out,
+                            note=f"Re-packed from the {report.source_format.upper()} model without calibration: "
+                                 f"{s['exact_layers']} of {s['layers']} layers exact, the rest re-quantized "
+                                 f"(worst relative error {_f(s['worst_rel_error'], 4)}).")
+    return path

@@ -485,3 +485,25 @@ def test_first_deep_validate_says_it_compiles_once(sample, tmp_path):
     assert first.returncode == 0 and second.returncode == 0
     assert first.stderr.count("compiling kernels, once per install") == 1
     assert "compiling kernels" not in second.stderr and any((tmp_path / "numba-cache").iterdir())
+
+
+def test_repacked_output_gets_its_own_card_and_only_model_files(sample, tmp_path):
+    import shutil
+
+    from exl2fmt.converters import convert
+
+    src = tmp_path / "src"
+    shutil.copytree(sample, src)
+    (src / "README.md").write_text("---\nlicense: mit\n---\n# the EXL2 card\n")
+    (src / "tokenizer_config.json").write_text("{}")
+    (src / "train.log").write_text("step 1\n")
+    rep = convert(src, tmp_path / "g", "gptq")
+    card = (tmp_path / "g" / "README.md").read_text()
+    front = card.split("---\n")[1]
+    assert "format: gptq" in front and "license: mit" in front and "calibration: null" in front
+    assert "## Original model card" in card and "# the EXL2 card" in card
+    assert (tmp_path / "g" / "tokenizer_config.json").exists() and not (tmp_path / "g" / "train.log").exists()
+    assert "train.log" in card and rep.files_copied == ["tokenizer_config.json"]
+    # a plain (dequantized) output keeps copying the source's files as before
+    convert(src, tmp_path / "f", "fp16")
+    assert (tmp_path / "f" / "README.md").read_text() == "---\nlicense: mit\n---\n# the EXL2 card\n"
