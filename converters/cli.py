@@ -129,11 +129,14 @@ def convert_command(
                          ] = GgufType.auto,
     json_: Annotated[bool, typer.Option("--json", help="Print the conversion report as JSON on stdout.")] = False,
     status_lines: Annotated[bool, typer.Option("--status-lines", help="Report progress as JSON lines on stderr "
-                                               "({\"status\", \"done\", \"total\", \"what\", \"elapsed_s\"}, at "
+                                               "({\"status\", \"done\", \"total\", \"what\", \"elapsed_s\", "
+                                               "\"phase\", \"fraction\" of the whole run, \"eta_s\" once stable}, the "
+                                               "first at once, at "
                                                "most one a second and one per phase) instead of a progress bar, for "
                                                "bots and pipelines.")] = False,
 ) -> None:
-    """Convert a model between formats: FP16/BF16 -> EXL2/GPTQ (quantize), EXL2/GPTQ -> FP16/BF16, EXL2 <-> GPTQ, EXL2/GPTQ/FP16 -> GGUF, GGUF -> FP16/BF16/EXL2/GPTQ.
+    """Convert a model between formats: FP16/BF16 -> EXL2/GPTQ (quantize), EXL2/GPTQ -> FP16/BF16, EXL2 <-> GPTQ,
+    EXL2/GPTQ/FP16 -> GGUF, GGUF -> FP16/BF16/EXL2/GPTQ.
 
     The source format is detected from the tensors. Every conversion plans the whole output first, streams
     layer by layer (peak memory about one layer), writes into a hidden temporary directory next to DST and
@@ -318,7 +321,8 @@ def _interrupted_note(out, dst, work_dir) -> None:
     root = work_root(dst, work_dir)
     d = describe(root) if root.exists() else None
     if d is None:
-        out.info("nothing was saved (the quantizer had not started its first block); run the command again")
+        out.info("no progress was saved to resume from (the quantizer had not started, or this model is "
+                 "quantized weight-only); run the command again to start over")
         return
     out.info(f"progress saved in {root}: interrupted in {d}.")
     out.info("run the same command with --resume to continue from there, or delete that directory to start over")

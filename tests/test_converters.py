@@ -485,9 +485,12 @@ def test_an_interrupted_conversion_leaves_no_destination(sample, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         convert(sample, dst, "fp16", progress=stop)
     assert not dst.exists() and list(tmp_path.iterdir()) == []
-    # an existing destination survives a failed --force run untouched
+    # an existing destination survives a failed --force run untouched (a model directory: --force replaces
+    # only those)
     dst.mkdir()
     (dst / "marker").write_text("old")
+    (dst / "config.json").write_text("{}")
+    (dst / "model.safetensors").write_bytes(b"old")
     with pytest.raises(RuntimeError):
         convert(sample, dst, "gptq", force=True, _fail_after=3)
     assert (dst / "marker").read_text() == "old" and len(list(tmp_path.iterdir())) == 1
@@ -627,7 +630,10 @@ def test_cli_convert(sample, tmp_path):
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["target"] == "fp16"
     status = [json.loads(line) for line in r.stderr.splitlines()]
-    assert status and all(set(d) == {"status", "done", "total", "what", "elapsed_s"} for d in status)
+    # the original keys, plus the overall fraction, the phase and a settled ETA (issue 12)
+    assert status and all(set(d) == {"status", "done", "total", "what", "elapsed_s", "phase", "fraction", "eta_s"}
+                          for d in status)
+    assert status[-1]["fraction"] == 1.0
     assert status[-1]["done"] == status[-1]["total"] > 0 and status[-1]["status"] == "convert -> fp16"
     assert [d["elapsed_s"] for d in status] == sorted(d["elapsed_s"] for d in status)
     r = CliRunner().invoke(app, ["convert", str(tmp_path / "o"), str(tmp_path / "x"), "--to", "exl2"])
