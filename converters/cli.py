@@ -179,7 +179,7 @@ def convert_command(
     3 unreadable or unsupported source, or a missing optional package (the pip command is named) ·
     4 internal error (the traceback with --debug) · 130 interrupted (the quantizer's progress is kept for --resume).
     """
-    from exl2fmt.cli.errors import EXIT_OK, EXIT_USAGE, handle_exception
+    from exl2fmt.cli.errors import EXIT_OK, handle_exception
     from exl2fmt.cli.output import Output
 
     out = Output("json" if json_ else "human")

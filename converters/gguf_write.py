@@ -279,6 +279,8 @@ def convert_to_gguf(src, dst, *, gguf_type: str = "auto", force: bool = False, p
                                   target="gguf", options={"gguf_type": gt, "force": force, "verify": verify})
         for i in det.issues:
             report.warnings.append(f"detect: [{i.code.value}] {i.message}")
+        if det.format is ModelFormat.DENSE:   # cast as tensors: count them as inspect does (issue 12)
+            report.linear_layers = len(det.layers)
         hp = _hparams(cfg)
         if gt == "auto":
             layer_t, plain_t = _auto_type(det, cfg, model, reader)
@@ -513,6 +515,20 @@ def _metadata(w, arch, hp, cfg, layer_t, model, items, report) -> None:
     from .. import __version__
 
     w.add_string("general.quantized_by", f"exl2fmt {__version__}")
+    _card_metadata(w, cfg, model, layer_t, report)
+
+
+def _card_metadata(w, cfg, model, layer_t, report) -> None:
+    """The model card of a GGUF output, as general.* metadata (``exl2fmt.modelcard.gguf_card_metadata``)."""
+    from ..modelcard import gguf_card_metadata
+
+    for key, kind, value in gguf_card_metadata(model.root, cfg, report.source_format, layer_t):
+        if kind == "u32":
+            w.add_uint32(key, value)
+        elif kind == "strs":
+            w.add_array(key, value)
+        else:
+            w.add_string(key, value)
 
 
 def _tmp_path(dst: Path) -> Path:

@@ -43,7 +43,7 @@ _EXTRA = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")
 def packages_of(extra: str) -> tuple[str, ...]:
     """The import names of the packages ``extra`` installs, in the metadata's order."""
     try:
-        from importlib.metadata import PackageNotFoundError, requires
+        from importlib.metadata import requires
 
         reqs = requires("exl2fmt") or []
     except Exception:  # noqa: BLE001 - PackageNotFoundError, or broken metadata: use the table

@@ -293,3 +293,27 @@ def write_conversion_card(out_dir, src, config: dict | None, report, left_out: l
                                  f"{s['exact_layers']} of {s['layers']} layers exact, the rest re-quantized "
                                  f"(worst relative error {_f(s['worst_rel_error'], 4)}).")
     return path
+
+
+def gguf_card_metadata(src, config: dict | None, source_format: str, tensor_type: str) -> list[tuple[str, str, Any]]:
+    """A GGUF file's model card: one file has no README.md beside it, so the card's facts go into the ``general.*``
+    metadata llama.cpp and the Hub read (``general.base_model.*``, ``general.license``, ``general.tags``,
+    ``general.description``).  Returns (key, kind, value) with kind ``str``, ``u32`` or ``strs``."""
+    from . import __version__
+
+    src_p = Path(os.fspath(src))
+    src_dir = src_p if src_p.is_dir() else src_p.parent
+    base = _base_model(config, src_p)
+    out: list[tuple[str, str, Any]] = [("general.base_model.count", "u32", 1),
+                                       ("general.base_model.0.name", "str", base)]
+    try:
+        front, _ = split_front_matter((src_dir / CARD_NAME).read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        front = ""
+    m = re.search(r"^license:[ \t]*['\"]?([^'\"\n#]+?)['\"]?[ \t]*$", front, re.M)
+    if m:
+        out.append(("general.license", "str", m.group(1).strip()))
+    out.append(("general.tags", "strs", ["quantized", "exl2fmt", f"{tensor_type.lower()}"]))
+    out.append(("general.description", "str", f"{tensor_type} GGUF of {base}, converted by exl2fmt {__version__} "
+                f"from its {source_format} weights"))
+    return out

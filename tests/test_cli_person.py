@@ -507,3 +507,17 @@ def test_repacked_output_gets_its_own_card_and_only_model_files(sample, tmp_path
     # a plain (dequantized) output keeps copying the source's files as before
     convert(src, tmp_path / "f", "fp16")
     assert (tmp_path / "f" / "README.md").read_text() == "---\nlicense: mit\n---\n# the EXL2 card\n"
+
+
+def test_gguf_output_carries_its_card_as_general_metadata(mini, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from exl2fmt.converters import convert
+
+    src, _ = mini
+    rep = convert(src, tmp_path / "m.gguf", "gguf")
+    assert rep.summary_lines()[0].startswith("dense -> gguf: 15 linear layers")      # as inspect counts them
+    f = gguf.GGUFReader(str(tmp_path / "m.gguf")).fields
+    assert f["general.base_model.count"].contents() == 1
+    assert f["general.base_model.0.name"].contents() == "mini"
+    assert f["general.license"].contents() == "apache-2.0"                           # from the source card
+    assert "exl2fmt" in f["general.tags"].contents() and "exl2fmt" in f["general.quantized_by"].contents()
