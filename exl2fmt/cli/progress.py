@@ -161,7 +161,14 @@ class Bar:
         t = f"{fmt_duration(time.monotonic() - self.t0)}"
         e = f"  eta ~{fmt_duration(eta)}" if eta is not None else ""
         head = f"{bar} {100 * fraction:3.0f}%  {t}{e}  "
-        return head + fit(escape_name(text), cols - len(head))
+        room = cols - len(head)
+        text = escape_name(text)
+        phase, sep, item = text.partition(": ")
+        if sep and len(text) > room and len(phase) + 2 + 8 <= room:
+            # keep the phase whole and the end of the layer name: "quantize: …layers.0.mlp.down_proj"
+            rest = room - len(phase) - 2
+            return head + phase + sep + (item if len(item) <= rest else "…" + item[len(item) - rest + 1:])
+        return head + fit(text, room)
 
     def _draw(self, fraction, text, eta, force=False) -> None:
         now = time.monotonic()
