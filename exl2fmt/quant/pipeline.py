@@ -452,7 +452,9 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
                            for n, qp in opt.layers)
                 rows_out.append([j, bits, acc])
                 if progress:
-                    progress("measure", bi * 1000 + j + 1, len(blocks) * 1000, f"{key} option {j + 1}/{len(options)}")
+                    # a block is 1000 units, spread over its options (the bar moves inside a block too)
+                    progress("measure", bi * 1000 + (j + 1) * 1000 // len(options), len(blocks) * 1000,
+                             f"{key} option {j + 1}/{len(options)}")
             if max(a for _, _, a in rows_out) < 0.1:
                 raise Exl2Error(ErrorCode.QUANT_NUMERICS, f"every candidate of {key} has accuracy below 0.1: the "
                                 "block's reference outputs are degenerate (non-finite or exploding activations?)")
