@@ -414,7 +414,7 @@ def _layer_item(reader, info, cfg, g, wname, shape, gtype, heads, report) -> _It
 
     def reconstruct():
         layer = build_layer(reader, info, cfg)
-        w = layer.dequantize()
+        w = layer.dequantize_finite()
         if w.shape != (N, K):
             raise Exl2Error(ErrorCode.SLOT_SHAPE, f"dequantized to {list(w.shape)}, planned {[N, K]}", tensor=key)
         return layer, w

@@ -1033,13 +1033,17 @@ def _open_indexed(directory: Path, index: Path) -> ModelFiles:
         raise _err(ErrorCode.INDEX_INVALID, f"expected \"metadata\" to be an object, found {_json_type(meta)}", ip)
 
     issues: list[Issue] = []
-    shard_names = sorted(set(wm.values()))
+    per_shard: dict[str, int] = {}  # shard name -> indexed tensors (one pass: linear in the index)
+    for v in wm.values():
+        per_shard[v] = per_shard.get(v, 0) + 1
+    shard_names = sorted(per_shard)
+    shard_path = {s: str(directory / s) for s in shard_names}
     files: list[Path] = []
     headers: dict[str, SafetensorsHeader] = {}
     for s in shard_names:
         sp = directory / s
         if not _is_file(sp):
-            n = sum(1 for v in wm.values() if v == s)
+            n = per_shard[s]
             issues.append(Issue(ErrorCode.INDEX_MISSING_SHARD,
                                 f"expected shard file {s!r} ({n} indexed tensors), found no such file",
                                 file=str(sp), severity=Severity.ERROR))
@@ -1055,7 +1059,7 @@ def _open_indexed(directory: Path, index: Path) -> ModelFiles:
     chosen: dict[str, str] = {}
     for name, locs in where.items():
         want = wm.get(name)
-        want_path = str(directory / want) if want is not None else None
+        want_path = shard_path.get(want) if want is not None else None
         chosen[name] = want_path if want_path in locs else locs[-1]
         if want is None:
             issues.append(Issue(ErrorCode.INDEX_UNLISTED_TENSOR,
@@ -1064,7 +1068,7 @@ def _open_indexed(directory: Path, index: Path) -> ModelFiles:
                                 f"the index never load it)", tensor=name,
                                 file=chosen[name], severity=Severity.ERROR))
     for name, shard in wm.items():
-        sp = str(directory / shard)
+        sp = shard_path[shard]
         if sp not in headers:
             continue  # reported as INDEX_MISSING_SHARD
         if name not in headers[sp].tensors:
