@@ -34,6 +34,7 @@ appears only complete (temporary sibling + rename), an existing DST is replaced 
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable
 
@@ -154,8 +155,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
             return _gguf_to_quantized(src, dst, target, bits, group_size, sym, size, force, progress, quant)
         return convert_from_gguf(src, dst, target, force=force, shard_size=size, progress=progress, verify=verify,
                                  _fail_after=_fail_after)
-    if bits is not None and (isinstance(bits, bool) or not isinstance(bits, (int, float))):
-        raise Exl2Error(ErrorCode.USAGE, f"bits must be a number, got {bits!r}")
+    if bits is not None and (isinstance(bits, bool) or not isinstance(bits, (int, float)) or
+                             not math.isfinite(bits)):
+        raise Exl2Error(ErrorCode.USAGE, f"bits must be a finite number, got {bits!r}")
     if dtype is not None:
         d = _ALIASES.get(str(dtype).lower(), str(dtype).lower())
         if d not in ("fp16", "bf16"):
@@ -165,6 +167,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
     try:
         check_paths(_path(src), _path(dst), force)
         config = model.config
+        from ..config_values import config_value_issues
+        from ..detect import quantization_config
+
+        bad_numbers = config_value_issues(config, quantization_config(config, model.root)[0], str(model.config_path))
+        if bad_numbers:  # checked before any arithmetic on them (issue 11)
+            raise bad_numbers[0].to_error()
         det = detect_model(model.tensors, config, root=model.root)
         fatal = [i for i in det.issues if i.code is ErrorCode.FORMAT_AMBIGUOUS]
         if fatal:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config_values import sane_int
+
 __all__ = ["expected_features", "GptqConfig", "gptq_config"]
 
 
 def _int(cfg: dict, *names) -> int | None:
+    """The first of ``names`` that holds a sane size (1..2**31-1, see ``config_values``); None = unknown."""
     for n in names:
-        v = cfg.get(n)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        v = sane_int(cfg.get(n))
+        if v is not None:
             return v
     return None
 
@@ -76,8 +79,9 @@ def gptq_config(config: dict | None) -> GptqConfig:
     if not isinstance(qc, dict):
         return GptqConfig(None, None, None, None, False, None)
     fmt = qc.get("checkpoint_format", qc.get("format"))
-    bits = qc.get("bits") if isinstance(qc.get("bits"), int) else None
-    gs = qc.get("group_size") if isinstance(qc.get("group_size"), int) else None
+    bits = sane_int(qc.get("bits"), 1, 64)
+    gs = qc.get("group_size")
+    gs = -1 if gs == -1 and sane_int(gs, -1, -1) is not None else sane_int(gs)  # else unknown: never divided by
     meta = qc.get("meta") if isinstance(qc.get("meta"), dict) else {}
     quantizer = meta.get("quantizer")
     if isinstance(quantizer, list):

@@ -159,6 +159,14 @@ class ErrorCode(str, enum.Enum):
     DISK_SPACE = ("DISK_SPACE", Category.USAGE,
                   "the destination's filesystem must have room for the quantizer's work files and the output")
 
+    # --- number sanity of configs and GGUF metadata (appended; issue 11) ---------------------------------
+    CONFIG_VALUE_INVALID = ("CONFIG_VALUE_INVALID", Category.INVALID,
+                            "numbers in config.json and quantization_config must be plain, finite and within the "
+                            "format's and sane model limits")
+    GGUF_METADATA_INVALID = ("GGUF_METADATA_INVALID", Category.INVALID,
+                             "GGUF hyper-parameters (block_count, widths, heads, experts, vocab) must be in range "
+                             "and agree with what the file's tensors can hold")
+
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol
         return None

@@ -295,6 +295,9 @@ def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
     except Exl2Error as e:
         issues.append(e.as_issue())
         config = None
+    from .config_values import config_value_issues
+
+    issues += config_value_issues(config, quantization_config(config, model.root)[0], str(model.config_path))
     tensors = model.tensors
     det = detect_model(tensors, config, root=model.root, file=str(model.files[0]) if model.files else None)
     issues += det.issues

@@ -657,6 +657,13 @@ def _validate_open(rep: Report, model, path: Path, deep: bool, reference, progre
         if config is None and path.is_dir():
             rep.add(CheckId.CONFIG, Status.WARN, ErrorCode.CONFIG_MISSING,
                     "no config.json: architecture and sizes cannot be cross-checked", file=config_file)
+    from .config_values import config_value_issues
+    from .detect import quantization_config
+
+    _qc, _qc_src = quantization_config(config, model.root)
+    for i in config_value_issues(config, _qc, config_file if _qc_src in (None, "config.json") else
+                                 str(Path(model.root) / _qc_src)):
+        rep.add_issue(CheckId.CONFIG, i)
 
     # --- format -----------------------------------------------------------------------------------------
     det = detect_model(tensors, config, root=model.root, file=first_file)
