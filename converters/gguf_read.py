@@ -1,8 +1,8 @@
 """GGUF (Llama family) -> a Hugging Face FP16/BF16 model directory, and the bounded GGUF opener both directions use.
 
-``open_gguf(path)`` runs exl2fmt's own bounded pre-scan (``exl2fmt.inspect._gguf_prescan``: counts, string and
-array lengths, alignment, types, offsets and data extents checked against the file before anything is
-allocated) and only then ``gguf.GGUFReader``, whose tensor table must agree with the pre-scan.  Every problem
+``open_gguf(path)`` opens the file with exl2fmt's own bounded, lazy reader (``exl2fmt.gguf_scan``: counts,
+string and array lengths, alignment, types, offsets and data extents checked against the file before anything
+is allocated; hyper-parameters bounded by ``gguf_hparam_issues`` before any loop uses them).  Every problem
 is ``Exl2Error(GGUF_INVALID)`` naming the file (and tensor).
 
 ``convert_from_gguf(src, dst, "fp16"|"bf16")`` (reached through ``exl2fmt.converters.convert`` when SRC is a
@@ -37,35 +37,25 @@ __all__ = ["open_gguf", "convert_from_gguf"]
 
 
 def open_gguf(path: str | os.PathLike):
-    """``(gguf.GGUFReader, prescan dict)`` for a GGUF file, after the bounded pre-scan; ``Exl2Error`` on any
-    problem (UNSUPPORTED_INPUT without the ``gguf`` package, GGUF_INVALID for a bad file)."""
-    from ..inspect import _gguf_prescan
+    """``(reader, prescan dict)`` for a GGUF file; ``Exl2Error`` on any problem (UNSUPPORTED_INPUT without the
+    ``gguf`` package, GGUF_INVALID for a bad file).  ``reader`` is ``exl2fmt.gguf_scan.GgufFile``: the bounded
+    walk of the whole header (counts, string and array lengths, alignment, types, offsets, data extents checked
+    before anything is allocated) with the part of ``gguf.GGUFReader``'s interface used here (``fields``,
+    ``get_field(k).contents()``, ``tensors`` with ``data`` memory-mapped); metadata arrays are decoded only when
+    asked for, so a long array costs nothing unless the tokenizer needs it."""
+    from ..gguf_scan import open_gguf_file
+    from ..inspect import _scan_dict
 
     p = str(path)
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401  (the ggml type table and block decoders)
     except ImportError:
         raise Exl2Error(ErrorCode.UNSUPPORTED_INPUT, "reading GGUF needs the optional gguf package: pip install "
                         "'exl2fmt[gguf]'", file=p) from None
     if not os.path.isfile(p):
         raise Exl2Error(ErrorCode.PATH_NOT_FOUND, "no such file", file=p)
-    scan = _gguf_prescan(p)
-    try:
-        reader = GGUFReader(p, "r")
-    except Exception as e:  # noqa: BLE001 - the package raises ValueError, KeyError, struct.error, ...
-        raise Exl2Error(ErrorCode.GGUF_INVALID, f"the gguf package rejects the file: {type(e).__name__}: {e}",
-                        file=p) from None
-    mine = {t[0]: t for t in scan["tensors"]}
-    if len(reader.tensors) != len(mine):
-        raise Exl2Error(ErrorCode.GGUF_INVALID, f"the gguf package reads {len(reader.tensors)} tensors, the "
-                        f"pre-scan {len(mine)}", file=p)
-    for t in reader.tensors:
-        m = mine.get(t.name)
-        if m is None or int(t.tensor_type) != m[2] or [int(x) for x in t.shape] != list(m[1]) or \
-                int(t.data_offset) != scan["data_start"] + m[3]:
-            raise Exl2Error(ErrorCode.GGUF_INVALID, "the gguf package and the pre-scan disagree about this tensor",
-                            tensor=t.name, file=p)
-    return reader, scan
+    reader = open_gguf_file(p)
+    return reader, _scan_dict(reader)
 
 
 def _field(reader, key):
@@ -104,6 +94,10 @@ def build_config(reader, path: str, warnings: list[str]) -> tuple[dict, str]:
                         f"supported: {', '.join(HF_ARCHITECTURES)}", file=path)
     cls, model_type = HF_ARCHITECTURES[arch]
     a = arch
+    from ..gguf_scan import gguf_hparam_issues
+
+    for key, problem in gguf_hparam_issues(reader, arch):  # bound every count before any loop or allocation
+        raise Exl2Error(ErrorCode.GGUF_METADATA_INVALID, f"{key}: {problem}", file=path)
     shapes = {t.name: [int(x) for x in t.shape] for t in reader.tensors}
     emb = shapes.get("token_embd.weight")
     if emb is None or len(emb) != 2:
