@@ -23,8 +23,8 @@
    max error are reported.  GPTQ symmetric 4-bit with groups of 32k rows and trivial ``g_idx`` -> Q4_0, and
    GPTQ symmetric 8-bit (or <= 7-bit) -> Q8_0, are exact.  EXL2 layers are exact only where a block lies in
    one group of one scale, which EXL2's input permutation rarely allows.
-4. Verify: the temporary file (``.<name>.exl2fmt-partial-<hex>`` next to DST) is re-read through the bounded
-   pre-scan and ``gguf.GGUFReader``; names, types and shapes must be the planned ones, every tensor's bytes must
+4. Verify: the temporary file (``.<name>.exl2fmt-partial-<hex>`` next to DST) is re-read through exl2fmt's
+   bounded GGUF reader (``exl2fmt.gguf_scan``); names, types and shapes must be the planned ones, every tensor's bytes must
    match the checksum of what was produced, and the key hyper-parameters must read back.  ``verify="full"``
    also decodes every layer from the file again and compares it with a fresh decode of SRC.  Then the file is
    renamed to DST (an existing DST only with ``force``).  SRC is only read.
@@ -641,5 +641,5 @@ def _verify(path: Path, items, hp, arch, report, progress, total, mode) -> None:
         del reader
     report.validation = {"result": "PASS", "counts": {"tensors": len(items)}, "problems": []}
     report.verified = True
-    report.verify_mode = ("re-read through the GGUF pre-scan and gguf.GGUFReader; every tensor checksummed"
+    report.verify_mode = ("re-read through the bounded GGUF reader; every tensor checksummed"
                           + ("; every tensor decoded again and compared with the source" if mode == "full" else ""))
