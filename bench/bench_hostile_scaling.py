@@ -144,7 +144,8 @@ def main(argv=None) -> int:
               "193 s measured once on this machine).  The CLI's human output now prints at most 20 findings per rule "
               "(100k findings: 47.6 s -> 5.4 s for `exl2fmt validate`, most of it interpreter start-up and the "
               "index itself).  `validate --deep` on many tiny layers paid a 65536-bin histogram per layer (2000 1x1 "
-              "layers: 115 s); small weights are now reduced directly (1.9 s).  Numeric GGUF arrays cost O(1) at open (slope ~0: only their length is read); string "
+              "layers: 115 s); small weights are now reduced directly (1.9 s).  Numeric GGUF arrays cost O(1) at open "
+              "(slope ~0: only their length is read); string "
               "arrays are walked once (each length precedes its string), linearly.", ""]
     text = "\n".join(lines)
     print(text)

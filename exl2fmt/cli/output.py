@@ -327,7 +327,8 @@ class Output:
         self.console.print(self.text(f"{len(issues)} issue(s) seen while inspecting (run exl2fmt validate for all "
                                      "checks):", "bold yellow"))
         issues = _capped(issues, lambda i: (i["severity"], i["code"]),
-                         lambda k, m: {"severity": k[0], "code": k[1], "message": f"... and {m} more (--json lists all)"})
+                         lambda k, m: {"severity": k[0], "code": k[1],
+                                       "message": f"... and {m} more (--json lists all)"})
         for i in issues:
             where = []
             if i.get("file"):

@@ -72,14 +72,15 @@ class QParams:
                 sizes = [int(gsd)] * len(bits)
             if int(d.get("scale_bits", 4)) != 4:
                 raise ValueError("scale_bits must be 4")
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # int(Infinity) overflows
             raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{where}: not a QParams dict ({e})") from None
         if not bits or len(bits) != len(props) or len(sizes) != len(bits):
             raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{where}: bits, bits_prop and group_size disagree")
         for b, p, g in zip(bits, props, sizes):
-            if b not in BIT_WIDTHS or not (0 <= p <= 1) or g <= 0 or g % 32:
+            if b not in BIT_WIDTHS or not (0 <= p <= 1) or g <= 0 or g % 32 or g > 32768:
                 raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{where}: tier {p}x{b}b/{g}g is not a valid "
-                                "EXL2 tier (bits 2/3/4/5/6/8, proportion 0..1, group size a multiple of 32)")
+                                "EXL2 tier (bits 2/3/4/5/6/8, proportion 0..1, group size a multiple of 32 up to "
+                                "32768)")
         return QParams(tuple(zip(props, bits, sizes)))
 
 
@@ -301,7 +302,9 @@ def read_measurement(path: str | os.PathLike, layer_names: dict[str, tuple[str, 
                 raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{where}: accuracy must be a finite number", file=p)
             opt = Option(tuple((n, QParams.from_json(d[n], f"{where} {n}")) for n in names))
             tb = d.get("total_bits")
-            parsed.append((opt, int(tb) if isinstance(tb, (int, float)) else -1, float(acc)))
+            tb_ok = (isinstance(tb, (int, float)) and not isinstance(tb, bool) and math.isfinite(tb)
+                     and 0 <= tb < 2 ** 63)
+            parsed.append((opt, int(tb) if tb_ok else -1, float(acc)))
         out[key] = parsed
     return out
 

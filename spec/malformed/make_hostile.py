@@ -301,7 +301,8 @@ def generate(out: str | Path = OUT) -> list[dict]:
     g0 = dict(g, qweight=np.zeros((0, 32), np.int32))
     c.add("c3_gptq_zero_rows.safetensors", _st({f"model.layers.0.mlp.up_proj.{s}": a for s, a in g0.items()}), 3,
           "a GPTQ layer whose qweight has 0 rows", [(V, "SLOT_SHAPE", 1), (deq_up, "SLOT_SHAPE", 1)])
-    c.add("c3_dense_zero_columns.safetensors", _st({"model.layers.0.mlp.gate_proj.weight": np.zeros((32, 0), np.float16)}),
+    c.add("c3_dense_zero_columns.safetensors",
+          _st({"model.layers.0.mlp.gate_proj.weight": np.zeros((32, 0), np.float16)}),
           3, "a dense layer of shape [32, 0]",
           [(V, "SLOT_SHAPE", 1), ([DQ, "{case}", "model.layers.0.mlp.gate_proj"], "SLOT_SHAPE", 1)])
 
