@@ -88,3 +88,17 @@ def test_string_count_cap_before_walking(tmp_path):
     with pytest.raises(Exl2Error) as e:
         open_gguf_file(p)
     assert e.value.code is ErrorCode.GGUF_INVALID and "cap" in e.value.message
+
+
+def test_fuzz_target_smoke():
+    """A short seeded run of fuzz/fuzz_gguf_config.py's mutation driver (GGUF reader + config checks): only
+    Exl2Error, strict-JSON reports, one-line messages."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("fuzz_gguf_config", root / "fuzz" / "fuzz_gguf_config.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    done, _ = mod.run_random(24, seed=1)
+    assert done == 24
