@@ -159,6 +159,19 @@ class ErrorCode(str, enum.Enum):
     DISK_SPACE = ("DISK_SPACE", Category.USAGE,
                   "the destination's filesystem must have room for the quantizer's work files and the output")
 
+    # --- hf:// models read by range (appended; see exl2fmt/hub.py) --------------------------------------
+    HUB_NOT_FOUND = ("HUB_NOT_FOUND", Category.UNREADABLE,
+                     "the Hub repository, revision and file must exist (a missing revision lists the branches)")
+    HUB_ACCESS_DENIED = ("HUB_ACCESS_DENIED", Category.UNREADABLE,
+                         "a private or gated Hub repository needs a token with access (HF_TOKEN)")
+    HUB_UNREACHABLE = ("HUB_UNREACHABLE", Category.UNREADABLE,
+                       "the Hub endpoint (HF_ENDPOINT) must be reachable and answer in time")
+    HUB_BAD_RESPONSE = ("HUB_BAD_RESPONSE", Category.UNREADABLE,
+                        "a byte-range request must be answered with exactly that range (206, matching "
+                        "Content-Range, bounded body) and redirects only to http(s)")
+    HUB_FETCH_LIMIT = ("HUB_FETCH_LIMIT", Category.UNREADABLE,
+                       "reading a Hub model fetches at most the per-file cap (headers and q_groups only)")
+
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol
         return None
