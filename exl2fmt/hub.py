@@ -196,7 +196,8 @@ class _Client:
 
     def __init__(self, ref: HubRef):
         (self.constants, self._get_meta, self._hub_url, self._build_headers, get_session) = _import_hub()
-        if self.constants.is_offline_mode():
+        env_offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+        if env_offline or self.constants.is_offline_mode():
             raise _hub_err(ErrorCode.HUB_UNREACHABLE, "HF_HUB_OFFLINE is set: the Hub cannot be reached",
                            ref.uri())
         self.ref = ref

@@ -13,7 +13,7 @@ branch per bitrate) on 127.0.0.1 with two ``ThreadingHTTPServer`` threads:
 * the *CDN* (another port = another origin): ``GET /cdn/ORG/REPO/COMMIT/PATH`` with ranges.
 
 A revision is a branch name or its commit (sha1 of the branch name).  Every request is recorded
-(``requests``: method, server, path, range, authorization), and every body byte written is counted
+(``requests``: method, server, path, range, authorization, body bytes), and every body byte written is counted
 (``bytes_served``).  ``mode`` switches on hostile behaviour for the CDN: ``ignore_range`` (200 and the whole
 file), ``endless`` (206, no length, a body that does not stop - bounded at 64 MiB so a broken client cannot hang
 the suite), ``wrong_range`` (the range one byte later), ``redirect_loop``, ``redirect_scheme`` (to file://),
@@ -54,7 +54,8 @@ class HubEmulator:
         self.cdn = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self, "cdn"))
         for s in (self.hub, self.cdn):
             s.daemon_threads = True
-        self._threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in (self.hub, self.cdn)]
+        self._threads = [threading.Thread(target=s.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+                         for s in (self.hub, self.cdn)]
 
     @property
     def endpoint(self) -> str:
@@ -104,10 +105,10 @@ def _handler(emu: HubEmulator, role: str):
 
         # --- plumbing ---------------------------------------------------------------------------------
         def _record(self):
+            self._rec = {"server": role, "method": self.command, "path": self.path, "bytes": 0,
+                         "range": self.headers.get("Range"), "authorization": self.headers.get("Authorization")}
             with emu._lock:
-                emu.requests.append({"server": role, "method": self.command, "path": self.path,
-                                     "range": self.headers.get("Range"),
-                                     "authorization": self.headers.get("Authorization")})
+                emu.requests.append(self._rec)
 
         def _body(self, data: bytes):
             if self.command == "HEAD":
@@ -118,6 +119,7 @@ def _handler(emu: HubEmulator, role: str):
                 return
             with emu._lock:
                 emu.bytes_served[role] += len(data)
+                self._rec["bytes"] += len(data)
 
         def _send(self, status: int, body: bytes = b"", headers: dict | None = None, ctype="application/json"):
             self.send_response(status)
@@ -254,6 +256,7 @@ def _handler(emu: HubEmulator, role: str):
                         break
                     with emu._lock:
                         emu.bytes_served[role] += len(chunk)
+                        self._rec["bytes"] += len(chunk)
                 self.close_connection = True
                 return
             with open(f, "rb") as fh:
