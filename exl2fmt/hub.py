@@ -203,6 +203,10 @@ class _Client:
         self.ref = ref
         self.endpoint = (os.environ.get("HF_ENDPOINT") or self.constants.ENDPOINT).rstrip("/")
         self.session = get_session()
+        # the HTTP library huggingface_hub is built on (httpx for 1.x, its httpx2 fork later): its exceptions
+        import importlib
+
+        self.http = importlib.import_module(type(self.session).__module__.split(".")[0])
         self.timeout = _timeout()
         self.stats = HubStats()
         self._lock = threading.Lock()
@@ -252,7 +256,7 @@ class _Client:
             cap: int = MAX_JSON_BYTES, file: str | None = None, expect_size: int | None = None) -> tuple[bytes, Any]:
         """GET ``url`` (bytes ``[start, start + length)`` when ``start`` is given), following at most
         ``MAX_REDIRECTS`` redirects by hand; returns (body, headers).  The body is cut at ``length`` (or ``cap``)."""
-        import httpx2
+        httpx2 = self.http
 
         want = length if start is not None else cap
         deadline = time.monotonic() + self.timeout
@@ -340,8 +344,9 @@ class _Client:
     # --- HEAD through huggingface_hub -------------------------------------------------------------------
     def metadata(self, filename: str, revision: str):
         """(size, commit, location) of one file, from ``get_hf_file_metadata``."""
-        import httpx2
         from huggingface_hub import errors as hf_errors
+
+        httpx2 = self.http
 
         url = self._hub_url(self.ref.repo_id, filename, revision=revision, endpoint=self.endpoint)
         with self._lock:
