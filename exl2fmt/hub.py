@@ -488,8 +488,7 @@ def fetch_snapshot(ref: HubRef, *, groups: bool = True) -> HubSnapshot:
     if base.endswith(".safetensors"):
         base, _, single = base.rpartition("/")
     elif base.endswith(".gguf"):
-        raise _hub_err(ErrorCode.UNSUPPORTED_INPUT, "GGUF files on the Hub are not read remotely yet: download the "
-                       "file and run exl2fmt inspect on it (safetensors models are read by range)", ref.uri())
+        return _fetch_gguf(cl, ref)
     listing = cl.list_folder(base, ref.rev)
     prefix = f"{base}/" if base else ""
     names = {e["path"][len(prefix):]: e for e in listing if e["path"].startswith(prefix)
@@ -579,6 +578,61 @@ def fetch_snapshot(ref: HubRef, *, groups: bool = True) -> HubSnapshot:
         raise
 
 
+GGUF_FIRST_FETCH = 1 << 20
+"""Bytes of a ``.gguf`` file read first; the header is then read further as far as it turns out to reach."""
+
+
+def _fetch_gguf(cl: _Client, ref: HubRef) -> HubSnapshot:
+    """A ``.gguf`` file: its header, read in growing prefixes.  GGUF does not say its header's length up front,
+    so the prefix read so far is put in a sparse image and ``exl2fmt.inspect.inspect_gguf`` (bounds-checking
+    pre-scan, then the ``gguf`` package) runs on it: when it succeeds with its ``data_start`` inside the prefix,
+    everything it read was real bytes; when ``data_start`` lies beyond, the rest of the header is read; when it
+    fails, the prefix is doubled, up to the whole file or ``MAX_BYTES_PER_FILE`` - only then is the failure the
+    file's.  At most twice the header (plus the first read) is fetched."""
+    from .inspect import inspect_gguf
+
+    name = ref.path.rpartition("/")[2]
+    where = ref.uri()
+    size, commit, loc = cl.metadata(ref.path, ref.rev)
+    root = Path(tempfile.mkdtemp(prefix="exl2fmt-hub-"))
+    try:
+        (root / "model").mkdir()
+        image = root / "model" / name
+        _sparse_image(image, size, b"", where)
+        limit = min(size, MAX_BYTES_PER_FILE)
+        have, want = 0, min(limit, GGUF_FIRST_FETCH)
+        while True:
+            if want > have:
+                body, _ = cl.get(loc, f"{name} header", start=have, length=want - have, file=where, expect_size=size)
+                with open(image, "r+b") as f:
+                    f.seek(have)
+                    f.write(body)
+                have = want
+            try:
+                rep = inspect_gguf(image, layers=False)
+            except Exl2Error as e:
+                if e.code is not ErrorCode.GGUF_INVALID or have >= limit:
+                    if e.code is ErrorCode.GGUF_INVALID and have < size:
+                        raise _hub_err(ErrorCode.HUB_FETCH_LIMIT, f"no complete GGUF header within the first "
+                                       f"{have} bytes (the cap): {e.message}", where) from None
+                    raise Exl2Error(e.code, e.message.replace(str(image), where), file=where, tensor=e.tensor) \
+                        from None
+                want = min(limit, have * 2)
+                continue
+            ds = int(rep["gguf"].get("data_start") or 0)
+            if ds <= have:
+                break
+            if ds > limit:
+                raise _hub_err(ErrorCode.HUB_FETCH_LIMIT, f"a GGUF header of {ds} bytes exceeds the per-file cap of "
+                               f"{MAX_BYTES_PER_FILE}", where)
+            want = max(ds, min(limit, have * 2))  # ds read over holes underestimates: grow geometrically too
+        files = [{"path": where, "size": size}]
+        return HubSnapshot(ref, root, image, commit, cl.endpoint, files, cl.stats)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+
+
 def _fetch_ranges(cl: _Client, jobs, metas, mirror: Path, ref: HubRef, prefix: str) -> None:
     """Fetch each (file, tensor) data range into its place in the sparse image (8 requests in flight)."""
     if not jobs:
@@ -613,10 +667,6 @@ def rewrite_paths(doc: Any, local: str, remote: str) -> Any:
     return doc
 
 
-def _display_base(ref: HubRef, single: bool) -> str:
-    return ref.uri(ref.path.rpartition("/")[0] if single else ref.path) if ref.path else ref.uri()
-
-
 def inspect_hub(uri: str, *, revision: str | None = None, layers: bool = True) -> dict:
     """``exl2fmt inspect hf://...``: the local inspect report of the headers, paths in ``hf://`` form, plus
     ``hub`` (repo, revision, commit, bytes fetched vs model size, requests)."""
@@ -624,16 +674,37 @@ def inspect_hub(uri: str, *, revision: str | None = None, layers: bool = True) -
 
     ref = parse_hub_uri(uri, revision)
     with fetch_snapshot(ref) as snap:
-        rep = inspect_model(snap.target, layers=layers)
+        with _remote_errors(snap, ref):
+            rep = inspect_model(snap.target, layers=layers)
         rep = _to_remote(rep, snap, ref)
+        if rep.get("input") == "gguf":
+            rep["files"] = [{"path": ref.uri(), "bytes": snap.files[0]["size"], "tensors": rep["summary"]["tensors"]}]
         rep["hub"] = snap.as_dict()
     return rep
 
 
+class _remote_errors:
+    """Re-raise an ``Exl2Error`` about the local image with the ``hf://`` paths."""
+
+    def __init__(self, snap: HubSnapshot, ref: HubRef):
+        self.local = str(snap.target if snap.target.is_dir() else snap.target.parent)
+        self.remote = HubRef(ref.repo_id, ref.revision, ref.path.rpartition("/")[0]
+                             if ref.path.endswith((".safetensors", ".gguf")) else ref.path).uri()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, e, tb):
+        if isinstance(e, Exl2Error) and (self.local in (e.file or "") or self.local in e.message):
+            raise Exl2Error(e.code, e.message.replace(self.local, self.remote),
+                            file=(e.file or "").replace(self.local, self.remote) or None, tensor=e.tensor) from None
+        return False
+
+
 def _to_remote(doc: dict, snap: HubSnapshot, ref: HubRef) -> dict:
     mirror = str(snap.target if snap.target.is_dir() else snap.target.parent)
-    base = HubRef(ref.repo_id, ref.revision, ref.path.rpartition("/")[0] if ref.path.endswith(".safetensors")
-                  else ref.path).uri()
+    base = HubRef(ref.repo_id, ref.revision, ref.path.rpartition("/")[0]
+                  if ref.path.endswith((".safetensors", ".gguf")) else ref.path).uri()
     doc = rewrite_paths(doc, mirror, base)
     doc["path"] = ref.uri()
     return doc
@@ -645,8 +716,12 @@ def validate_hub(uri: str, *, revision: str | None = None, strict: bool = False)
     from .validate import validate_model
 
     ref = parse_hub_uri(uri, revision)
+    if ref.path.endswith(".gguf"):
+        raise Exl2Error(ErrorCode.UNSUPPORTED_INPUT, "validate checks safetensors models; this is a GGUF file "
+                        "(exl2fmt inspect summarises it)", file=ref.uri())
     with fetch_snapshot(ref) as snap:
-        rep = validate_model(snap.target, strict=strict)
+        with _remote_errors(snap, ref):
+            rep = validate_model(snap.target, strict=strict)
         doc = _to_remote(rep.as_dict(), snap, ref)
         doc["hub"] = snap.as_dict()
     return doc, rep.exit_code

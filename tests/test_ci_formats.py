@@ -128,3 +128,19 @@ def test_format_option_compatibility(models):
     assert _run("validate", models[0], "--format", "xml")[0] == 2
     assert _run("validate", models[0], "--json", "--format", "junit")[0] == 2
     assert _run("validate", models[0], "--markdown", "--format", "markdown")[0] == 0
+
+
+def test_precommit_entry_maps_files_to_model_dirs(models, tmp_path, capfd):
+    from exl2fmt.cli.precommit import main, model_dirs
+
+    good, bad = models
+    other = tmp_path / "docs"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    files = [str(good / "config.json"), str(good / "output.safetensors"), str(other / "config.json"),
+             str(bad / "config.json"), str(tmp_path / "deleted" / "x.safetensors")]
+    assert model_dirs(files) == [str(good), str(bad)]  # each model once, the non-model and the deleted skipped
+    assert main(["--format", "github", *files]) == 1  # the worst exit code of the runs (good: 0, bad: 1)
+    out = capfd.readouterr().out
+    assert out.count("::notice title=exl2fmt validate PASS::") == 1 and "CONFIG_MISMATCH" in out
+    assert main([str(other / "config.json")]) == 0

@@ -47,6 +47,21 @@ def hub_root(tmp_path_factory):
     sh.mkdir()
     shutil.copy(root / "org/m-exl2/4.0bpw/config.json", sh / "config.json")
     write_sharded(sh, tensors, max_shard_bytes=600_000)
+    # org/m-gguf: a .gguf file whose header (a 3000-token vocabulary) is larger than the first range read
+    try:
+        import gguf
+
+        (root / "org/m-gguf/main").mkdir(parents=True)
+        w = gguf.GGUFWriter(str(root / "org/m-gguf/main/m.gguf"), arch="llama")
+        w.add_block_count(1)
+        w.add_token_list([f"token-{i:05d}" for i in range(3000)])
+        w.add_tensor("blk.0.ffn_up.weight", np.zeros((512, 512), np.float16))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    except ImportError:
+        pass
     # org/private: the same model behind a token
     shutil.copytree(root / "org/m-exl2/4.0bpw", root / "org/private/main")
     # org/src-fp16: the "FP16 source" of the sample: {key}.weight [N, K] for every layer, the rest as is
@@ -257,6 +272,26 @@ def test_snapshot_is_sparse_and_removed(emu, hub_root):
             assert f.stat().st_blocks * 512 < size  # holes, not data
         root = snap.root
     assert not root.exists()
+
+
+def test_inspect_gguf_reads_the_header_in_growing_ranges(emu, hub_root, monkeypatch):
+    pytest.importorskip("gguf")
+    import exl2fmt.hub as hub
+
+    local = hub_root / "org/m-gguf/main/m.gguf"
+    monkeypatch.setattr(hub, "GGUF_FIRST_FETCH", 4096)  # smaller than the header: forces further reads
+    rep = inspect_hub("hf://org/m-gguf/m.gguf")
+    want = inspect_model(local)
+    assert rep["input"] == "gguf"
+    assert rep["summary"] == want["summary"] and rep["gguf"] == want["gguf"]
+    ds = want["gguf"]["data_start"]
+    assert 4096 < ds < local.stat().st_size / 4
+    served = emu.bytes_served["cdn"]
+    assert ds <= served <= 2 * ds  # the header (at most twice over), never the tensor data
+    assert all(r["range"] for r in emu.requests if r["server"] == "cdn")
+    assert rep["files"][0]["path"] == "hf://org/m-gguf/m.gguf"
+    r = runner.invoke(app, ["validate", "hf://org/m-gguf/m.gguf", "--json"])
+    assert r.exit_code == 3 and json.loads(r.stdout)["error"]["code"] == "UNSUPPORTED_INPUT"
 
 
 # ------------------------------------------------------------------------------------------------ --reference hf://
