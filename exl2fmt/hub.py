@@ -387,7 +387,7 @@ class _Client:
         if m.size > MAX_FILE_SIZE:
             raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{filename}: declared size {m.size} bytes exceeds the cap of "
                            f"{MAX_FILE_SIZE}", where)
-        return m.size, m.commit_hash, m.location or url
+        return m.size, m.commit_hash, urljoin(url, m.location) if m.location else url
 
     # --- listings ---------------------------------------------------------------------------------------
     def list_folder(self, path: str, revision: str) -> list[dict]:

@@ -17,7 +17,7 @@ A revision is a branch name or its commit (sha1 of the branch name).  Every requ
 (``bytes_served``).  ``mode`` switches on hostile behaviour for the CDN: ``ignore_range`` (200 and the whole
 file), ``endless`` (206, no length, a body that does not stop - bounded at 64 MiB so a broken client cannot hang
 the suite), ``wrong_range`` (the range one byte later), ``redirect_loop``, ``redirect_scheme`` (to file://),
-``huge_length`` (a declared header length of 2**40 in bytes 0-7).
+``huge_length`` (a declared header length of 2**40 in bytes 0-7), ``huge_size`` (``X-Linked-Size`` 2**62).
 """
 
 from __future__ import annotations
@@ -218,6 +218,8 @@ def _handler(emu: HubEmulator, role: str):
                 etag = f'"{hashlib.sha1(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()}"'
                 if path.endswith(LFS_SUFFIXES):
                     loc = f"{emu.cdn_url}/cdn/{repo}/{commit}/{quote(path)}"
+                    if "huge_size" in emu.mode:
+                        size = 1 << 62
                     return self._send(302, b"", {"Location": loc, "X-Repo-Commit": commit, "X-Linked-Size": str(size),
                                                  "X-Linked-Etag": etag, "ETag": etag})
                 return self._range_reply(f, {"X-Repo-Commit": commit, "ETag": etag})

@@ -230,6 +230,7 @@ def test_token_goes_to_the_hub_only(emu, monkeypatch):
     ("wrong_range", ErrorCode.HUB_BAD_RESPONSE),
     ("redirect_loop", ErrorCode.HUB_BAD_RESPONSE),
     ("redirect_scheme", ErrorCode.HUB_BAD_RESPONSE),
+    ("huge_size", ErrorCode.HUB_BAD_RESPONSE),
 ])
 def test_hostile_servers(emu, mode, code):
     emu.mode = {mode}

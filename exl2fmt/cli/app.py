@@ -94,8 +94,9 @@ def _not_hub(path: str) -> str:
     raise Exl2Error(ErrorCode.USAGE, f"--revision applies to hf://ORG/REPO paths only, not {path!r}")
 
 
-PathArg = Annotated[str, typer.Argument(help="A .safetensors file, a model directory (sharded or not) or a .gguf "
-                                        "file.", show_default=False)]
+PathArg = Annotated[str, typer.Argument(help="A .safetensors file, a model directory (sharded or not), a .gguf "
+                                        "file, or a Hub model hf://ORG/REPO[@REVISION][/PATH] (read by range: "
+                                        "pip install 'exl2fmt[hub]').", show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout "
                                        "(schema: spec/inspect.schema.json).")]
 
@@ -144,7 +145,8 @@ def inspect(
 
 @app.command()
 def validate(
-    path: Annotated[str, typer.Argument(help="A .safetensors file or a model directory.", show_default=False)],
+    path: Annotated[str, typer.Argument(help="A .safetensors file, a model directory, or hf://ORG/REPO[@REVISION] "
+                                        "(structural checks by range requests).", show_default=False)],
     deep: Annotated[bool, typer.Option("--deep", help="Also read the data: permutations, scales, NaN/Inf, "
                                        "dequantize every layer, per-layer weight statistics.")] = False,
     reference: Annotated[Optional[str], typer.Option("--reference", metavar="DIR|hf://ORG/REPO", help="Compare "
