@@ -63,7 +63,7 @@ from urllib.parse import quote, unquote, urljoin, urlsplit
 
 from .errors import ErrorCode, Exl2Error
 
-__all__ = ["HUB_SCHEME", "MAX_JSON_BYTES", "MAX_GROUPS_BYTES", "MAX_BYTES_PER_FILE", "MAX_FILE_SIZE", "MAX_REDIRECTS",
+__all__ = ["HUB_SCHEME", "READ_CHUNK", "HubClient", "MAX_JSON_BYTES", "MAX_GROUPS_BYTES", "MAX_BYTES_PER_FILE", "MAX_FILE_SIZE", "MAX_REDIRECTS",
            "HubRef", "HubStats", "HubSnapshot", "is_hub_uri", "parse_hub_uri", "fetch_snapshot", "inspect_hub",
            "validate_hub", "reference_shape_checks", "rewrite_paths"]
 
@@ -79,7 +79,7 @@ MAX_FILE_SIZE = 1 << 40
 MAX_REDIRECTS = 5
 MAX_LIST_PAGES = 100
 MAX_LIST_ENTRIES = 100_000
-_CHUNK = 1 << 16
+READ_CHUNK = 1 << 16
 _JSON_FILES = ("config.json", "quantize_config.json")
 _REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -191,8 +191,9 @@ def _timeout() -> float:
         return 60.0
 
 
-class _Client:
-    """Bounded GETs and metadata HEADs for one read; thread-safe byte accounting."""
+class HubClient:
+    """Bounded GETs (``get``, ``get_json``), metadata HEADs (``metadata``) and listings (``list_folder``) for one
+    read of one repository; ``stats`` counts every body byte as it arrives (thread-safe)."""
 
     def __init__(self, ref: HubRef):
         (self.constants, self._get_meta, self._hub_url, self._build_headers, get_session) = _import_hub()
@@ -288,7 +289,7 @@ class _Client:
                     elif status != 200:
                         raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{what}: expected HTTP 200, found {status}", where)
                     body = bytearray()
-                    for chunk in r.iter_raw(_CHUNK):
+                    for chunk in r.iter_raw(READ_CHUNK):
                         body += chunk
                         with self._lock:
                             self.stats.bytes_fetched += len(chunk)
@@ -482,7 +483,7 @@ def fetch_snapshot(ref: HubRef, *, groups: bool = True) -> HubSnapshot:
     see the module docstring.  ``groups`` also fetches the EXL2 ``q_groups`` tables."""
     from .container import MAX_HEADER_BYTES, parse_header
 
-    cl = _Client(ref)
+    cl = HubClient(ref)
     base = ref.path
     single = None
     if base.endswith(".safetensors"):
@@ -582,7 +583,7 @@ GGUF_FIRST_FETCH = 1 << 20
 """Bytes of a ``.gguf`` file read first; the header is then read further as far as it turns out to reach."""
 
 
-def _fetch_gguf(cl: _Client, ref: HubRef) -> HubSnapshot:
+def _fetch_gguf(cl: HubClient, ref: HubRef) -> HubSnapshot:
     """A ``.gguf`` file: its header, read in growing prefixes.  GGUF does not say its header's length up front,
     so the prefix read so far is put in a sparse image and ``exl2fmt.inspect.inspect_gguf`` (bounds-checking
     pre-scan, then the ``gguf`` package) runs on it: when it succeeds with its ``data_start`` inside the prefix,
@@ -633,7 +634,7 @@ def _fetch_gguf(cl: _Client, ref: HubRef) -> HubSnapshot:
         raise
 
 
-def _fetch_ranges(cl: _Client, jobs, metas, mirror: Path, ref: HubRef, prefix: str) -> None:
+def _fetch_ranges(cl: HubClient, jobs, metas, mirror: Path, ref: HubRef, prefix: str) -> None:
     """Fetch each (file, tensor) data range into its place in the sparse image (8 requests in flight)."""
     if not jobs:
         return

@@ -244,6 +244,24 @@ def test_hostile_servers(emu, mode, code):
     assert emu.bytes_served["cdn"] < 8 << 20
 
 
+@pytest.mark.parametrize("mode", ["ignore_range", "endless"])
+def test_client_stops_reading(emu, mode):
+    """A 200 with the whole file is refused before its body is read; an endless 206 body is cut one chunk past
+    the range (client-side byte count)."""
+    from exl2fmt.hub import READ_CHUNK, HubClient
+
+    emu.mode = {mode}
+    cl = HubClient(parse_hub_uri("hf://org/m-exl2@4.0bpw"))
+    url = f"{emu.cdn_url}/cdn/org/m-exl2/{commit_of('4.0bpw')}/output.safetensors"
+    with pytest.raises(Exl2Error) as ei:
+        cl.get(url, "probe", start=0, length=1000, file="f")
+    assert ei.value.code is ErrorCode.HUB_BAD_RESPONSE
+    if mode == "ignore_range":
+        assert cl.stats.bytes_fetched == 0
+    else:  # it did read past the range (that is how it knows), and stopped within one chunk
+        assert 1000 < cl.stats.bytes_fetched <= 1000 + READ_CHUNK
+
+
 def test_hostile_cli_exit_code(emu):
     emu.mode = {"endless"}
     r = runner.invoke(app, ["validate", "hf://org/m-exl2@4.0bpw", "--json"])
