@@ -521,11 +521,11 @@ def fetch_snapshot(ref: HubRef, *, groups: bool = True) -> HubSnapshot:
                 commit = c
             elif c and commit and c != commit:
                 raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{n}: served from commit {c}, the other files from "
-                               f"{commit}", ref.uri(n))
+                               f"{commit}", ref.uri(prefix + n))
             listed = names[n]["size"]
             if listed is not None and listed != size:
                 raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{n}: the listing says {listed} bytes, the file "
-                               f"metadata {size}", ref.uri(n))
+                               f"metadata {size}", ref.uri(prefix + n))
             if commit and f"/resolve/{quote(revision, safe='')}/" in loc and revision != commit:
                 loc = loc.replace(f"/resolve/{quote(revision, safe='')}/", f"/resolve/{commit}/", 1)  # pin it
             metas[n] = (size, loc)
