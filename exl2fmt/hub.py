@@ -19,6 +19,8 @@ How a model is read (``fetch_snapshot``)
    header length ``n``, checked against ``exl2fmt.container.MAX_HEADER_BYTES`` and the file size before anything
    is allocated) and ``[8, 8 + n)``; the header is then validated by ``exl2fmt.container.parse_header`` (the one
    parser of the project).  EXL2 ``*.q_groups`` tensors (I16, at most ``MAX_GROUPS_BYTES``) are read by range too.
+   A ``.gguf`` file (``hf://ORG/REPO/x.gguf``) is read in growing prefixes until the project's GGUF pre-scan
+   finds its whole header inside bytes actually fetched (``_fetch_gguf``; GGUF does not state its header length).
 4. The bytes land in a *sparse* local image of each file (its real size, holes everywhere else) in a temporary
    directory, which ``exl2fmt.inspect`` / ``exl2fmt.validate`` then open like any local model: the same report, the
    same rules.  Nothing there reads the holes (``validate --deep`` is refused for ``hf://`` paths).  A filesystem
@@ -35,7 +37,8 @@ Hardening
 * Redirects are followed by hand, at most ``MAX_REDIRECTS``, to ``http(s)`` URLs only and never from ``https`` to
   ``http``.  The token (``HF_TOKEN`` or the saved login, through ``huggingface_hub.utils.build_hf_headers``) is
   only sent to the endpoint's own origin (scheme, host, port): a redirect to another host - the Hub's CDN hands
-  out signed URLs - is followed without it.
+  out signed URLs - is followed without it.  (The metadata ``HEAD`` follows ``get_hf_file_metadata``'s own rule:
+  redirects on the same or a known Hub origin only; it stops at the CDN redirect and reads the size from it.)
 * ``HF_ENDPOINT`` selects the server (a mirror, or a local emulation in the tests); ``HF_HUB_OFFLINE=1`` refuses
   with ``HUB_UNREACHABLE``.
 
