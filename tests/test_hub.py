@@ -74,11 +74,15 @@ def hub_root(tmp_path_factory):
             src[f"{key}.weight"] = np.zeros((a.shape[1], K), np.float16)
         elif not any(name.endswith(s) for s in (".q_scale", ".q_scale_max", ".q_groups", ".q_invperm", ".q_perm")):
             src[name] = a
-    for branch, c in (("main", cfg), ("wrong", dict(cfg, hidden_size=cfg["hidden_size"] * 2))):
+    narrow = dict(src)
+    key = "model.layers.1.mlp.down_proj.weight"
+    narrow[key] = np.zeros((src[key].shape[0], src[key].shape[1] - 32), np.float16)
+    for branch, c, t in (("main", cfg, src), ("wrong", dict(cfg, hidden_size=cfg["hidden_size"] * 2), src),
+                         ("narrow", cfg, narrow)):
         d = root / "org/src-fp16" / branch
         d.mkdir(parents=True)
         (d / "config.json").write_text(json.dumps({k: v for k, v in c.items() if k != "quantization_config"}))
-        write_sharded(d, src, max_shard_bytes=10 << 20)
+        write_sharded(d, t, max_shard_bytes=1 << 20)
     return root
 
 
@@ -333,6 +337,12 @@ def test_reference_on_the_hub_by_shapes(emu, hub_root):
     bad = [c for c in json.loads(r.stdout)["checks"] if c["status"] == "FAIL"]
     assert bad and all(c["code"] == "REFERENCE_MISMATCH" for c in bad)
     assert any("hidden_size" in c["message"] for c in bad)
+    # a layer whose source weight has another shape is named
+    r = runner.invoke(app, ["validate", str(local), "--reference", "hf://org/src-fp16", "--revision", "narrow",
+                            "--format", "github"])
+    assert r.exit_code == 1
+    errs = [l for l in r.stdout.splitlines() if l.startswith("::error ")]
+    assert len(errs) == 1 and "REFERENCE_MISMATCH" in errs[0] and "model.layers.1.mlp.down_proj" in errs[0]
 
 
 # ------------------------------------------------------------------------------------------------ the extra
