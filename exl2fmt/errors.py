@@ -166,6 +166,18 @@ class ErrorCode(str, enum.Enum):
     GGUF_METADATA_INVALID = ("GGUF_METADATA_INVALID", Category.INVALID,
                              "GGUF hyper-parameters (block_count, widths, heads, experts, vocab) must be in range "
                              "and agree with what the file's tensors can hold")
+    # --- hf:// models read by range (appended; see exl2fmt/hub.py) --------------------------------------
+    HUB_NOT_FOUND = ("HUB_NOT_FOUND", Category.UNREADABLE,
+                     "the Hub repository, revision and file must exist (a missing revision lists the branches)")
+    HUB_ACCESS_DENIED = ("HUB_ACCESS_DENIED", Category.UNREADABLE,
+                         "a private or gated Hub repository needs a token with access (HF_TOKEN)")
+    HUB_UNREACHABLE = ("HUB_UNREACHABLE", Category.UNREADABLE,
+                       "the Hub endpoint (HF_ENDPOINT) must be reachable and answer in time")
+    HUB_BAD_RESPONSE = ("HUB_BAD_RESPONSE", Category.UNREADABLE,
+                        "a byte-range request must be answered with exactly that range (206, matching "
+                        "Content-Range, bounded body) and redirects only to http(s)")
+    HUB_FETCH_LIMIT = ("HUB_FETCH_LIMIT", Category.UNREADABLE,
+                       "reading a Hub model fetches at most the per-file cap (headers and q_groups only)")
 
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol

@@ -548,6 +548,7 @@ def _inspect_gguf(p: str, reader, layers: bool) -> dict:
         "bits_histogram": {"decoder": [], "head": []},
         "gguf": {"version": scan["version"], "byte_order": scan["byte_order"], "kv_count": scan["n_kv"],
                  "tensor_count": scan["n_tensors"], "alignment": int(getattr(reader, "alignment", 32) or 32),
+                 "data_start": scan["data_start"],
                  "metadata": meta, "arrays": arrays,
                  "types": sorted(types.values(), key=lambda e: -e["bytes"])},
         "issues": [i.as_dict() for i in issues],

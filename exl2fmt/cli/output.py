@@ -262,6 +262,11 @@ class Output:
         parts = [f"{k} {_f(b[k], 3)}" for k in ("decoder", "head", "embeddings", "overall") if b.get(k) is not None]
         pairs.append(("bits per weight", "  ".join(parts) + "  (overhead included)" if parts else "-"))
         pairs.append(("weight memory", f"~{human_bytes(s['weight_memory_bytes'])} (weights only)"))
+        if rep.get("hub"):  # hf:// (exl2fmt.hub): what the range reads cost
+            h = rep["hub"]
+            pairs.append(("hub", f"{h['repo']}@{h['revision']} (commit {str(h['commit'])[:12]}): read "
+                          f"{human_bytes(h['bytes_fetched'])} of {human_bytes(h['model_bytes'])} in {h['requests']} "
+                          "requests (headers, config, index, q_groups only)"))
         if rep.get("gguf"):
             g = rep["gguf"]
             pairs.append(("gguf", f"v{g['version']} {g['byte_order']}-endian, {g['kv_count']} keys, "
