@@ -159,6 +159,11 @@ class ErrorCode(str, enum.Enum):
     DISK_SPACE = ("DISK_SPACE", Category.USAGE,
                   "the destination's filesystem must have room for the quantizer's work files and the output")
 
+    # --- model directory files (appended; see exl2fmt/container.py) ------------------------------------
+    SHARD_OUTSIDE_MODEL = ("SHARD_OUTSIDE_MODEL", Category.INVALID,
+                           "a shard should lie inside the model directory (a symlink out of it is read, with a "
+                           "warning naming the target)")
+
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol
         return None

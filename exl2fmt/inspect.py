@@ -34,7 +34,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from .errors import ErrorCode, Exl2Error, Issue
+from .errors import Category, ErrorCode, Exl2Error, Issue
 
 __all__ = ["inspect_model", "inspect_gguf", "is_gguf", "SCHEMA_VERSION", "block_of", "natural_key", "layer_order_key",
            "has_control_chars"]
@@ -289,6 +289,8 @@ def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
     try:
         config = model.config
     except Exl2Error as e:
+        if e.code.category is Category.UNREADABLE:  # a FIFO, device or directory: exit 3 like any input
+            raise
         issues.append(e.as_issue())
         config = None
     tensors = model.tensors
