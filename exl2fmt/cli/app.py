@@ -370,7 +370,8 @@ def _save_npy(path: str, w) -> None:
             os.unlink(tmp)
         except OSError:
             pass
-        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot write: {e.strerror or e}", file=path) from None
+        hint = "" if e.errno is not None else " (is the disk full?)"  # numpy's short-write error has no errno
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot write: {e.strerror or e}{hint}", file=path) from None
 
 
 # ------------------------------------------------------------------------------------------------ demo
