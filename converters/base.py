@@ -27,7 +27,9 @@ A converter turns one model directory (SRC) into another (DST).  It is a ``Conve
    (the re-packing conversions, or every unit with ``verify="full"``) are decoded and compared with SRC;
 6. renames the temporary directory to DST (with ``force``, the old DST is first moved aside and removed
    after the rename).  An exception or Ctrl-C at any point removes the temporary directory; a hard kill
-   leaves only the hidden ``.exl2fmt-partial-`` sibling, never a half-written DST.
+   leaves only the hidden ``.exl2fmt-partial-`` sibling, never a half-written DST, and the next run for the
+   same DST removes it (its owner marker says whose it is: converters/partials.py).  From the rename on,
+   SIGINT / SIGTERM are noted, not raised: a published result is reported as the success it is.
 """
 
 from __future__ import annotations

@@ -96,10 +96,12 @@ class Catalogue:
         p.write_bytes(data)
 
 
-def cmd(args: list[str], exit: int, code: str | None = None, json_: bool = False, literal: bool = False) -> dict:
+def cmd(args: list[str], exit: int, code: str | None = None, json_: bool = False, literal: bool = False,
+        slow: bool = False) -> dict:
     """One CLI run (``{path}`` and ``{out}`` are substituted); ``literal``: this command prints the sample's
-    ``literal`` strings (markup) and they must appear as they are."""
-    return {"args": args, "exit": exit, "code": code, "json": json_, "literal": literal}
+    ``literal`` strings (markup) and they must appear as they are; ``slow``: a variant run only with
+    ``-m slow`` (the default suite keeps one human, one machine and every convert run per sample)."""
+    return {"args": args, "exit": exit, "code": code, "json": json_, "literal": literal, "slow": slow}
 
 
 def layer_key(name: str) -> str:
@@ -112,12 +114,12 @@ def safetensors_samples(c: Catalogue) -> None:
     c.file("name_bidi.safetensors", st_file([dense(bidi_name)]))
     c.add("name_bidi.safetensors", "a layer name with a right-to-left override and an isolate (Trojan Source)",
           [cmd(["inspect", "{path}"], 0, "NAME_CONTROL_CHARS"),
-           cmd(["inspect", "{path}", "--markdown"], 0, "NAME_CONTROL_CHARS"),
+           cmd(["inspect", "{path}", "--markdown"], 0, "NAME_CONTROL_CHARS", slow=True),
            cmd(["validate", "{path}"], 1, "NAME_CONTROL_CHARS"),
-           cmd(["validate", "{path}", "--markdown"], 1, "NAME_CONTROL_CHARS"),
-           cmd(["inspect", "{path}", "--json"], 0, "NAME_CONTROL_CHARS", json_=True),
+           cmd(["validate", "{path}", "--markdown"], 1, "NAME_CONTROL_CHARS", slow=True),
+           cmd(["inspect", "{path}", "--json"], 0, "NAME_CONTROL_CHARS", json_=True, slow=True),
            cmd(["validate", "{path}", "--json"], 1, "NAME_CONTROL_CHARS", json_=True),
-           cmd(["dequantize", "{path}", layer_key(bidi_name)], 0),
+           cmd(["dequantize", "{path}", layer_key(bidi_name)], 0, slow=True),
            cmd(["convert", "{path}", "{out}", "--to", "bf16"], 1, "NAME_CONTROL_CHARS")],
           BIDI[2:5] + BIDI[5:6] + BIDI[8:9], names=[bidi_name])
 
@@ -126,7 +128,7 @@ def safetensors_samples(c: Catalogue) -> None:
     c.add("name_zero_width.safetensors", "a layer name with zero-width space/joiner, word joiner, BOM, soft "
           "hyphen and tag characters (invisible: two names that look equal are not)",
           [cmd(["inspect", "{path}"], 0, "NAME_CONTROL_CHARS"),
-           cmd(["validate", "{path}"], 1, "NAME_CONTROL_CHARS"),
+           cmd(["validate", "{path}"], 1, "NAME_CONTROL_CHARS", slow=True),
            cmd(["validate", "{path}", "--json"], 1, "NAME_CONTROL_CHARS", json_=True)],
           FORMAT, names=[zw_name])
 
@@ -134,8 +136,8 @@ def safetensors_samples(c: Catalogue) -> None:
     c.file("name_separators.safetensors", st_file([dense(sep_name, seed=3)]))
     c.add("name_separators.safetensors", "a layer name with a line separator, a paragraph separator and NEL "
           "that would forge an extra PASS line",
-          [cmd(["inspect", "{path}"], 0, "NAME_CONTROL_CHARS"),
-           cmd(["validate", "{path}"], 1, "NAME_CONTROL_CHARS"),
+          [cmd(["inspect", "{path}"], 0, "NAME_CONTROL_CHARS", slow=True),
+           cmd(["validate", "{path}"], 1, "NAME_CONTROL_CHARS", slow=True),
            cmd(["validate", "{path}", "--markdown"], 1, "NAME_CONTROL_CHARS"),
            cmd(["validate", "{path}", "--json"], 1, "NAME_CONTROL_CHARS", json_=True)],
           SEPARATORS, names=[sep_name])
@@ -155,7 +157,7 @@ def safetensors_samples(c: Catalogue) -> None:
     c.add("metadata_bidi.safetensors", "__metadata__ values with an override, a line separator, a zero-width "
           "space and markup",
           [cmd(["inspect", "{path}"], 0), cmd(["inspect", "{path}", "--markdown"], 0),
-           cmd(["validate", "{path}"], 0)],
+           cmd(["validate", "{path}"], 0, slow=True)],
           ["\u202e", "\u2028", "\u200b"], literal=[])
 
     # --- a header error whose message quotes the hostile key --------------------------------------------------
@@ -165,7 +167,7 @@ def safetensors_samples(c: Catalogue) -> None:
     c.file("duplicate_key_bidi.safetensors", st_file([], raw_header=raw) + b"\0" * 4)
     c.add("duplicate_key_bidi.safetensors", "a header repeating a tensor key that holds an override and a line "
           "separator: the error message quotes the key",
-          [cmd(["inspect", "{path}"], 1, "DUPLICATE_KEY"), cmd(["validate", "{path}"], 1, "DUPLICATE_KEY"),
+          [cmd(["inspect", "{path}"], 1, "DUPLICATE_KEY", slow=True), cmd(["validate", "{path}"], 1, "DUPLICATE_KEY", slow=True),
            cmd(["convert", "{path}", "{out}", "--to", "fp16"], 1, "DUPLICATE_KEY"),
            cmd(["validate", "{path}", "--json"], 1, "DUPLICATE_KEY", json_=True)],
           ["\u202e", "\u2028"])
@@ -185,9 +187,9 @@ def directory_samples(c: Catalogue) -> None:
     c.file(f"{d}/config.json", _json(LLAMA_CONFIG))
     c.add(d, "an index naming a tensor (override, isolate, zero-width space) that no shard holds and a shard file "
           "(override, line separator) that does not exist",
-          [cmd(["inspect", "{path}"], 0, "INDEX_MISSING_TENSOR"),
+          [cmd(["inspect", "{path}"], 0, "INDEX_MISSING_TENSOR", slow=True),
            cmd(["validate", "{path}"], 1, "INDEX_MISSING_SHARD"),
-           cmd(["validate", "{path}", "--markdown"], 1, "INDEX_MISSING_TENSOR"),
+           cmd(["validate", "{path}", "--markdown"], 1, "INDEX_MISSING_TENSOR", slow=True),
            cmd(["validate", "{path}", "--json"], 1, "INDEX_MISSING_TENSOR", json_=True)],
           ["\u202e", "\u2069", "\u200b", "\u2028"], names=[ghost])
 
@@ -196,7 +198,7 @@ def directory_samples(c: Catalogue) -> None:
     c.file(f"{d}/{fname}", st_file([dense("model.layers.0.mlp.up_proj.weight", seed=7)]))
     c.file(f"{d}/config.json", _json(LLAMA_CONFIG))
     c.add(d, "a shard whose file name holds an override and a zero-width space (file names are printed too)",
-          [cmd(["inspect", "{path}"], 0), cmd(["validate", "{path}"], 0),
+          [cmd(["inspect", "{path}"], 0), cmd(["validate", "{path}"], 0, slow=True),
            cmd(["inspect", "{path}", "--json"], 0, json_=True)],
           ["\u202e", "\u200b"], names=[fname])
 
@@ -210,7 +212,7 @@ def directory_samples(c: Catalogue) -> None:
           "a zero-width space and markup (printed in the summary and in FORMAT_MISMATCH)",
           [cmd(["inspect", "{path}"], 0, "FORMAT_MISMATCH", literal=True),
            cmd(["inspect", "{path}", "--markdown"], 0, "FORMAT_MISMATCH"),
-           cmd(["validate", "{path}"], 1, "FORMAT_MISMATCH")],
+           cmd(["validate", "{path}"], 1, "FORMAT_MISMATCH", slow=True)],
           ["\u202e", "\u2028", "\u2066", "\u2069", "\u200b", "\u2029"], literal=["[bold red]FAKE PASS[/]"])
 
 
@@ -233,7 +235,7 @@ def gguf_samples(c: Catalogue) -> None:
     w.close()
     c.add("gguf_hostile_strings.gguf", "a GGUF whose general.name, a string value, a key and a tensor name hold "
           "overrides, isolates, separators, NEL, an ESC sequence, a zero-width space and markup",
-          [cmd(["inspect", "{path}"], 0), cmd(["inspect", "{path}", "--markdown"], 0),
+          [cmd(["inspect", "{path}"], 0), cmd(["inspect", "{path}", "--markdown"], 0, slow=True),
            cmd(["inspect", "{path}", "--json"], 0, json_=True)],
           ["\u202e", "\u2066", "\u2069", "\u2028", "\u2029", "\u0085", "\x1b", "\u200b"], names=[name])
 
@@ -248,7 +250,27 @@ def generate(out: str | Path = HERE / OUT_NAME) -> list[dict]:
     directory_samples(c)
     gguf_samples(c)
     (out / "index.json").write_text(json.dumps(c.entries, indent=1, ensure_ascii=True) + "\n", encoding="ascii")
+    (out / "README.md").write_text(readme(c.entries), encoding="utf-8")
     return c.entries
+
+
+def readme(entries: list[dict]) -> str:
+    rows = "\n".join(f"| `{e['path'].encode('ascii', 'backslashreplace').decode()}` | "
+                     f"{', '.join(sorted({f'U+{ord(ch):04X}' for ch in e['forbidden']}) or ['-'])} | "
+                     f"{len(e['commands'])} | {e['description']} |" for e in entries)
+    return f"""# Terminal-safety catalogue (issue 11, class 5)
+
+Generated by `../make_hostile_io.py` (edit the generator, not this file); run by `tests/test_hostile_io.py`.
+Well-formed samples whose strings carry bidi controls, zero-width / format characters, separators or rich
+markup.  `index.json` lists, per sample: `path`; `commands` (each `args` with `{{path}}` / `{{out}}` filled in,
+the expected `exit` status, the `code` that must appear, `json` for machine output, `literal` when the markup
+must print as text); `forbidden` (characters that must never reach human output raw); `names` (strings
+`--json` must keep exact); `literal`.
+
+| sample | characters that must be escaped | runs | what |
+|---|---|---|---|
+{{rows}}
+""".replace("{rows}", rows)
 
 
 def main(argv: list[str]) -> int:
