@@ -549,8 +549,8 @@ def test_the_cleaner_removes_only_its_own_dead_partials(tmp_path):
 
 @pytest.mark.slow
 def test_quantizer_publish_step_under_signals(tmp_path):
-    """FP16 -> GPTQ through the quantizer on a tiny Llama: killed after its partial was made, the rerun removes
-    it and writes the bytes of an uninterrupted run; SIGINT after publishing exits 0."""
+    """FP16 -> GPTQ through the quantizer on a tiny Llama: killed after verifying, before publishing, the resumed
+    run removes the partial and writes the bytes of an uninterrupted run; SIGINT after publishing exits 0."""
     transformers = pytest.importorskip("transformers")
     import numpy as np
     import torch
@@ -572,8 +572,10 @@ def test_quantizer_publish_step_under_signals(tmp_path):
     dst = tmp_path / "q"
     r = run_bounded("convert", src, dst, *args, timeout=300, env_extra={"EXL2FMT_TEST_FAULT": "verified:SIGKILL"})
     assert r.rc == -signal.SIGKILL and not dst.exists() and len(_partials(tmp_path)) == 1
-    r = run_bounded("convert", src, dst, *args, timeout=300)
+    # the quantizer keeps its work directory for --resume on purpose; the resumed run removes the partial
+    r = run_bounded("convert", src, dst, *args, "--resume", timeout=300)
     assert r.rc == 0 and _partials(tmp_path) == [] and _tree_sha(dst) == want, r.stderr[-2000:]
+    assert "removed" in r.stderr and not (tmp_path / ".q.exl2fmt-work").exists()
     dst2 = tmp_path / "q2"
     r = run_bounded("convert", src, dst2, *args, timeout=300, env_extra={"EXL2FMT_TEST_FAULT": "published:SIGINT"})
     assert r.rc == 0 and "SIGINT arrived" in r.stderr and _tree_sha(dst2) == want
