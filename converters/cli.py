@@ -171,21 +171,26 @@ def convert_command(
     from exl2fmt.cli.errors import EXIT_OK, handle_exception
     from exl2fmt.cli.output import Output
 
+    from exl2fmt.converters.partials import SHIELD
+
     out = Output("json" if json_ else "human")
     try:
         from exl2fmt.converters import convert
 
         bar = out.status_lines if status_lines else out.progress
-        with bar(f"convert -> {to.value}") as cb:
-            rep = convert(src, dst, to.value, force=force, shard_size=shard_size, dtype=None if dtype is None else
-                          dtype.value, bits=bits, group_size=group_size, sym=sym, progress=cb, verify=verify.value,
-                          gguf_type=gguf_type.value,
-                          quant={"head_bits": head_bits, "calibration": calibration, "rows": rows, "length": length,
-                                 "measurement": measurement, "save_measurement": save_measurement,
-                                 "device": device, "seed": seed, "resume": resume, "act_order": act_order,
-                                 "work_dir": work_dir,
-                                 "extended": not upstream_tables, "refine_scales": refine_scales})
-        _render(out, rep)
+        # once DST is published, SIGINT / SIGTERM are noted until the report is out: a published, verified
+        # result always exits 0 (converters/partials.py)
+        with SHIELD.held():
+            with bar(f"convert -> {to.value}") as cb:
+                rep = convert(src, dst, to.value, force=force, shard_size=shard_size, dtype=None if dtype is None else
+                              dtype.value, bits=bits, group_size=group_size, sym=sym, progress=cb, verify=verify.value,
+                              gguf_type=gguf_type.value,
+                              quant={"head_bits": head_bits, "calibration": calibration, "rows": rows, "length": length,
+                                     "measurement": measurement, "save_measurement": save_measurement,
+                                     "device": device, "seed": seed, "resume": resume, "act_order": act_order,
+                                     "work_dir": work_dir,
+                                     "extended": not upstream_tables, "refine_scales": refine_scales})
+            _render(out, rep)
         code = EXIT_OK
     except typer.Exit:
         raise

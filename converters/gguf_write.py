@@ -23,7 +23,7 @@
    max error are reported.  GPTQ symmetric 4-bit with groups of 32k rows and trivial ``g_idx`` -> Q4_0, and
    GPTQ symmetric 8-bit (or <= 7-bit) -> Q8_0, are exact.  EXL2 layers are exact only where a block lies in
    one group of one scale, which EXL2's input permutation rarely allows.
-4. Verify: the temporary file (``.<name>.exl2fmt-partial-<hex>`` next to DST) is re-read through exl2fmt's
+4. Verify: the temporary file (in ``.<name>.exl2fmt-partial-<hex>/`` next to DST) is re-read through exl2fmt's
    bounded GGUF reader (``exl2fmt.gguf_scan``); names, types and shapes must be the planned ones, every tensor's bytes must
    match the checksum of what was produced, and the key hyper-parameters must read back.  ``verify="full"``
    also decodes every layer from the file again and compares it with a fresh decode of SRC.  Then the file is
@@ -48,7 +48,9 @@ import numpy as np
 from ..errors import ErrorCode, Exl2Error
 from .base import (ConversionReport, LayerReport, SourceReader, TensorReport, bf16_bits_to_f32, build_layer,
                    checksum, checksum_of_file_range, check_paths, error_stats, f32_to_bf16_bits,
-                   layer_issues_or_raise, natural_key, publish, _remove)
+                   layer_issues_or_raise, lower_shield, make_partial_dir, name_unnamed_os_error, natural_key, publish,
+                   stale_note, _remove)
+from .partials import fault_point
 from .gguf_map import DROPPED_SUFFIXES, arch_of, gguf_name_map, permute_qk, qk_heads
 from .slots import G_IDX, Q_INVPERM, Q_SCALE_MAX, QWEIGHT, QZEROS, SCALES
 
@@ -515,26 +517,18 @@ def _metadata(w, arch, hp, cfg, layer_t, model, items, report) -> None:
     w.add_string("general.quantized_by", f"exl2fmt {__version__}")
 
 
-def _tmp_path(dst: Path) -> Path:
-    import secrets
-
-    parent = dst.parent if str(dst.parent) else Path(".")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot create the parent directory: {e.strerror or e}",
-                        file=str(parent)) from None
-    return parent / f".{dst.name[:150]}.exl2fmt-partial-{secrets.token_hex(6)}"
-
-
 def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, force, progress, verify,
                        _fail_after) -> None:
     import gguf
 
     t0 = time.perf_counter()
-    tmp = _tmp_path(dst_p)
+    removed: list[str] = []
+    tmp_dir = make_partial_dir(dst_p, removed)  # marked, so a killed run's leftover is removed by the next
+    report.warnings.extend(stale_note(removed))
+    tmp = tmp_dir / dst_p.name
     w = None
     try:
+        fault_point("partial")
         w = gguf.GGUFWriter(None, arch)
         _metadata(w, arch, hp, model.config, layer_t, model, items, report)
         n_vocab = next((it.shape[0] for it in items if it.gguf_name == "token_embd.weight"), hp["vocab"])
@@ -573,11 +567,16 @@ def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, fo
         report.files_written = [dst_p.name]
         report.shards = [dst_p.name]
         report.seconds["write"] = time.perf_counter() - t0
+        fault_point("written")
         t0 = time.perf_counter()
         _verify(tmp, items, hp, arch, report, progress, total, verify)
         report.seconds["verify"] = time.perf_counter() - t0
+        fault_point("verified")
         publish(tmp, dst_p, force)
         tmp = None
+        fault_point("published")
+    except BaseException as e:
+        raise name_unnamed_os_error(e, tmp) from None
     finally:
         if w is not None:
             try:
@@ -586,6 +585,8 @@ def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, fo
                 pass
         if tmp is not None:
             _remove(tmp)
+        _remove(tmp_dir)
+        report.warnings.extend(lower_shield())
 
 
 def _verify(path: Path, items, hp, arch, report, progress, total, mode) -> None:

@@ -621,7 +621,10 @@ def _validate_open(rep: Report, model, path: Path, deep: bool, reference, progre
            "complete data, no trailing bytes)", count=len(model.files))
 
     # --- index ------------------------------------------------------------------------------------------
-    idx_issues = model.index_issues()
+    idx_issues = [i for i in model.index_issues() if i.code is not ErrorCode.SHARD_OUTSIDE_MODEL]
+    for i in model.index_issues():
+        if i.code is ErrorCode.SHARD_OUTSIDE_MODEL:  # where the bytes come from: a container matter
+            rep.add_issue(CheckId.CONTAINER, i)
     for i in idx_issues:
         rep.add_issue(CheckId.INDEX, i)
     if model.index_path is not None:
@@ -652,6 +655,8 @@ def _validate_open(rep: Report, model, path: Path, deep: bool, reference, progre
     try:
         config = model.config
     except Exl2Error as e:
+        if e.code.category is Category.UNREADABLE:  # a FIFO, device or directory: exit 3 like any input
+            raise
         rep.add(CheckId.CONFIG, Status.FAIL, e.code, e.message, tensor=e.tensor, file=e.file)
     else:
         if config is None and path.is_dir():

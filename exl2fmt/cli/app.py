@@ -448,7 +448,8 @@ def _save_npy(path: str, w) -> None:
             os.unlink(tmp)
         except OSError:
             pass
-        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot write: {e.strerror or e}", file=path) from None
+        hint = "" if e.errno is not None else " (is the disk full?)"  # numpy's short-write error has no errno
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot write: {e.strerror or e}{hint}", file=path) from None
 
 
 # ------------------------------------------------------------------------------------------------ demo
@@ -518,7 +519,18 @@ app.command("convert", epilog=EXIT_CODES_HELP)(convert_command)
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (``exl2fmt``)."""
-    app(args=argv, prog_name="exl2fmt")
+    import signal
+    import sys
+
+    from .errors import EXIT_INTERRUPTED, Interrupted, interrupt_handler
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # leave an ignored SIGINT ignored
+        signal.signal(signal.SIGINT, interrupt_handler)
+    try:
+        app(args=argv, prog_name="exl2fmt")
+    except Interrupted:  # before or after a command body (start-up, option parsing)
+        sys.stderr.write("error: [INTERRUPTED] interrupted\n")
+        sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":  # python -m exl2fmt.cli.app

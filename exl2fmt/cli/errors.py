@@ -23,7 +23,7 @@ import traceback
 
 from ..errors import Category, Exl2Error
 
-__all__ = ["EXIT_OK", "EXIT_INVALID", "EXIT_USAGE", "EXIT_UNREADABLE", "EXIT_INTERNAL", "EXIT_INTERRUPTED",
+__all__ = ["Interrupted", "interrupt_handler", "EXIT_OK", "EXIT_INVALID", "EXIT_USAGE", "EXIT_UNREADABLE", "EXIT_INTERNAL", "EXIT_INTERRUPTED",
            "EXIT_BROKEN_PIPE", "EXIT_FOR_CATEGORY", "exit_code_for", "debug_enabled", "handle_exception"]
 
 EXIT_OK = 0
@@ -41,6 +41,15 @@ EXIT_FOR_CATEGORY = {
 }
 
 
+class Interrupted(BaseException):
+    """SIGINT in the CLI process (``main`` installs the handler).  Not a KeyboardInterrupt, which click would
+    turn into "Aborted!" and exit 1 outside a command body; every layer maps it to exit 130."""
+
+
+def interrupt_handler(signum, frame) -> None:  # noqa: ARG001 - signal handler protocol
+    raise Interrupted()
+
+
 def exit_code_for(exc: BaseException) -> int:
     if isinstance(exc, Exl2Error):
         return EXIT_FOR_CATEGORY[exc.code.category]
@@ -48,7 +57,7 @@ def exit_code_for(exc: BaseException) -> int:
         return EXIT_BROKEN_PIPE
     if isinstance(exc, OSError):
         return EXIT_UNREADABLE
-    if isinstance(exc, KeyboardInterrupt):
+    if isinstance(exc, (KeyboardInterrupt, Interrupted)):
         return EXIT_INTERRUPTED
     return EXIT_INTERNAL
 
@@ -74,8 +83,8 @@ def handle_exception(exc: BaseException, out, *, debug: bool = False) -> int:
     elif isinstance(exc, OSError):
         out.error("IO_ERROR", exc.strerror or str(exc), file=getattr(exc, "filename", None),
                   category=Category.UNREADABLE.value, exit_code=code)
-    elif isinstance(exc, KeyboardInterrupt):
-        out.error("INTERRUPTED", "interrupted", exit_code=code)
+    elif isinstance(exc, (KeyboardInterrupt, Interrupted)):
+        out.error("INTERRUPTED", "interrupted; nothing was published", exit_code=code)
     else:
         hint = None if debug_enabled(debug) else "run with --debug (or EXL2FMT_DEBUG=1) for the traceback"
         out.error("INTERNAL", f"internal error: {type(exc).__name__}: {exc}", category="internal",

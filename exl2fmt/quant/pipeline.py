@@ -34,7 +34,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -890,7 +889,9 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
     (and N % 32 == 0 for GPTQ) is quantized with an identity Hessian (round-to-nearest with the scale search,
     no act-order); the budget is spread by the relative weight error of each candidate setting, one layer per
     slot.  Everything else is written as fp16."""
-    from ..converters.base import _remove, check_paths, copy_side_files, make_partial_dir, publish
+    from ..converters.base import (_remove, check_paths, copy_side_files, lower_shield, make_partial_dir,
+                                   name_unnamed_os_error, publish, stale_note)
+    from ..converters.partials import fault_point
     from . import forward as F
     from .gptq import prepare, quantize_exl2, quantize_gptq
     from .qparams import QParams, block_options
@@ -955,8 +956,10 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
     report.seconds["measure"] = time.monotonic() - t
     t = time.monotonic()
     check_paths(src_p, dst_p, force)
-    tmp = make_partial_dir(dst_p)
-    layer_dir = Path(tempfile.mkdtemp(prefix=f".{dst_p.name[:100]}.exl2fmt-layers-", dir=tmp.parent))
+    removed: list[str] = []
+    tmp = make_partial_dir(dst_p, removed)
+    layer_dir = make_partial_dir(dst_p)  # marked too: a killed run's leftovers are removed by the next run
+    report.warnings.extend(stale_note(removed))
     try:
         # each packed layer goes to a file as it is made; the output is then written tensor by tensor
         layers = []
@@ -980,12 +983,15 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
         copy_side_files(src_p if src_p.is_dir() else src_p.parent, tmp)
         _write_metadata(tmp, config, o, report, weight_only=True)
         _validate_or_raise(tmp)
+        fault_point("verified")
         publish(tmp, dst_p, force)
-    except BaseException:
+        fault_point("published")
+    except BaseException as e:
         _remove(tmp)
-        raise
+        raise name_unnamed_os_error(e, tmp)
     finally:
         shutil.rmtree(layer_dir, ignore_errors=True)
+        report.warnings.extend(lower_shield())
     report.seconds["quantize+compile+verify"] = time.monotonic() - t
     report.seconds["total"] = time.monotonic() - t0
     return report
@@ -998,7 +1004,9 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                    progress: Progress | None = None) -> QuantReport:
     """Quantize the dense Hugging Face model at ``src`` into a new EXL2 or GPTQ model directory ``dst``."""
     from ..container import open_model
-    from ..converters.base import _remove, check_paths, make_partial_dir, publish
+    from ..converters.base import (_remove, check_paths, lower_shield, make_partial_dir, name_unnamed_os_error,
+                                   publish, stale_note)
+    from ..converters.partials import fault_point
     from . import forward as F
     from .calib import load_calibration
     from .qparams import block_options, measurement_key, read_measurement, write_measurement
@@ -1085,23 +1093,30 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         report.seconds["quantize"] = time.monotonic() - t
         t = time.monotonic()
         layer_keys = [spec.linear_key(i, n) for i, k in _blocks(spec) for n in _linears(spec, k)]
-        tmp = make_partial_dir(dst_p)
+        removed: list[str] = []
+        tmp = make_partial_dir(dst_p, removed)
+        report.warnings.extend(stale_note(removed))
         try:
+            fault_point("partial")
             if progress:
                 progress("compile", 0, 1, "writing the output")
             _compile(spec, srcw, src_p if src_p.is_dir() else src_p.parent, tmp, work, o, report, config, layer_keys)
             if progress:
                 progress("verify", 0, 1, "validating the output")
             _verify(tmp, work, layer_keys, o, report)
+            fault_point("verified")
             publish(tmp, dst_p, force)
+            fault_point("published")
             if progress:
                 progress("done", 1, 1, str(dst_p))
-        except BaseException:
+        except BaseException as e:
             _remove(tmp)
-            raise
+            lower_shield()
+            raise name_unnamed_os_error(e, tmp)
         report.seconds["compile+verify"] = time.monotonic() - t
         shutil.rmtree(work.root, ignore_errors=True)
         report.seconds["total"] = time.monotonic() - t0
+        report.warnings.extend(lower_shield())
         return report
     finally:
         model.close()
