@@ -159,6 +159,11 @@ class ErrorCode(str, enum.Enum):
     DISK_SPACE = ("DISK_SPACE", Category.USAGE,
                   "the destination's filesystem must have room for the quantizer's work files and the output")
 
+    # --- measurement reuse (appended; see exl2fmt/quant/qparams.py) ------------------------------------
+    MEASUREMENT_MODEL_MISMATCH = ("MEASUREMENT_MODEL_MISMATCH", Category.USAGE,
+                                  "a reused measurement must have been measured on this model (same layer count "
+                                  "and layer shapes)")
+
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol
         return None
