@@ -90,13 +90,15 @@ def convert_command(
     act_order: Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", show_default=False,
                                                       help="FP16 -> exl2/gptq: --act-order = --order act, "
                                                       "--no-act-order = --order natural.")] = None,
-    order: Annotated[Optional[str], typer.Option("--order", metavar="act|group|natural", show_default=False,
+    order: Annotated[Optional[str], typer.Option("--order", metavar="act|group|static|natural", show_default=False,
                                                  help="FP16 -> exl2/gptq: input-feature order of the GPTQ sweep. "
                                                  "act: by decreasing Hessian diagonal (GPTQ: desc_act, "
-                                                 "non-monotone g_idx). group (GPTQ only): whole groups, most "
-                                                 "important first, act-order inside each; g_idx stays monotone "
-                                                 "(desc_act false), as vLLM's Marlin kernels want. Default: act "
-                                                 "for exl2, group for gptq.")] = None,
+                                                 "non-monotone g_idx). GPTQ only, g_idx stays monotone "
+                                                 "(desc_act false, as vLLM's Marlin kernels want): static = "
+                                                 "act-order over groups of consecutive features; group = "
+                                                 "whole groups, most important first, act-order inside each "
+                                                 "(GPTQModel's default). natural: no reordering. Default: act "
+                                                 "for exl2, static for gptq.")] = None,
     upstream_tables: Annotated[bool, typer.Option("--upstream-tables", help="FP16 -> exl2: choose only among "
                                                   "ExLlamaV2's own candidate settings (default: also exl2fmt's "
                                                   "extra rows; see bench/RESULTS.md).")] = False,

@@ -180,7 +180,7 @@ def _autogptq_fields() -> set[str] | None:
     return {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign)}
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(sym=False, order="act")])
+@pytest.mark.parametrize("kw", [dict(), dict(sym=False, order="group"), dict(order="act")])
 def test_gptq_config_fields_as_gptqmodel_writes_them(tiny, tmp_path, kw):
     from exl2fmt.container import open_model
     from exl2fmt.quant.pipeline import quantize_model
@@ -189,13 +189,14 @@ def test_gptq_config_fields_as_gptqmodel_writes_them(tiny, tmp_path, kw):
     quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=32, **kw))
     qc = json.loads((tmp_path / "g" / "config.json").read_text())["quantization_config"]
     sym, act = kw.get("sym", True), kw.get("order") == "act"
+    order = kw.get("order", "static")
     assert {k: qc[k] for k in ("bits", "group_size", "desc_act", "sym", "lm_head", "method", "quant_method",
                                "format", "checkpoint_format", "pack_dtype")} == {
         "bits": 4, "group_size": 32, "desc_act": act, "sym": sym, "lm_head": False, "method": "gptq",
         "quant_method": "gptq", "format": "gptq", "checkpoint_format": "gptq", "pack_dtype": "int32"}
     meta = qc["meta"]
     assert meta["damp_percent"] == 0.01 and meta["static_groups"] is False and meta["true_sequential"] is True
-    assert meta["act_group_aware"] is (not act)
+    assert meta["act_group_aware"] is (order == "group") and meta["exl2fmt_order"] == order
     assert meta["quantizer"][0].startswith("exl2fmt:")
     # GPTQModel loads an asymmetric v1 model only when meta.quantizer names gptqmodel >= 0.9.0
     gm = [q.split(":")[1] for q in meta["quantizer"] if q.split(":")[0] == "gptqmodel"]
@@ -214,7 +215,7 @@ def test_gptq_config_fields_as_gptqmodel_writes_them(tiny, tmp_path, kw):
         if act:
             assert not np.all(np.diff(g) >= 0) and np.bincount(g).tolist() == [32] * (K // 32)
             assert K == 128
-        else:                 # group-aware: the g_idx of no reordering at all
+        else:                 # static, group-aware: the g_idx of no reordering at all
             assert np.array_equal(g, np.arange(K) // 32)
     finally:
         m.close()
@@ -267,10 +268,11 @@ def test_order_options():
     def order(**kw):
         return QuantOptions(device="cpu", **kw).resolved().order
 
-    assert order(target="exl2") == "act" and order(target="gptq") == "group"
+    assert order(target="exl2") == "act" and order(target="gptq") == "static"
     assert order(target="gptq", act_order=True) == "act" and order(target="gptq", act_order=False) == "natural"
     assert order(target="exl2", act_order=False) == "natural"
-    for bad in (dict(target="exl2", order="group"), dict(target="gptq", order="act", act_order=False),
+    for bad in (dict(target="exl2", order="group"), dict(target="exl2", order="static"),
+                dict(target="gptq", order="act", act_order=False),
                 dict(target="gptq", order="sideways")):
         with pytest.raises(Exl2Error) as e:
             order(**bad)

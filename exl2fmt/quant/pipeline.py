@@ -67,10 +67,11 @@ class QuantOptions:
     sym: bool = True                      # gptq
     act_order: bool | None = None         # True = order "act", False = "natural"; None: from ``order``
     # input-feature order of the GPTQ sweep: "act" (decreasing Hessian diagonal; GPTQ: desc_act, non-monotone
-    # g_idx), "group" (GPTQ only: groups of group_size consecutive features ranked by their largest diagonal,
-    # features by decreasing diagonal within each group; g_idx stays k // group_size, desc_act False),
-    # "natural".  None = auto: "act" for EXL2 (its stored permutation makes act-order free), "group" for GPTQ
-    # (monotone g_idx, which vLLM's Marlin kernels need, at act-order quality: bench/RESULTS.md)
+    # g_idx); GPTQ only, with g_idx = k // group_size (monotone, desc_act False): "static" (the act-order over
+    # groups of group_size consecutive features, each group fitted at its first row) and "group" (whole groups
+    # ranked by their largest diagonal, act-order inside each: GPTQModel's default); "natural".  None = auto:
+    # "act" for EXL2 (its stored permutation makes act-order free), "static" for GPTQ (monotone g_idx, which
+    # vLLM's Marlin kernels need, at act-order quality: bench/RESULTS.md)
     order: str | None = None
     calibration: str | None = None        # file, or None for the built-in set
     rows: int | None = None               # default: 100 on CUDA, 32 on CPU
@@ -133,6 +134,8 @@ class QuantOptions:
 
 
 _ORDERS = ("act", "group", "static", "natural")
+#: The GPTQ default: the best in KL of the orders that keep g_idx monotone (bench/RESULTS.md, issue 16).
+_GPTQ_DEFAULT_ORDER = "static"
 
 
 def _resolve_order(o: "QuantOptions") -> str:
@@ -145,7 +148,7 @@ def _resolve_order(o: "QuantOptions") -> str:
     if order is None and o.act_order is not None:
         order = "act" if o.act_order else "natural"
     if order is None:
-        order = "act" if o.target == "exl2" else "group"
+        order = "act" if o.target == "exl2" else _GPTQ_DEFAULT_ORDER
     if order in ("group", "static") and o.target == "exl2":
         raise Exl2Error(ErrorCode.USAGE, f"--order {order} is for GPTQ output: EXL2 stores its own input "
                         "permutation, so it takes the full act-order at no cost (--order act, the default)")
