@@ -87,8 +87,18 @@ def convert_command(
                                                      "where checkpoints, per-layer files and the measurement's "
                                                      "candidates go (default: .DST.exl2fmt-work next to DST); "
                                                      "removed after success.")] = None,
-    act_order: Annotated[bool, typer.Option("--act-order/--no-act-order", help="FP16 -> exl2/gptq: process "
-                                            "input features by decreasing Hessian diagonal.")] = True,
+    act_order: Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", show_default=False,
+                                                      help="FP16 -> exl2/gptq: --act-order = --order act, "
+                                                      "--no-act-order = --order natural.")] = None,
+    order: Annotated[Optional[str], typer.Option("--order", metavar="act|group|static|natural", show_default=False,
+                                                 help="FP16 -> exl2/gptq: input-feature order of the GPTQ sweep. "
+                                                 "act: by decreasing Hessian diagonal (GPTQ: desc_act, "
+                                                 "non-monotone g_idx). GPTQ only, g_idx stays monotone "
+                                                 "(desc_act false, as vLLM's Marlin kernels want): static = "
+                                                 "act-order over groups of consecutive features; group = "
+                                                 "whole groups, most important first, act-order inside each "
+                                                 "(GPTQModel's default). natural: no reordering. Default: act "
+                                                 "for exl2, static for gptq.")] = None,
     upstream_tables: Annotated[bool, typer.Option("--upstream-tables", help="FP16 -> exl2: choose only among "
                                                   "ExLlamaV2's own candidate settings (default: also exl2fmt's "
                                                   "extra rows; see bench/RESULTS.md).")] = False,
@@ -187,7 +197,7 @@ def convert_command(
                               gguf_type=gguf_type.value,
                               quant={"head_bits": head_bits, "calibration": calibration, "rows": rows, "length": length,
                                      "measurement": measurement, "save_measurement": save_measurement,
-                                     "device": device, "seed": seed, "resume": resume, "act_order": act_order,
+                                     "device": device, "seed": seed, "resume": resume, "act_order": act_order, "order": order,
                                      "work_dir": work_dir,
                                      "extended": not upstream_tables, "refine_scales": refine_scales})
             _render(out, rep)

@@ -11,7 +11,24 @@ from dataclasses import dataclass
 
 from .config_values import sane_int
 
-__all__ = ["expected_features", "GptqConfig", "gptq_config"]
+__all__ = ["expected_features", "GptqConfig", "gptq_config", "EXLLAMAV2_VERSION", "exl2_quantization_config",
+           "GPTQMODEL_V1_ZEROS", "AUTOGPTQ_KEYS", "gptq_quantization_config", "autogptq_quantize_config"]
+
+#: The ExLlamaV2 release whose EXL2 layout, candidate tables and ``quantization_config`` keys exl2fmt follows.
+#: ExLlamaV2 writes its own version number as ``quantization_config.version``; exl2fmt writes this one there
+#: (the keys ExLlamaV2 writes keep ExLlamaV2's meaning) and names itself under ``producer``.
+EXLLAMAV2_VERSION = "0.3.2"
+
+
+def exl2_quantization_config(bits: float, head_bits: int | None, calibration: dict | None, producer_version: str,
+                             **ours) -> dict:
+    """``config.json`` ``quantization_config`` of an EXL2 model: ExLlamaV2's keys with ExLlamaV2's meaning
+    (``quant_method``, ``version`` = ``EXLLAMAV2_VERSION``, ``bits``, ``head_bits``, ``calibration`` {rows,
+    length, dataset}), then exl2fmt's own under separate keys: ``producer`` {name, version} and ``ours``."""
+    qc = {"quant_method": "exl2", "version": EXLLAMAV2_VERSION, "bits": bits, "head_bits": head_bits,
+          "calibration": calibration, "producer": {"name": "exl2fmt", "version": producer_version}}
+    qc.update(ours)
+    return qc
 
 
 def _int(cfg: dict, *names) -> int | None:
@@ -89,3 +106,52 @@ def gptq_config(config: dict | None) -> GptqConfig:
     return GptqConfig(bits=bits, group_size=gs, sym=qc.get("sym") if isinstance(qc.get("sym"), bool) else None,
                       desc_act=qc.get("desc_act") if isinstance(qc.get("desc_act"), bool) else None,
                       v2=(fmt == "gptq_v2"), quantizer=quantizer if isinstance(quantizer, str) else None)
+
+
+# ------------------------------------------------------------------------------------------------ GPTQ metadata
+
+#: GPTQModel's loader refuses an asymmetric checkpoint in the v1 (``"gptq"``) format unless ``meta.quantizer``
+#: names ``gptqmodel`` at this version or later: from it on GPTQModel writes v1 zero points the standard way
+#: (stored = zero point - 1, never negative), which is what exl2fmt writes.  exl2fmt lists it after itself, as
+#: the convention the file follows (GPTQModel lists a second quantizer the same way).
+GPTQMODEL_V1_ZEROS = "gptqmodel:0.9.0"
+
+#: Every key of AutoGPTQ 0.7's ``BaseQuantizeConfig`` that a file carries; it warns about any other key of
+#: ``quantize_config.json`` (``is_marlin_format`` and ``awq_gemm_checkpoint`` are left out: GPTQModel refuses
+#: the first and the second describes AWQ).
+AUTOGPTQ_KEYS = ("bits", "group_size", "damp_percent", "desc_act", "static_groups", "sym", "true_sequential",
+                 "model_name_or_path", "model_file_base_name")
+
+
+def gptq_quantization_config(bits: int, group_size: int, sym: bool, desc_act: bool, producer_version: str, *,
+                             act_group_aware: bool = False, damp_percent: float = 0.01, true_sequential: bool = True,
+                             **meta) -> dict:
+    """``config.json`` ``quantization_config`` of a GPTQ (v1) model, with the keys GPTQModel 7.x writes:
+    ``bits``, ``group_size``, ``desc_act``, ``sym``, ``lm_head``, ``method`` and ``quant_method``, ``format`` and
+    ``checkpoint_format`` (both ``"gptq"``), ``pack_dtype`` (``"int32"``), and under ``meta`` the settings that
+    do not change inference: ``quantizer`` (``exl2fmt:<version>`` and ``GPTQMODEL_V1_ZEROS``),
+    ``damp_percent``, ``static_groups``, ``true_sequential``, ``act_group_aware``, plus ``meta`` extras.
+    ``desc_act`` True means a non-monotone ``g_idx`` (act-order); group-aware reordering keeps ``g_idx`` =
+    ``k // group_size`` and writes ``desc_act`` False, as GPTQModel does."""
+    return {"bits": int(bits), "group_size": int(group_size), "desc_act": bool(desc_act), "sym": bool(sym),
+            "lm_head": False, "method": "gptq", "quant_method": "gptq", "format": "gptq", "checkpoint_format": "gptq",
+            "pack_dtype": "int32",
+            "meta": {"quantizer": [f"exl2fmt:{producer_version}", GPTQMODEL_V1_ZEROS], "damp_percent": damp_percent,
+                     "static_groups": False, "true_sequential": bool(true_sequential),
+                     "act_group_aware": bool(act_group_aware), **meta}}
+
+
+def autogptq_quantize_config(qc: dict) -> dict:
+    """``quantize_config.json`` for ``qc`` (``gptq_quantization_config``).  AutoGPTQ and GPTQModel both read
+    this file before ``config.json``, so it holds AutoGPTQ's own keys (``AUTOGPTQ_KEYS``: AutoGPTQ reads it
+    without a warning; GPTQModel infers ``format``/``method`` gptq and ``pack_dtype`` int32 from their absence),
+    and ``meta`` only for an asymmetric model, which GPTQModel refuses to load without ``meta.quantizer``
+    (AutoGPTQ then notes that it ignores that one key)."""
+    meta = qc.get("meta") or {}
+    out = {"bits": qc["bits"], "group_size": qc["group_size"], "damp_percent": meta.get("damp_percent", 0.01),
+           "desc_act": qc["desc_act"], "static_groups": meta.get("static_groups", False), "sym": qc["sym"],
+           "true_sequential": meta.get("true_sequential", True), "model_name_or_path": None,
+           "model_file_base_name": "model"}
+    if not qc["sym"]:
+        out["meta"] = {"quantizer": list(meta.get("quantizer", []))}
+    return out

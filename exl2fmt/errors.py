@@ -182,6 +182,10 @@ class ErrorCode(str, enum.Enum):
     SHARD_OUTSIDE_MODEL = ("SHARD_OUTSIDE_MODEL", Category.INVALID,
                            "a shard should lie inside the model directory (a symlink out of it is read, with a "
                            "warning naming the target)")
+    # --- measurement reuse (appended; see exl2fmt/quant/qparams.py) ------------------------------------
+    MEASUREMENT_MODEL_MISMATCH = ("MEASUREMENT_MODEL_MISMATCH", Category.USAGE,
+                                  "a reused measurement must have been measured on this model (same layer count "
+                                  "and layer shapes)")
 
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol

@@ -121,6 +121,11 @@ def _split_tool(text: str) -> tuple[str, str | None]:
 def producer(qc: dict | None, method: str | None, metadata: dict[str, str]) -> dict:
     """Who wrote the model, from quantization_config (preferred) or safetensors ``__metadata__``."""
     q = qc if isinstance(qc, dict) else {}
+    prod = q.get("producer")
+    if method in ("exl2", "exl3") and isinstance(prod, dict) and isinstance(prod.get("name"), str) and prod["name"]:
+        ver = prod.get("version")
+        return {"name": prod["name"], "version": ver if isinstance(ver, str) else None,
+                "source": "quantization_config.producer"}
     if method in ("exl2", "exl3") and isinstance(q.get("version"), str):
         v = q["version"]
         if " " in v.strip():

@@ -220,7 +220,7 @@ def test_measurement_json_round_trip_and_upstream_keys(tmp_path):
     opts = QP.block_options("attn")
     rows = [(o, 1000 + j, 0.9 + j / 1000) for j, o in enumerate(opts)]
     p = tmp_path / "measurement.json"
-    QP.write_measurement(p, {"model.layers.0.self_attn": rows}, 2)
+    QP.write_measurement(p, {"model.layers.0.self_attn": rows[::-1]}, 2)    # written in ascending cost
     doc = json.loads(p.read_text())
     d0 = doc["measurement"]["model.layers.0.self_attn"][0]
     assert d0["q_proj"] == {"group_size": {"3": 64, "2": 64}, "bits": [3, 2], "bits_prop": [0.05, 0.95], "scale_bits": 4}
@@ -385,9 +385,10 @@ def test_gptq_pipeline_writes_a_valid_gptq_model(tiny_llama, tmp_path, monkeypat
     rep = validate_model(tmp_path / "g", deep=True)
     assert not rep.failed, rep.as_dict()
     qc = json.loads((tmp_path / "g" / "quantize_config.json").read_text())
-    assert qc["bits"] == 4 and qc["group_size"] == 64 and qc["desc_act"] is True
+    assert qc["bits"] == 4 and qc["group_size"] == 64 and qc["desc_act"] is False   # default: monotone g_idx
     m = open_model(tmp_path / "g")
     try:
+        assert np.array_equal(m.get("model.layers.1.mlp.down_proj.g_idx"), np.arange(256) // 64)
         lay = load_layer(m, "model.layers.1.mlp.down_proj")
         assert type(lay).__name__ == "GptqLinear"
         w = lay.dequantize().astype(np.float32)
@@ -446,7 +447,7 @@ def test_peer_autogptq_decodes_the_quantizers_gptq_output(tiny_llama, tmp_path, 
 
     QuantLinear = _autogptq_quantlinear()
     src, ids = tiny_llama
-    r = quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=32, sym=sym))
+    r = quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=32, sym=sym, order="act"))
     m = open_model(tmp_path / "g")
     try:
         for l in r.layers:

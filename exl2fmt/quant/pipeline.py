@@ -64,7 +64,14 @@ class QuantOptions:
     head_bits: int = 6                    # exl2 head setting (2/3/4/5/6/8)
     group_size: int = 128                 # gptq
     sym: bool = True                      # gptq
-    act_order: bool = True
+    act_order: bool | None = None         # True = order "act", False = "natural"; None: from ``order``
+    # input-feature order of the GPTQ sweep: "act" (decreasing Hessian diagonal; GPTQ: desc_act, non-monotone
+    # g_idx); GPTQ only, with g_idx = k // group_size (monotone, desc_act False): "static" (the act-order over
+    # groups of group_size consecutive features, each group fitted at its first row) and "group" (whole groups
+    # ranked by their largest diagonal, act-order inside each: GPTQModel's default); "natural".  None = auto:
+    # "act" for EXL2 (its stored permutation makes act-order free), "static" for GPTQ (monotone g_idx, which
+    # vLLM's Marlin kernels need, at act-order quality: bench/RESULTS.md)
+    order: str | None = None
     calibration: str | None = None        # file, or None for the built-in set
     rows: int | None = None               # default: 100 on CUDA, 32 on CPU
     length: int | None = None             # default: 2048 on CUDA, 512 on CPU
@@ -103,6 +110,8 @@ class QuantOptions:
             o.bits = int(o.bits)
         else:
             raise Exl2Error(ErrorCode.USAGE, f"the quantizer writes exl2 or gptq, not {o.target!r}")
+        o.order = _resolve_order(o)
+        o.act_order = o.order != "natural"
         if o.rows <= 0 or o.length <= 0:
             raise Exl2Error(ErrorCode.USAGE, "--rows and --length must be positive")
         # checked here, before calibration and measurement, rather than when the head or first layer is reached
@@ -121,6 +130,28 @@ class QuantOptions:
         for k in ("resume", "work_dir", "save_measurement", "shard_size"):
             d.pop(k)
         return d
+
+
+_ORDERS = ("act", "group", "static", "natural")
+#: The GPTQ default: the best in KL of the orders that keep g_idx monotone (bench/RESULTS.md, issue 16).
+_GPTQ_DEFAULT_ORDER = "static"
+
+
+def _resolve_order(o: "QuantOptions") -> str:
+    """The GPTQ sweep's input order from ``order`` and ``act_order`` (see QuantOptions)."""
+    order = o.order
+    if order is not None and order not in _ORDERS:
+        raise Exl2Error(ErrorCode.USAGE, f"--order must be one of {', '.join(_ORDERS)}, got {order!r}")
+    if o.act_order is True and order == "natural" or o.act_order is False and order not in (None, "natural"):
+        raise Exl2Error(ErrorCode.USAGE, f"--{'' if o.act_order else 'no-'}act-order contradicts --order {order}")
+    if order is None and o.act_order is not None:
+        order = "act" if o.act_order else "natural"
+    if order is None:
+        order = "act" if o.target == "exl2" else _GPTQ_DEFAULT_ORDER
+    if order in ("group", "static") and o.target == "exl2":
+        raise Exl2Error(ErrorCode.USAGE, f"--order {order} is for GPTQ output: EXL2 stores its own input "
+                        "permutation, so it takes the full act-order at no cost (--order act, the default)")
+    return order
 
 
 @dataclass
@@ -464,6 +495,27 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
     return measured
 
 
+def _write_measurement_file(path: Path, spec, measured: dict, options_of) -> None:
+    """ExLlamaV2's ``measurement.json`` from ``measured`` {block key: [[option index, bits, accuracy]]}: each
+    row's ``total_bits`` is this model's exact cost of the setting, the rows in ascending cost
+    (``qparams.write_measurement``), ``last_module_idx`` counted as ExLlamaV2 counts modules."""
+    from .qparams import exllamav2_last_module_idx, write_measurement
+
+    rows_by_key = {}
+    for key, rows in measured.items():
+        opts = options_of("attn" if key.endswith("self_attn") else "mlp")
+        out = []
+        for j, _, acc in rows:
+            opt = opts[j]
+            bits = 0
+            for n, qp in opt.layers:
+                N, K = spec.linear_shape(n)
+                bits += qp.total_bits(K, N, spec.has_bias(n))
+            out.append((opt, bits, acc))
+        rows_by_key[key] = out
+    write_measurement(path, rows_by_key, exllamav2_last_module_idx(spec.num_layers))
+
+
 def _release_memory() -> None:
     """Hand freed heap pages back to the OS (glibc keeps large freed blocks in its arenas otherwise, so the
     resident set would grow with every block's temporaries)."""
@@ -595,7 +647,10 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
             owner = _OWNER[group[0]]
             acc = HessianAccumulator(W[owner][0].shape[1], device)
             blk.sweep(h, lin, {owner: acc})
-            prep = prepare(acc.take(), percdamp=damp, act_order=o.act_order)   # one factorization per group
+            gs = _gptq_groups(o, W[owner][0].shape[1])
+            prep = prepare(acc.take(), percdamp=damp, act_order=o.act_order,   # one factorization per group
+                           within_groups=gs if o.order == "group" else None,
+                           fixed_groups=gs if o.order == "static" else None)
             del acc
             for n in group:
                 w, b = W[n]
@@ -671,6 +726,13 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         report.warnings.append(f"the calibration perplexity rose from {a:.3f} (FP16) to {q:.3f} (quantized): the "
                                "quantization has probably failed; try more --bits or --head-bits, or calibration "
                                "text closer to the model's use")
+
+
+def _gptq_groups(o: QuantOptions, K: int) -> int | None:
+    """The GPTQ group size for ``prepare`` (one group of K rows for -1); None for EXL2."""
+    if o.target != "gptq":
+        return None
+    return K if o.group_size == -1 else int(o.group_size)
 
 
 def _calibration_ppl(spec, src, h, ids, head, max_logit_bytes: int = 64 << 20) -> float:
@@ -805,20 +867,21 @@ def _write_metadata(tmp: Path, config: dict, o: QuantOptions, report: QuantRepor
     cfg = dict(config)
     cfg.pop("quantization_config", None)
     if o.target == "exl2":
-        qc = {"quant_method": "exl2", "version": f"exl2fmt {__version__}", "bits": o.bits,
-              "head_bits": None if weight_only else o.head_bits,
-              "calibration": None if weight_only else {
-                  "rows": o.rows, "length": o.length,
-                  "dataset": os.path.basename(o.calibration) if o.calibration else "(default)"},
-              "producer": {"name": "exl2fmt", "version": __version__}, "manifest": "exl2fmt-manifest.json"}
-        if weight_only:
-            qc["weight_only"] = True
+        from ..arch import exl2_quantization_config
+
+        qc = exl2_quantization_config(o.bits, None if weight_only else o.head_bits, None if weight_only else {
+            "rows": o.rows, "length": o.length,
+            "dataset": os.path.basename(o.calibration) if o.calibration else "(default)"}, __version__,
+            manifest="exl2fmt-manifest.json", **({"weight_only": True} if weight_only else {}))
     else:
-        qc = {"quant_method": "gptq", "bits": o.bits, "group_size": o.group_size,
-              "desc_act": o.act_order and not weight_only, "sym": o.sym, "checkpoint_format": "gptq",
-              "damp_percent": 0.01, "static_groups": False, "true_sequential": True, "model_name_or_path": None,
-              "model_file_base_name": "model", "meta": {"quantizer": [f"exl2fmt:{__version__}"]}}
-        (tmp / "quantize_config.json").write_text(json.dumps(qc, indent=2) + "\n", encoding="utf-8")
+        from ..arch import autogptq_quantize_config, gptq_quantization_config
+        from .gptq import GPTQ_PERCDAMP
+
+        qc = gptq_quantization_config(o.bits, o.group_size, o.sym, o.order == "act" and not weight_only, __version__,
+                                      act_group_aware=o.order == "group" and not weight_only,
+                                      damp_percent=GPTQ_PERCDAMP, exl2fmt_order=None if weight_only else o.order)
+        (tmp / "quantize_config.json").write_text(json.dumps(autogptq_quantize_config(qc), indent=2) + "\n",
+                                                  encoding="utf-8")
     cfg["quantization_config"] = qc
     cfg["torch_dtype"] = "float16"
     (tmp / "config.json").write_text(json.dumps(cfg, indent=4) + "\n", encoding="utf-8")
@@ -1009,7 +1072,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
     from ..converters.partials import fault_point
     from . import forward as F
     from .calib import load_calibration
-    from .qparams import block_options, measurement_key, read_measurement, write_measurement
+    from .qparams import block_options, measurement_key, read_measurement
 
     t0 = time.monotonic()
     o = options.resolved()
@@ -1030,6 +1093,11 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
             return _weight_only(model, src_p, dst_p, o, force, progress, config, str(e.message), t0)
         srcw = F.WeightSource(model)
         F.check_weights(spec, srcw)
+        if o.target == "exl2" and o.measurement:       # a file for another model is refused before any work
+            names = {measurement_key(spec.layer_prefix(i), k): _linears(spec, k) for i, k in _blocks(spec)}
+            shapes = {n: (*spec.linear_shape(n)[::-1], spec.has_bias(n)) for k in ("attn", "mlp")
+                      for n in _linears(spec, k)}
+            loaded = read_measurement(o.measurement, names, shapes=shapes, num_layers=spec.num_layers)
         tok = src_p / "tokenizer.json"
         if o.calibration is None and not tok.exists():
             raise Exl2Error(ErrorCode.CALIBRATION_INVALID, "the built-in calibration set is text and the model has "
@@ -1057,16 +1125,19 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         if o.target == "exl2":
             t = time.monotonic()
             if o.measurement:
-                names = {measurement_key(spec.layer_prefix(i), k): _linears(spec, k) for i, k in _blocks(spec)}
-                loaded = read_measurement(o.measurement, names)
                 # map the file's options onto our option list by their settings (ExLlamaV2's files have
-                # upstream's 19/17 rows; ours may have more)
+                # upstream's 19/17 rows in upstream's order; ours are sorted by cost), in our table's order, so
+                # the solver sees what a fresh measurement gives it
                 measured = {}
                 for key, rows in loaded.items():
                     kind = "attn" if key.endswith("self_attn") else "mlp"
                     opts = options_of(kind)
                     index = {opt: j for j, opt in enumerate(opts)}
-                    measured[key] = [[index[opt], tb, acc] for opt, tb, acc in rows if opt in index]
+                    seen = {}
+                    for opt, tb, acc in rows:
+                        if opt in index and index[opt] not in seen:
+                            seen[index[opt]] = [index[opt], tb, acc]
+                    measured[key] = [seen[j] for j in sorted(seen)]
                     if not measured[key]:
                         raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{key}: none of the file's options is a "
                                         "candidate of this quantizer", file=o.measurement)
@@ -1077,9 +1148,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                     measured = work.job["measured"]
             report.seconds["measure"] = time.monotonic() - t
             if o.save_measurement:
-                rows_by_key = {k: [(options_of("attn" if k.endswith("self_attn") else "mlp")[j], tb, acc)
-                                   for j, tb, acc in v] for k, v in measured.items()}
-                write_measurement(o.save_measurement, rows_by_key, 2 * spec.num_layers)
+                _write_measurement_file(Path(o.save_measurement), spec, measured, options_of)
             if work.job.get("strategy") is None:
                 work.job["strategy"] = _optimize(spec, srcw, measured, options_of, o, report)
                 work.job["decoder_bpw"] = report.decoder_bpw
@@ -1101,6 +1170,8 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
             if progress:
                 progress("compile", 0, 1, "writing the output")
             _compile(spec, srcw, src_p if src_p.is_dir() else src_p.parent, tmp, work, o, report, config, layer_keys)
+            if o.target == "exl2":     # next to the model, as ExLlamaV2 leaves it: publishers reuse it
+                _write_measurement_file(tmp / "measurement.json", spec, measured, options_of)
             if progress:
                 progress("verify", 0, 1, "validating the output")
             _verify(tmp, work, layer_keys, o, report)
