@@ -27,16 +27,15 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ErrorCode, Exl2Error
+from .gguf_arch import SPECS
 
 __all__ = ["ARCHS", "arch_of", "hf_templates", "gguf_name_map", "hf_name_map", "permute_qk", "unpermute_qk",
            "qk_heads", "HF_ARCHITECTURES"]
 
-#: model_type -> (GGUF arch name, permute Q/K rows)
-ARCHS = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
-         "qwen3": ("qwen3", False)}
+#: model_type -> (GGUF arch name, permute Q/K rows); the full per-architecture table is ``gguf_arch.SPECS``
+ARCHS = {mt: (s.gguf_arch, s.permute_qk) for mt, s in SPECS.items()}
 #: GGUF arch -> (Hugging Face class, model_type) written by GGUF -> HF
-HF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                    "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+HF_ARCHITECTURES = {s.gguf_arch: (s.hf_class, s.model_type) for s in reversed(list(SPECS.values()))}
 
 _GLOBAL = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 _BLOCK = ("input_layernorm.weight", "post_attention_layernorm.weight",

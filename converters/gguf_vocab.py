@@ -99,6 +99,68 @@ def _load_json(path: Path):
         return json.load(f)
 
 
+def looks_special(text: str) -> bool:
+    """Added tokens that families mark non-special although they act as control tokens (llama.cpp's converter
+    types them CONTROL too): ``<pad>``, ``<mask>``, ``<2mass>``, ``[@BOS@]``, ``<|...|>``, ``<｜...｜>``,
+    ``<unused...>``."""
+    return (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (text.startswith("<|") and text.endswith("|>"))
+            or (text.startswith("<\uff5c") and text.endswith("\uff5c>"))
+            or (text.startswith("<unused") and text.endswith(">")))
+
+
+def spm_vocab(src_dir: Path, n_vocab: int) -> tuple[list[str], list[float], list[int]] | None:
+    """``(tokens, scores, types)`` of length ``n_vocab`` from a SentencePiece ``tokenizer.model`` (None when
+    there is none or the ``sentencepiece`` package is missing).
+
+    Every id below ``n_vocab`` starts as ``[PAD<i>]`` / score -10000 / UNUSED; the model's pieces overwrite them
+    with their own score and type (UNKNOWN, CONTROL, UNUSED, BYTE, else NORMAL); ``added_tokens.json`` entries
+    are USER_DEFINED with score -1000; ``tokenizer_config.json`` ``added_tokens_decoder`` entries are CONTROL
+    when special (or ``looks_special``), else USER_DEFINED with ``\u2581`` shown as a space, score -1000."""
+    path = Path(src_dir) / "tokenizer.model"
+    if not path.is_file():
+        return None
+    try:
+        from sentencepiece import SentencePieceProcessor
+    except ImportError:
+        return None
+    sp = SentencePieceProcessor()
+    sp.LoadFromFile(str(path))
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    scores = [-10000.0] * n_vocab
+    types = [UNUSED] * n_vocab
+    for i in range(min(sp.vocab_size(), n_vocab)):
+        typ = NORMAL
+        if sp.IsUnknown(i):
+            typ = UNKNOWN
+        elif sp.IsControl(i):
+            typ = CONTROL
+        elif sp.IsUnused(i):
+            typ = UNUSED
+        elif sp.IsByte(i):
+            typ = BYTE
+        tokens[i], scores[i], types[i] = sp.IdToPiece(i), sp.GetScore(i), typ
+    added = Path(src_dir) / "added_tokens.json"
+    if added.is_file():
+        for text, i in _load_json(added).items():
+            if isinstance(i, int) and 0 <= i < n_vocab:
+                tokens[i], scores[i], types[i] = text, -1000.0, USER_DEFINED
+    tcp = Path(src_dir) / "tokenizer_config.json"
+    if tcp.is_file():
+        dec = _load_json(tcp).get("added_tokens_decoder") or {}
+        for k, d in dec.items():
+            i = int(k)
+            if not 0 <= i < n_vocab or not isinstance(d, dict) or not isinstance(d.get("content"), str):
+                continue
+            text = d["content"]
+            if d.get("special") or looks_special(text):
+                types[i] = CONTROL
+            else:
+                text = text.replace("\u2581", " ")
+                types[i] = USER_DEFINED
+            tokens[i], scores[i] = text, -1000.0
+    return tokens, scores, types
+
+
 def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str]) -> dict:
     """Add ``tokenizer.ggml.*`` to the GGUFWriter ``w`` from the tokenizer files in ``src_dir``.  Returns
     ``{"model", "pre", "tokens", "merges", "padded"}`` describing what was written; problems go to
@@ -113,6 +175,21 @@ def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str]) ->
         w.add_tokenizer_model("none")
         return info
 
+    try:
+        spm = None if src_dir is None else spm_vocab(Path(src_dir), n_vocab)
+    except (OSError, ValueError, RuntimeError, TypeError) as e:
+        warnings.append(f"tokenizer: tokenizer.model not read ({type(e).__name__}: {e}); trying tokenizer.json")
+        spm = None
+    if spm is not None:
+        tokens, scores, types = spm
+        info.update(model="llama", pre="default", tokens=n_vocab)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        _special(w, src_dir, n_vocab, False, info, warnings)
+        return info
     path = None if src_dir is None else Path(src_dir) / "tokenizer.json"
     if path is None or not path.is_file():
         return none("no tokenizer.json next to the model")
@@ -173,6 +250,16 @@ def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str]) ->
         w.add_token_list(tokens)
         w.add_token_types(types)
         load_merges = True
+    _special(w, src_dir, n_vocab, load_merges, info, warnings)
+    if load_merges and not info["merges"]:
+        warnings.append("tokenizer: a BPE vocabulary without merges; llama.cpp will not tokenize it usefully")
+    return info
+
+
+def _special(w, src_dir, n_vocab: int, load_merges: bool, info: dict, warnings: list[str]) -> None:
+    """Special token ids, add_bos/add_eos, chat template (and merges) through the gguf package's SpecialVocab."""
+    import gguf
+
     log = logging.getLogger("gguf")
     level = log.level
     log.setLevel(logging.ERROR)
@@ -185,9 +272,6 @@ def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str]) ->
         warnings.append(f"tokenizer: special tokens / merges not read ({type(e).__name__}: {e})")
     finally:
         log.setLevel(level)
-    if load_merges and not info["merges"]:
-        warnings.append("tokenizer: a BPE vocabulary without merges; llama.cpp will not tokenize it usefully")
-    return info
 
 
 def _field(reader, key):

@@ -36,6 +36,7 @@ the tokenizer (``converters.gguf_vocab``).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -298,9 +299,13 @@ def convert_to_gguf(src, dst, *, gguf_type: str = "auto", force: bool = False, p
 def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) -> list[_Item]:
     from ..detect import ModelFormat
 
+    from .gguf_arch import spec_for_model_type
+
+    spec = spec_for_model_type(cfg.get("model_type"))
     name_of = gguf_name_map(arch, hp["n_layer"])
     items: list[_Item] = []
     owned: set[str] = set()
+    shard: dict[str, str] = {}  # source name -> its shard file (llama.cpp's tensor order: shard, then name)
 
     def gtype_2d(want: str, cols: int, what: str) -> str:
         if want in ("Q8_0", "Q4_0") and cols % 32:
@@ -312,6 +317,7 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
         if info.format is ModelFormat.DENSE:
             continue  # its weight (and bias) are plain tensors below
         owned.update(ti.name for ti in info.slots.values())
+        shard[info.key] = str(next(iter(info.slots.values())).file)
         if info.format not in (ModelFormat.EXL2, ModelFormat.GPTQ):
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot be converted",
                             tensor=key)
@@ -336,7 +342,11 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
         if name.endswith(DROPPED_SUFFIXES):
             report.warnings.append(f"{name}: dropped (derived at load time)")
             continue
+        if name in spec.skip:
+            report.warnings.append(f"{name}: not written ({spec.gguf_arch} ties it to the embedding, as llama.cpp)")
+            continue
         ti = model.info(name)
+        shard[name] = str(ti.file)
         g = name_of(name)
         if g is None:
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"no GGUF name for {name} in the gguf package's {arch} "
@@ -353,12 +363,18 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"a {len(shape)}-D tensor is not part of the Llama family "
                             "mapping", tensor=name)
         heads = qk_heads(name, hp["n_head"], hp["n_kv"]) if permute else None
-        items.append(_plain_item(reader, name, ti.dtype, g, shape, gtype, heads, report))
-    planned = owned | {it.src for it in items} | {n for n in model.tensors if n.endswith(DROPPED_SUFFIXES)}
+        offset = spec.norm_offset if name.endswith("norm.weight") else 0.0
+        items.append(_plain_item(reader, name, ti.dtype, g, shape, gtype, heads, report, offset))
+    planned = (owned | {it.src for it in items} | {n for n in model.tensors if n.endswith(DROPPED_SUFFIXES)}
+               | set(spec.skip))
     if set(model.tensors) - planned:  # pragma: no cover - a planning bug must never drop weights silently
         raise RuntimeError(f"tensors left out of the GGUF plan: {sorted(set(model.tensors) - planned)[:3]}")
-    order = {"token_embd": 0, "output_norm": 2, "output": 3}
-    items.sort(key=lambda it: (order.get(it.gguf_name.rsplit(".", 1)[0], 1), natural_key(it.gguf_name)))
+
+    def order(it: _Item):
+        src = it.src if it.src.endswith((".weight", ".bias")) else it.src + ".weight"
+        return shard.get(it.src, ""), src
+
+    items.sort(key=order)  # llama.cpp's order: shards by file name, tensors of a shard by Hugging Face name
     return items
 
 
@@ -376,16 +392,29 @@ def _to_gtype(w32: np.ndarray, gtype: str) -> np.ndarray:
     return np.ascontiguousarray(quants.quantize(np.ascontiguousarray(w32, dtype=np.float32), _qtype(gtype)))
 
 
+def _offset_in_dtype(x: np.ndarray, offset: float, dtype: str) -> np.ndarray:
+    """``x + offset`` (float32 sum) rounded to the source dtype (F16/BF16/F32), as float32: llama.cpp adds Gemma's +1 to
+    the tensor in its stored dtype (conversion/gemma.py ``data_torch + 1``) before the cast to F32."""
+    y = x.astype(np.float32) + np.float32(offset)  # torch's half/bfloat16 add: float32 sum, one rounding
+    if dtype == "F16":
+        return y.astype(np.float16).astype(np.float32)
+    if dtype == "BF16":
+        return bf16_bits_to_f32(f32_to_bf16_bits(y.astype(np.float32)))
+    return y.astype(np.float32)
+
+
 def _source_f32(a: np.ndarray, dtype: str) -> np.ndarray:
     return bf16_bits_to_f32(a) if dtype == "BF16" else np.asarray(a, dtype=np.float32)
 
 
-def _plain_item(reader, name, dtype, g, shape, gtype, heads, report) -> _Item:
+def _plain_item(reader, name, dtype, g, shape, gtype, heads, report, offset: float = 0.0) -> _Item:
     rep = TensorReport(name, dtype, gtype)
     report.tensors.append(rep)
 
     def ref() -> np.ndarray:
         x = _source_f32(reader.read(name), dtype)
+        if offset:
+            x = _offset_in_dtype(x, offset, dtype)
         return permute_qk(x, heads, name) if heads else x
 
     def produce():
@@ -479,34 +508,36 @@ _FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8
 
 
 def _metadata(w, arch, hp, cfg, layer_t, model, items, report) -> None:
+    """Hyper-parameters (``gguf_arch.write_common_hparams`` + the architecture's own table entry) and the
+    ``general.*`` block as llama.cpp's converter derives it (``gguf.Metadata.load`` on the model directory:
+    model card, directory name heuristics for name/basename/finetune/size label; ``gguf.size_label`` from the
+    parameter count when the card gives none)."""
     import gguf
 
-    name = cfg.get("_name_or_path") or Path(str(model.root)).name
-    if isinstance(name, str) and name:
-        w.add_name(Path(name).name)
-    w.add_type("model")
-    w.add_block_count(hp["n_layer"])
-    w.add_context_length(hp["n_ctx"])
-    w.add_embedding_length(hp["n_embd"])
-    w.add_feed_forward_length(hp["n_ff"])
-    w.add_head_count(hp["n_head"])
-    w.add_head_count_kv(hp["n_kv"])
-    w.add_layer_norm_rms_eps(hp["eps"])
-    w.add_rope_freq_base(hp["rope_theta"])
-    w.add_rope_dimension_count(hp["head_dim"])
-    if hp["head_dim_explicit"]:
-        w.add_key_length(hp["head_dim"])
-        w.add_value_length(hp["head_dim"])
-    w.add_vocab_size(hp["vocab"])
-    rs = cfg.get("rope_scaling")
-    if isinstance(rs, dict):
-        kind = rs.get("rope_type", rs.get("type"))
-        if kind == "linear" and isinstance(rs.get("factor"), (int, float)):
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(float(rs["factor"]))
-        elif kind not in (None, "default"):
-            report.warnings.append(f"rope_scaling type {kind!r} is not written (only linear is); long-context "
-                                   "behaviour will differ in llama.cpp")
+    from .gguf_arch import spec_for_model_type, write_common_hparams
+
+    spec = spec_for_model_type(cfg.get("model_type"))
+    root = Path(str(model.root))
+    total, shared, expert, n_exp = w.get_total_parameter_count()
+    log = logging.getLogger("gguf")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        meta = gguf.Metadata.load(None, root if root.is_dir() else None, None, total)
+    except Exception as e:  # noqa: BLE001 - a malformed model card must not stop the conversion
+        report.warnings.append(f"model card metadata not read ({type(e).__name__}: {e})")
+        meta = gguf.Metadata()
+    finally:
+        log.setLevel(level)
+    if meta.name is None:
+        meta.name = root.name if root.is_dir() else root.stem
+    if meta.size_label is None and total > 0:
+        meta.size_label = gguf.size_label(total, shared, expert, n_exp)
+    w.add_type(gguf.GGUFType.MODEL)
+    meta.set_gguf_meta_model(w)
+    write_common_hparams(cfg, w, hp["n_layer"], report.warnings, head_dim_keys=spec.head_dim_keys)
+    if spec.hparams is not None:
+        spec.hparams(cfg, w)
     w.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[layer_t]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_string("general.source.format", report.source_format)
@@ -536,17 +567,17 @@ def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, fo
     w = None
     try:
         w = gguf.GGUFWriter(None, arch)
+        for it in items:  # the tensor table first: the parameter count (size label) is read from it
+            bshape = it.byte_shape
+            dt = {"F32": np.float32, "F16": np.float16}.get(it.gtype, np.uint8)
+            w.add_tensor_info(it.gguf_name, bshape, np.dtype(dt), it.nbytes,
+                              raw_dtype=None if it.gtype in ("F32", "F16") else _qtype(it.gtype))
         _metadata(w, arch, hp, model.config, layer_t, model, items, report)
         n_vocab = next((it.shape[0] for it in items if it.gguf_name == "token_embd.weight"), hp["vocab"])
         from .gguf_vocab import add_tokenizer
 
         tok = add_tokenizer(w, src_p if src_p.is_dir() else src_p.parent, n_vocab, report.warnings)
         report.options["tokenizer"] = tok
-        for it in items:
-            bshape = it.byte_shape
-            dt = {"F32": np.float32, "F16": np.float16}.get(it.gtype, np.uint8)
-            w.add_tensor_info(it.gguf_name, bshape, np.dtype(dt), it.nbytes,
-                              raw_dtype=None if it.gtype in ("F32", "F16") else _qtype(it.gtype))
         w.write_header_to_file(tmp)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()

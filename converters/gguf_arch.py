@@ -1,0 +1,181 @@
+"""One small table per architecture: what the GGUF bridge does differently for each model family.
+
+Everything an architecture changes is a field of its ``ArchSpec`` below, and each spec cites the llama.cpp
+converter class (``convert_hf_to_gguf.py`` / ``conversion/*.py`` at the commit in spec/vectors/gguf/README.md)
+whose output it matches byte for byte (goldens in spec/vectors/gguf/, checked by tests/test_gguf_arch.py).
+Tensor names come from the ``gguf`` package's tables (``gguf_map``), metadata keys from its ``GGUFWriter``
+methods / ``Keys`` constants; nothing here spells a GGUF key by hand except through those.
+
+The hyper-parameters every architecture shares are written by ``write_common_hparams`` (the generic text-model
+block of llama.cpp's converter: the first of several config keys that is present, e.g. ``max_position_embeddings``
+then ``n_positions``; rope base and linear/yarn scaling from ``rope_parameters`` / ``rope_scaling`` /
+``rope_theta``; ``key_length``/``value_length`` when the config has ``head_dim``).  A spec's ``hparams`` adds what
+its family needs on top.
+
+Fields:
+
+* ``gguf_arch``    the ``general.architecture`` string (a ``gguf.MODEL_ARCH_NAMES`` value).
+* ``hf_class``     the Hugging Face class written back by GGUF -> HF (``config.json`` ``architectures``).
+* ``permute_qk``   Q/K rows go from rotate-half to interleaved pairs (``gguf_map.permute_qk``): only the
+                   families llama.cpp runs with its NORM rope and whose converter permutes (Llama, Mistral,
+                   Granite); NEOX-rope families keep Hugging Face's order.
+* ``norm_offset``  added to every ``*norm.weight`` on the way to GGUF (Gemma stores ``w`` and multiplies by
+                   ``1 + w``; llama.cpp stores ``1 + w``) and subtracted on the way back.
+* ``skip``         Hugging Face tensors llama.cpp does not write (Gemma's ``lm_head`` is the tied embedding).
+* ``hparams``      ``(config, writer) -> None``: the family's own metadata.
+* ``config_back``  ``(get, cfg) -> None``: the family's own ``config.json`` keys rebuilt from GGUF metadata
+                   (``get(key_suffix)`` reads ``{arch}.{key_suffix}``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["ArchSpec", "SPECS", "spec_for_model_type", "spec_for_gguf_arch", "write_common_hparams",
+           "find_hparam"]
+
+
+def find_hparam(cfg: dict, keys, default=None):
+    """The value of the first key of ``keys`` present (not None) in ``cfg``."""
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return default
+
+
+def rope_params(cfg: dict) -> dict:
+    """Rope settings in transformers 5's ``rope_parameters`` shape, whichever way the config spells them."""
+    rp = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rp = dict(rp.get("full_attention", rp))
+    if "rope_theta" not in rp and find_hparam(cfg, ("rope_theta", "rotary_emb_base")) is not None:
+        rp["rope_theta"] = find_hparam(cfg, ("rope_theta", "rotary_emb_base"))
+    if "rope_type" not in rp and rp.get("type") is not None:
+        rp["rope_type"] = rp["type"]
+    return rp
+
+
+def write_common_hparams(cfg: dict, w, n_layer: int, warnings: list[str], *, head_dim_keys: bool = True) -> None:
+    """The metadata llama.cpp's generic text-model converter writes for every architecture (see module doc)."""
+    import gguf
+
+    w.add_block_count(n_layer)
+    for keys, add in (
+        (("max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length",
+          "model_max_length"), w.add_context_length),
+        (("hidden_size", "n_embd", "dim"), w.add_embedding_length),
+        (("intermediate_size", "n_inner", "hidden_dim"), w.add_feed_forward_length),
+        (("num_attention_heads", "n_head", "n_heads"), w.add_head_count),
+        (("num_key_value_heads", "n_kv_heads"), w.add_head_count_kv),
+    ):
+        v = find_hparam(cfg, keys)
+        if v is not None:
+            add(v)
+    rp = rope_params(cfg)
+    kind, factor = rp.get("rope_type"), rp.get("factor")
+    if kind == "linear" and factor is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(factor)
+    elif kind == "yarn" and factor is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(factor)
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+        for k, add in (("extrapolation_factor", w.add_rope_scaling_yarn_ext_factor),
+                       ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                       ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if rp.get(k) is not None:
+                add(rp[k])
+        af = rp.get("attention_factor", rp.get("attn_factor"))
+        if af is not None:
+            w.add_rope_scaling_yarn_attn_factor(af)
+    elif kind in ("su", "longrope"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+    elif kind not in (None, "default"):
+        warnings.append(f"rope type {kind!r} is not written to GGUF; long-context behaviour will differ")
+    if rp.get("rope_theta") is not None:
+        w.add_rope_freq_base(rp["rope_theta"])
+    for keys, add in ((("rms_norm_eps", "norm_eps"), w.add_layer_norm_rms_eps),
+                      (("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"), w.add_layer_norm_eps),
+                      (("num_local_experts", "num_experts", "n_routed_experts"), w.add_expert_count),
+                      (("num_experts_per_tok", "num_experts_per_token", "top_k_experts"), w.add_expert_used_count)):
+        v = find_hparam(cfg, keys)
+        if v is not None:
+            add(v)
+    if head_dim_keys and cfg.get("head_dim") is not None:
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+
+
+def _head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def _llama_hparams(cfg: dict, w) -> None:
+    # conversion/llama.py LlamaModel.set_gguf_parameters: vocab_size and rope.dimension_count (head_dim or
+    # hidden / heads) on top of the generic block.
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(_head_dim(cfg))
+
+
+def _granite_hparams(cfg: dict, w) -> None:
+    # conversion/granite.py GraniteModel: the llama block, head_dim ignored, the four multipliers as scales.
+    _llama_hparams(cfg, w)
+    for key, add in (("attention_multiplier", w.add_attention_scale), ("embedding_multiplier", w.add_embedding_scale),
+                     ("residual_multiplier", w.add_residual_scale), ("logits_scaling", w.add_logit_scale)):
+        if cfg.get(key):
+            add(cfg[key])
+
+
+def _granite_back(get, cfg: dict) -> None:
+    for key, suffix in (("attention_multiplier", "attention.scale"), ("embedding_multiplier", "embedding_scale"),
+                        ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale")):
+        v = get(suffix)
+        if isinstance(v, (int, float)):
+            cfg[key] = float(v)
+
+
+def _llama_back(get, cfg: dict) -> None:
+    cfg["attention_bias"] = cfg.pop("_has_q_bias", False)
+    cfg["mlp_bias"] = False
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    model_type: str
+    gguf_arch: str
+    hf_class: str
+    permute_qk: bool
+    llama_cpp: str
+    norm_offset: float = 0.0
+    skip: tuple[str, ...] = ()
+    head_dim_keys: bool = True          # generic key_length/value_length when config.json has head_dim
+    hparams: Callable[[dict, Any], None] | None = None
+    config_back: Callable[[Callable[[str], Any], dict], None] | None = None
+    hidden_act: str = "silu"
+    extra: dict = field(default_factory=dict)
+
+
+_SPECS = [
+    ArchSpec("llama", "llama", "LlamaForCausalLM", True, "conversion/llama.py LlamaModel (undo_permute = True)",
+             hparams=_llama_hparams, config_back=_llama_back),
+    ArchSpec("mistral", "llama", "MistralForCausalLM", True,
+             "conversion/llama.py LlamaModel (registered for MistralForCausalLM)", hparams=_llama_hparams),
+    ArchSpec("granite", "granite", "GraniteForCausalLM", True,
+             "conversion/granite.py GraniteModel(LlamaModel): head_dim dropped, multipliers as scales",
+             head_dim_keys=False, hparams=_granite_hparams, config_back=_granite_back),
+    ArchSpec("qwen2", "qwen2", "Qwen2ForCausalLM", False, "conversion/qwen.py Qwen2Model (generic hparams, NEOX rope)"),
+    ArchSpec("qwen3", "qwen3", "Qwen3ForCausalLM", False, "conversion/qwen.py Qwen3Model(Qwen2Model)"),
+]
+SPECS: dict[str, ArchSpec] = {s.model_type: s for s in _SPECS}
+
+
+def spec_for_model_type(model_type) -> ArchSpec | None:
+    return SPECS.get(model_type)
+
+
+def spec_for_gguf_arch(arch: str) -> ArchSpec | None:
+    """The spec GGUF -> HF uses for a ``general.architecture`` (the first model_type mapping onto it)."""
+    for s in _SPECS:
+        if s.gguf_arch == arch:
+            return s
+    return None
