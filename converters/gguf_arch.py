@@ -119,7 +119,7 @@ def _llama_hparams(cfg: dict, w) -> None:
 
 def _granite_hparams(cfg: dict, w) -> None:
     # conversion/granite.py GraniteModel: the llama block, head_dim ignored, the four multipliers as scales.
-    _llama_hparams(cfg, w)
+    _llama_hparams({k: v for k, v in cfg.items() if k != "head_dim"}, w)
     for key, add in (("attention_multiplier", w.add_attention_scale), ("embedding_multiplier", w.add_embedding_scale),
                      ("residual_multiplier", w.add_residual_scale), ("logits_scaling", w.add_logit_scale)):
         if cfg.get(key):
@@ -139,6 +139,46 @@ def _llama_back(get, cfg: dict) -> None:
     cfg["mlp_bias"] = False
 
 
+def _gemma_hparams(cfg: dict, w) -> None:
+    # conversion/gemma.py GemmaModel.set_gguf_parameters: its own short list (no rope base, no vocab size)
+    # replaces the generic block; see ArchSpec.common = False.
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+
+
+def _gemma_tokenizer(w, src_dir) -> None:
+    # conversion/gemma.py GemmaModel.set_vocab: SentencePiece, then add_space_prefix = False.
+    w.add_add_space_prefix(False)
+
+
+def _llama_tokenizer(w, src_dir) -> None:
+    # conversion/llama.py LlamaModel.set_vocab: tokenizer_config.json's add_prefix_space, when present.
+    import json
+    from pathlib import Path
+
+    p = Path(src_dir) / "tokenizer_config.json" if src_dir is not None else None
+    if p is not None and p.is_file():
+        try:
+            v = json.loads(p.read_text(encoding="utf-8")).get("add_prefix_space")
+        except (OSError, ValueError, AttributeError):
+            return
+        if isinstance(v, bool):
+            w.add_add_space_prefix(v)
+
+
+def _gemma_back(get, cfg: dict) -> None:
+    cfg["hidden_act"] = "gelu_pytorch_tanh"
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    cfg["tie_word_embeddings"] = True
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     model_type: str
@@ -151,18 +191,24 @@ class ArchSpec:
     head_dim_keys: bool = True          # generic key_length/value_length when config.json has head_dim
     hparams: Callable[[dict, Any], None] | None = None
     config_back: Callable[[Callable[[str], Any], dict], None] | None = None
-    hidden_act: str = "silu"
+    common: bool = True                 # False: ``hparams`` writes the whole hyper-parameter block itself
+    tokenizer: Callable[[Any, Any], None] | None = None   # (writer, source dir): family tokenizer keys
     extra: dict = field(default_factory=dict)
 
 
 _SPECS = [
     ArchSpec("llama", "llama", "LlamaForCausalLM", True, "conversion/llama.py LlamaModel (undo_permute = True)",
-             hparams=_llama_hparams, config_back=_llama_back),
+             hparams=_llama_hparams, config_back=_llama_back, tokenizer=_llama_tokenizer),
     ArchSpec("mistral", "llama", "MistralForCausalLM", True,
-             "conversion/llama.py LlamaModel (registered for MistralForCausalLM)", hparams=_llama_hparams),
+             "conversion/llama.py LlamaModel (registered for MistralForCausalLM)", hparams=_llama_hparams,
+             tokenizer=_llama_tokenizer),
     ArchSpec("granite", "granite", "GraniteForCausalLM", True,
              "conversion/granite.py GraniteModel(LlamaModel): head_dim dropped, multipliers as scales",
-             head_dim_keys=False, hparams=_granite_hparams, config_back=_granite_back),
+             head_dim_keys=False, hparams=_granite_hparams, config_back=_granite_back, tokenizer=_llama_tokenizer),
+    ArchSpec("gemma", "gemma", "GemmaForCausalLM", False,
+             "conversion/gemma.py GemmaModel: norm.weight + 1 in the stored dtype, lm_head skipped, own hparams",
+             norm_offset=1.0, skip=("lm_head.weight",), common=False, hparams=_gemma_hparams,
+             tokenizer=_gemma_tokenizer, config_back=_gemma_back),
     ArchSpec("qwen2", "qwen2", "Qwen2ForCausalLM", False, "conversion/qwen.py Qwen2Model (generic hparams, NEOX rope)"),
     ArchSpec("qwen3", "qwen3", "Qwen3ForCausalLM", False, "conversion/qwen.py Qwen3Model(Qwen2Model)"),
 ]

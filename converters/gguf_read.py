@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import ErrorCode, Exl2Error
 from .base import Converter, LayerReport, OutSpec, TensorReport, Unit, f32_to_bf16_bits, natural_key
+from .gguf_arch import spec_for_gguf_arch
 from .gguf_map import HF_ARCHITECTURES, hf_name_map, qk_heads, unpermute_qk
 
 __all__ = ["open_gguf", "convert_from_gguf"]
@@ -103,6 +104,7 @@ def build_config(reader, path: str, warnings: list[str]) -> tuple[dict, str]:
         raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"GGUF architecture {arch!r} is not supported by the bridge; "
                         f"supported: {', '.join(HF_ARCHITECTURES)}", file=path)
     cls, model_type = HF_ARCHITECTURES[arch]
+    spec = spec_for_gguf_arch(arch)
     a = arch
     shapes = {t.name: [int(x) for x in t.shape] for t in reader.tensors}
     emb = shapes.get("token_embd.weight")
@@ -130,16 +132,32 @@ def build_config(reader, path: str, warnings: list[str]) -> tuple[dict, str]:
         "rms_norm_eps": float(eps) if isinstance(eps, (int, float)) else 1e-5,
         "rope_theta": float(theta) if isinstance(theta, (int, float)) else 10000.0,
         "tie_word_embeddings": "output.weight" not in shapes, "hidden_act": "silu",
+        "_has_q_bias": "blk.0.attn_q.bias" in shapes,
     }
-    if arch == "llama":
-        cfg["attention_bias"] = "blk.0.attn_q.bias" in shapes
-        cfg["mlp_bias"] = False
     st = _field(reader, f"{a}.rope.scaling.type")
     fac = _field(reader, f"{a}.rope.scaling.factor")
     if st == "linear" and isinstance(fac, (int, float)):
-        cfg["rope_scaling"] = {"type": "linear", "factor": float(fac)}
+        cfg["rope_scaling"] = {"rope_type": "linear", "type": "linear", "factor": float(fac)}
+    elif st == "yarn" and isinstance(fac, (int, float)):
+        rs = {"rope_type": "yarn", "type": "yarn", "factor": float(fac)}
+        orig = _int(reader, f"{a}.rope.scaling.original_context_length")
+        if orig is not None:
+            rs["original_max_position_embeddings"] = orig
+        for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow"),
+                          ("rope.scaling.yarn_ext_factor", "extrapolation_factor"),
+                          ("rope.scaling.yarn_attn_factor", "attention_factor")):
+            v = _field(reader, f"{a}.{key}")
+            if isinstance(v, (int, float)):
+                rs[name] = float(v)
+        cfg["rope_scaling"] = rs
     elif st not in (None, "none"):
         warnings.append(f"rope scaling {st!r} is not carried into config.json")
+    sw = _int(reader, f"{a}.attention.sliding_window")
+    if sw is not None:
+        cfg["sliding_window"] = sw
+    if spec.config_back is not None:
+        spec.config_back(lambda suffix: _field(reader, f"{a}.{suffix}"), cfg)
+    cfg.pop("_has_q_bias", None)
     for typ in ("bos", "eos", "pad"):
         i = _field(reader, f"tokenizer.ggml.{typ}_token_id")
         if isinstance(i, int) and not isinstance(i, bool):
@@ -174,12 +192,14 @@ class GgufToDense(Converter):
                     continue
                 raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"no Hugging Face name for GGUF tensor {t.name} "
                                 f"({arch})", tensor=t.name, file=self.src.path)
-            heads = qk_heads(hf, cfg["num_attention_heads"], cfg["num_key_value_heads"]) if arch == "llama" else None
-            units.append(self._unit(t, hf, heads))
+            spec = spec_for_gguf_arch(arch)
+            heads = qk_heads(hf, cfg["num_attention_heads"], cfg["num_key_value_heads"]) if spec.permute_qk else None
+            offset = spec.norm_offset if hf.endswith("norm.weight") else 0.0
+            units.append(self._unit(t, hf, heads, offset))
         units.sort(key=lambda u: (u.key.startswith("lm_head"), natural_key(u.key)))
         return units
 
-    def _unit(self, t, hf: str, heads: int | None) -> Unit:
+    def _unit(self, t, hf: str, heads: int | None, offset: float = 0.0) -> Unit:
         from .gguf_write import decode
 
         gtype = t.tensor_type.name
@@ -201,6 +221,8 @@ class GgufToDense(Converter):
             except NotImplementedError:
                 raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"the gguf package cannot decode type {gtype}",
                                 tensor=t.name, file=src.path) from None
+            if offset:  # Gemma's GGUF norms hold 1 + w (gguf_arch.ArchSpec.norm_offset)
+                x = x - np.float32(offset)
             return unpermute_qk(x, heads, hf) if heads else x
 
         def cast(x):

@@ -313,23 +313,55 @@ def rebuild_tokenizer(reader, warnings: list[str]) -> dict[str, str]:
         pre_tok = {"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    flags = {typ: _field(reader, f"tokenizer.ggml.add_{typ}_token") for typ in ("bos", "eos")}
+    ids = {typ: _field(reader, f"tokenizer.ggml.{typ}_token_id") for typ in ("bos", "eos", "unk", "pad")}
+    ids = {k: v for k, v in ids.items() if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < len(tokens)}
+    post = post_processor(tokens, ids, flags, warnings)
     tj = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-          "pre_tokenizer": pre_tok, "post_processor": None,
+          "pre_tokenizer": pre_tok, "post_processor": post,
           "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
                     "vocab": vocab, "merges": [m.split(" ", 1) for m in merges]}}
     tc: dict = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    special_map: dict = {}
     for typ in ("bos", "eos", "unk", "pad"):
-        i = _field(reader, f"tokenizer.ggml.{typ}_token_id")
-        if isinstance(i, int) and 0 <= i < len(tokens):
-            tc[f"{typ}_token"] = tokens[i]
+        tc[f"{typ}_token"] = tokens[ids[typ]] if typ in ids else None
+        if typ in ids:
+            special_map[f"{typ}_token"] = tokens[ids[typ]]
     for typ in ("bos", "eos"):
-        v = _field(reader, f"tokenizer.ggml.add_{typ}_token")
-        if isinstance(v, bool):
-            tc[f"add_{typ}_token"] = v
+        tc[f"add_{typ}_token"] = flags[typ] is True
     ct = _field(reader, "tokenizer.chat_template")
     if isinstance(ct, str):
         tc["chat_template"] = ct
     return {"tokenizer.json": json.dumps(tj, ensure_ascii=False) + "\n",
-            "tokenizer_config.json": json.dumps(tc, indent=2, ensure_ascii=False) + "\n"}
+            "tokenizer_config.json": json.dumps(tc, indent=2, ensure_ascii=False) + "\n",
+            "special_tokens_map.json": json.dumps(special_map, indent=2, ensure_ascii=False) + "\n"}
+
+
+def post_processor(tokens: list[str], ids: dict[str, int], flags: dict, warnings: list[str]) -> dict:
+    """The ``tokenizer.json`` post-processor that adds what the GGUF's ``add_bos_token`` / ``add_eos_token``
+    say: a ``TemplateProcessing`` ``[BOS] $A [EOS]`` (each part only when its flag is true; pairs ``$A`` then
+    ``[BOS] $B`` as Llama 3 does) or, with neither flag, byte-level offsets only (Qwen style)."""
+    parts = []
+    for typ in ("bos", "eos"):
+        if flags.get(typ) is True:
+            if typ not in ids:
+                warnings.append(f"tokenizer: add_{typ}_token is set but the GGUF names no {typ} token; not added")
+                continue
+            parts.append(typ)
+    if not parts:
+        return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+
+    def seq(letter: str, type_id: int) -> list:
+        out = []
+        if "bos" in parts:
+            out.append({"SpecialToken": {"id": tokens[ids["bos"]], "type_id": type_id}})
+        out.append({"Sequence": {"id": letter, "type_id": type_id}})
+        if "eos" in parts:
+            out.append({"SpecialToken": {"id": tokens[ids["eos"]], "type_id": type_id}})
+        return out
+
+    specials = {tokens[ids[t]]: {"id": tokens[ids[t]], "ids": [ids[t]], "tokens": [tokens[ids[t]]]} for t in parts}
+    return {"type": "TemplateProcessing", "single": seq("A", 0), "pair": seq("A", 0) + seq("B", 1),
+            "special_tokens": specials}

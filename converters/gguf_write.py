@@ -535,7 +535,8 @@ def _metadata(w, arch, hp, cfg, layer_t, model, items, report) -> None:
         meta.size_label = gguf.size_label(total, shared, expert, n_exp)
     w.add_type(gguf.GGUFType.MODEL)
     meta.set_gguf_meta_model(w)
-    write_common_hparams(cfg, w, hp["n_layer"], report.warnings, head_dim_keys=spec.head_dim_keys)
+    if spec.common:
+        write_common_hparams(cfg, w, hp["n_layer"], report.warnings, head_dim_keys=spec.head_dim_keys)
     if spec.hparams is not None:
         spec.hparams(cfg, w)
     w.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[layer_t]))
@@ -576,8 +577,14 @@ def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, fo
         n_vocab = next((it.shape[0] for it in items if it.gguf_name == "token_embd.weight"), hp["vocab"])
         from .gguf_vocab import add_tokenizer
 
-        tok = add_tokenizer(w, src_p if src_p.is_dir() else src_p.parent, n_vocab, report.warnings)
+        tok_dir = src_p if src_p.is_dir() else src_p.parent
+        tok = add_tokenizer(w, tok_dir, n_vocab, report.warnings)
         report.options["tokenizer"] = tok
+        from .gguf_arch import spec_for_model_type
+
+        spec = spec_for_model_type(model.config.get("model_type"))
+        if spec.tokenizer is not None and tok.get("model") != "none":
+            spec.tokenizer(w, tok_dir)
         w.write_header_to_file(tmp)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()

@@ -1,0 +1,108 @@
+"""The GGUF bridge per architecture (issue 15) against llama.cpp's own converter, and GGUF -> HF (issue 12.11).
+
+Oracles:
+* the golden GGUF files in spec/vectors/gguf/, written by llama.cpp's ``convert_hf_to_gguf.py`` (commit and
+  command in MANIFEST.json / README.md there) from ``tiny_hf.make_tiny`` models; ours must have the same
+  metadata keys, value types and values (except our two provenance keys), the same tensors in the same order,
+  the same ggml types, shapes and data bytes (``gguf_diff``, read with ``gguf.GGUFReader`` only);
+* transformers' tokenizer on the source directory for the rebuilt tokenizer's ids (BOS/EOS included);
+* the source safetensors for the f16 round trip HF -> GGUF -> HF (bit for bit).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+from gguf_diff import gguf_diff  # noqa: E402
+from tiny_hf import make_tiny  # noqa: E402
+
+from exl2fmt.converters import convert  # noqa: E402
+
+GOLD = Path(__file__).resolve().parents[1] / "spec" / "vectors" / "gguf"
+MANIFEST = json.loads((GOLD / "MANIFEST.json").read_text())
+#: keys only exl2fmt writes (provenance); everything else must equal llama.cpp's
+OURS_ONLY = ("general.quantized_by", "general.source.format")
+#: documented deliberate differences per architecture (spec/vectors/gguf/README.md)
+DELIBERATE = {"gemma": ("tokenizer.ggml.prefix_token_id", "tokenizer.ggml.suffix_token_id",
+                        "tokenizer.ggml.middle_token_id", "tokenizer.ggml.fsep_token_id",
+                        "tokenizer.ggml.eot_token_id")}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    cache: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in cache:
+            tok = next(v["tokenizer"] for v in MANIFEST.values() if v["arch"] == arch)
+            cache[arch] = make_tiny(arch, root / f"tiny-{arch}", tokenizer=tok)
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("golden", sorted(MANIFEST))
+def test_matches_llama_cpp_converter(golden, tiny, tmp_path):
+    m = MANIFEST[golden]
+    src = tiny(m["arch"])
+    out = tmp_path / golden
+    convert(src, out, to="gguf", gguf_type=m["type"])
+    diffs = gguf_diff(GOLD / golden, out, ignore=OURS_ONLY + DELIBERATE.get(m["arch"], ()))
+    assert diffs == [], "\n".join(diffs)
+
+
+def test_golden_differs_when_a_byte_differs(tiny, tmp_path):
+    """The comparison can fail: one flipped data byte and one changed metadata value are both reported."""
+    name = "llama-f16.gguf"
+    blob = bytearray((GOLD / name).read_bytes())
+    r = gguf.GGUFReader(str(GOLD / name))
+    t = r.tensors[0]
+    blob[int(t.data_offset) + 3] ^= 1
+    p = tmp_path / "x.gguf"
+    p.write_bytes(bytes(blob))
+    diffs = gguf_diff(GOLD / name, p)
+    assert any(t.name in d and "bytes differ" in d for d in diffs)
+
+
+@pytest.mark.parametrize("arch", sorted({v["arch"] for v in MANIFEST.values()}))
+def test_f16_round_trip_is_bit_exact(arch, tiny, tmp_path):
+    from safetensors.numpy import load_file
+
+    src = tiny(arch)
+    g = tmp_path / "m.gguf"
+    convert(src, g, to="gguf", gguf_type="f16")
+    back = tmp_path / "back"
+    convert(g, back, to="fp16")
+    a = load_file(str(src / "model.safetensors"))
+    b = {}
+    for f in sorted(back.glob("*.safetensors")):
+        b.update(load_file(str(f)))
+    cfg_src = json.loads((src / "config.json").read_text())
+    if cfg_src.get("tie_word_embeddings"):
+        b.pop("lm_head.weight", None)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert np.array_equal(a[k].view(np.uint16), b[k].view(np.uint16)), k
+    cfg = json.loads((back / "config.json").read_text())
+    # GGUF records the llama.cpp architecture only: a Mistral comes back as the Llama it computes like
+    assert cfg["model_type"] == {"mistral": "llama"}.get(arch, arch)
+    import transformers
+
+    # the rebuilt directory loads in transformers as the source architecture and gives the source's logits
+    ids = np.array([[1, 5, 9, 200, 17, 3]])
+    import torch
+
+    m_src = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    m_back = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
+    with torch.no_grad():
+        la = m_src(torch.from_numpy(ids)).logits
+        lb = m_back(torch.from_numpy(ids)).logits
+    assert torch.equal(la, lb)
