@@ -34,7 +34,8 @@ OUT = ROOT / "spec" / "vectors" / "gguf"
 sys.path.insert(0, str(ROOT / "tests"))
 
 #: architecture -> tokenizer kind used for its tiny model
-ARCHS = {"llama": "spm", "mistral": "spm", "qwen2": "bpe", "qwen3": "bpe", "gemma": "spm", "granite": "spm"}
+ARCHS = {"llama": "spm", "mistral": "spm", "qwen2": "bpe", "qwen3": "bpe", "gemma": "spm", "granite": "spm",
+         "gemma2": "spm", "gemma3_text": "spm", "mixtral": "spm", "qwen2_moe": "bpe", "qwen3_moe": "bpe"}
 DEFAULT_TYPES = {"llama": ("f16", "bf16", "q8_0")}
 
 _RUNNER = r"""

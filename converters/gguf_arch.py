@@ -94,6 +94,11 @@ def write_common_hparams(cfg: dict, w, n_layer: int, warnings: list[str], *, hea
         warnings.append(f"rope type {kind!r} is not written to GGUF; long-context behaviour will differ")
     if rp.get("rope_theta") is not None:
         w.add_rope_freq_base(rp["rope_theta"])
+    swa = dict((cfg.get("rope_parameters") or {}).get("sliding_attention") or {})
+    local = swa.get("rope_theta", find_hparam(cfg, ("local_rope_theta", "rope_local_theta", "rope_theta_local",
+                                                    "swa_rope_theta", "rope_local_base_freq")))
+    if local is not None:
+        w.add_rope_freq_base_swa(local)
     for keys, add in ((("rms_norm_eps", "norm_eps"), w.add_layer_norm_rms_eps),
                       (("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"), w.add_layer_norm_eps),
                       (("num_local_experts", "num_experts", "n_routed_experts"), w.add_expert_count),
@@ -173,6 +178,73 @@ def _llama_tokenizer(w, src_dir) -> None:
             w.add_add_space_prefix(v)
 
 
+def _gemma2_hparams(cfg: dict, w) -> None:
+    # conversion/gemma.py Gemma2Model.set_gguf_parameters: Gemma's list plus both softcaps and the window.
+    _gemma_hparams(cfg, w)
+    w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+    w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    w.add_sliding_window(cfg["sliding_window"])
+
+
+def _gemma3_hparams(cfg: dict, w) -> None:
+    # conversion/gemma.py Gemma3Model.set_gguf_parameters: the generic block, then its own defaults on top.
+    w.add_context_length(cfg.get("max_position_embeddings", 131072))
+    w.add_head_count(cfg.get("num_attention_heads", 8))
+    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
+    w.add_key_length(cfg.get("head_dim", 256))
+    w.add_value_length(cfg.get("head_dim", 256))
+    w.add_rope_freq_base(rope_params(cfg).get("rope_theta", 1_000_000.0))
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if cfg.get("sliding_window_pattern") != 1:
+        w.add_sliding_window(cfg["sliding_window"])
+    w.add_head_count_kv(cfg.get("num_key_value_heads", 4))
+
+
+def _gemma2_back(get, cfg: dict) -> None:
+    _gemma_back(get, cfg)
+    for key, suffix in (("attn_logit_softcapping", "attn_logit_softcapping"),
+                        ("final_logit_softcapping", "final_logit_softcapping")):
+        v = get(suffix)
+        cfg[key] = float(v) if isinstance(v, (int, float)) else None
+    cfg["query_pre_attn_scalar"] = cfg["head_dim"]  # llama.cpp scales by 1/sqrt(head_dim) for Gemma 2
+
+
+def _gemma3_back(get, cfg: dict) -> None:
+    _gemma_back(get, cfg)
+    v = get("final_logit_softcapping")
+    cfg["final_logit_softcapping"] = float(v) if isinstance(v, (int, float)) else None
+    cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+    swa = get("rope.freq_base_swa")
+    if isinstance(swa, (int, float)):
+        cfg["rope_local_base_freq"] = float(swa)
+
+
+def _qwen_moe_hparams(cfg: dict, w) -> None:
+    # conversion/qwen.py Qwen2MoeModel.set_gguf_parameters (Qwen3MoeModel inherits it).
+    if cfg.get("moe_intermediate_size") is not None:
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size") is not None:
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
+def _moe_back(get, cfg: dict) -> None:
+    for key, suffix in (("num_experts", "expert_count"), ("num_experts_per_tok", "expert_used_count"),
+                        ("moe_intermediate_size", "expert_feed_forward_length"),
+                        ("shared_expert_intermediate_size", "expert_shared_feed_forward_length")):
+        v = get(suffix)
+        if isinstance(v, int) and not isinstance(v, bool):
+            cfg[key] = v
+
+
+def _mixtral_back(get, cfg: dict) -> None:
+    cfg.pop("_has_q_bias", None)
+    for key, suffix in (("num_local_experts", "expert_count"), ("num_experts_per_tok", "expert_used_count")):
+        v = get(suffix)
+        if isinstance(v, int) and not isinstance(v, bool):
+            cfg[key] = v
+
+
 def _gemma_back(get, cfg: dict) -> None:
     cfg["hidden_act"] = "gelu_pytorch_tanh"
     cfg["hidden_activation"] = "gelu_pytorch_tanh"
@@ -191,6 +263,7 @@ class ArchSpec:
     head_dim_keys: bool = True          # generic key_length/value_length when config.json has head_dim
     hparams: Callable[[dict, Any], None] | None = None
     config_back: Callable[[Callable[[str], Any], dict], None] | None = None
+    block_extra: str | None = None      # a gguf_map.MOE_TEMPLATES key: expert/router names for GGUF -> HF
     common: bool = True                 # False: ``hparams`` writes the whole hyper-parameter block itself
     tokenizer: Callable[[Any, Any], None] | None = None   # (writer, source dir): family tokenizer keys
     extra: dict = field(default_factory=dict)
@@ -209,8 +282,24 @@ _SPECS = [
              "conversion/gemma.py GemmaModel: norm.weight + 1 in the stored dtype, lm_head skipped, own hparams",
              norm_offset=1.0, skip=("lm_head.weight",), common=False, hparams=_gemma_hparams,
              tokenizer=_gemma_tokenizer, config_back=_gemma_back),
+    ArchSpec("gemma2", "gemma2", "Gemma2ForCausalLM", False,
+             "conversion/gemma.py Gemma2Model: Gemma's quirks plus softcaps and sliding window",
+             norm_offset=1.0, skip=("lm_head.weight",), common=False, hparams=_gemma2_hparams,
+             tokenizer=_gemma_tokenizer, config_back=_gemma2_back),
+    ArchSpec("gemma3_text", "gemma3", "Gemma3ForCausalLM", False,
+             "conversion/gemma.py Gemma3Model: norm_shift 1.0 (q/k norms too), generic block + own defaults",
+             norm_offset=1.0, hparams=_gemma3_hparams, tokenizer=_gemma_tokenizer, config_back=_gemma3_back),
+    ArchSpec("mixtral", "llama", "MixtralForCausalLM", True,
+             "conversion/llama.py LlamaModel: block_sparse_moe experts stacked w1, w2, w3 into [E, N, K]",
+             hparams=_llama_hparams, tokenizer=_llama_tokenizer, config_back=_mixtral_back, block_extra="mixtral"),
     ArchSpec("qwen2", "qwen2", "Qwen2ForCausalLM", False, "conversion/qwen.py Qwen2Model (generic hparams, NEOX rope)"),
     ArchSpec("qwen3", "qwen3", "Qwen3ForCausalLM", False, "conversion/qwen.py Qwen3Model(Qwen2Model)"),
+    ArchSpec("qwen2_moe", "qwen2moe", "Qwen2MoeForCausalLM", False,
+             "conversion/qwen.py Qwen2MoeModel: experts stacked down, gate, up; shared expert and its gate",
+             hparams=_qwen_moe_hparams, config_back=_moe_back, block_extra="qwen_moe"),
+    ArchSpec("qwen3_moe", "qwen3moe", "Qwen3MoeForCausalLM", False,
+             "conversion/qwen.py Qwen3MoeModel(Qwen2MoeModel)", hparams=_qwen_moe_hparams, config_back=_moe_back,
+             block_extra="qwen_moe"),
 ]
 SPECS: dict[str, ArchSpec] = {s.model_type: s for s in _SPECS}
 
@@ -219,8 +308,11 @@ def spec_for_model_type(model_type) -> ArchSpec | None:
     return SPECS.get(model_type)
 
 
-def spec_for_gguf_arch(arch: str) -> ArchSpec | None:
-    """The spec GGUF -> HF uses for a ``general.architecture`` (the first model_type mapping onto it)."""
+def spec_for_gguf_arch(arch: str, has_experts: bool = False) -> ArchSpec | None:
+    """The spec GGUF -> HF uses for a ``general.architecture``: the first model_type mapping onto it (for
+    ``llama`` with ``llama.expert_count``: Mixtral)."""
+    if arch == "llama" and has_experts:
+        return SPECS["mixtral"]
     for s in _SPECS:
         if s.gguf_arch == arch:
             return s

@@ -42,7 +42,18 @@ _BLOCK = ("input_layernorm.weight", "post_attention_layernorm.weight",
           "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
           "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.o_proj.bias",
           "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+          "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
+#: per-architecture block templates (``ArchSpec.block_extra`` names one of these): the stacked experts (one
+#: GGUF tensor ``[E, N, K]`` for the Hugging Face tensors ``...experts.<e>.<proj>.weight``) and routers
+MOE_TEMPLATES = {
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.w1.weight",
+                "block_sparse_moe.experts.w2.weight", "block_sparse_moe.experts.w3.weight"),
+    "qwen_moe": ("mlp.gate.weight", "mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight",
+                 "mlp.experts.down_proj.weight", "mlp.shared_expert.gate_proj.weight",
+                 "mlp.shared_expert.up_proj.weight", "mlp.shared_expert.down_proj.weight",
+                 "mlp.shared_expert_gate.weight"),
+}
 #: Tensors that are derived at load time and carry nothing: dropped on the way to GGUF.
 DROPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -68,9 +79,11 @@ def _gguf_arch(arch: str):
     raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"GGUF architecture {arch!r} is unknown to the gguf package")
 
 
-def hf_templates(n_blocks: int) -> list[str]:
-    """Every Hugging Face tensor name the bridge maps, for ``n_blocks`` decoder layers."""
-    return list(_GLOBAL) + [f"model.layers.{i}.{t}" for i in range(n_blocks) for t in _BLOCK]
+def hf_templates(n_blocks: int, extra: str | None = None) -> list[str]:
+    """Every Hugging Face tensor name the bridge maps, for ``n_blocks`` decoder layers (``extra``: a key of
+    ``MOE_TEMPLATES``)."""
+    block = _BLOCK + MOE_TEMPLATES.get(extra or "", ())
+    return list(_GLOBAL) + [f"model.layers.{i}.{t}" for i in range(n_blocks) for t in block]
 
 
 def gguf_name_map(arch: str, n_blocks: int):
@@ -94,11 +107,11 @@ def gguf_name_map(arch: str, n_blocks: int):
     return name
 
 
-def hf_name_map(arch: str, n_blocks: int) -> dict[str, str]:
+def hf_name_map(arch: str, n_blocks: int, extra: str | None = None) -> dict[str, str]:
     """``gguf_name -> hf_name`` for the supported tensors of ``arch`` (the templates pushed forward)."""
     fwd = gguf_name_map(arch, n_blocks)
     out: dict[str, str] = {}
-    for hf in hf_templates(n_blocks):
+    for hf in hf_templates(n_blocks, extra):
         g = fwd(hf)
         if g is not None:
             out[g] = hf

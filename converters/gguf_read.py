@@ -98,13 +98,14 @@ class _GgufSource:
 
 
 def build_config(reader, path: str, warnings: list[str]) -> tuple[dict, str]:
-    """(config.json, GGUF arch) from a GGUF's metadata."""
+    """(config.json, GGUF arch) from a GGUF's metadata; the ``gguf_arch`` spec's ``config_back`` adds the
+    family's own keys."""
     arch = _field(reader, "general.architecture")
     if arch not in HF_ARCHITECTURES:
         raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"GGUF architecture {arch!r} is not supported by the bridge; "
                         f"supported: {', '.join(HF_ARCHITECTURES)}", file=path)
-    cls, model_type = HF_ARCHITECTURES[arch]
-    spec = spec_for_gguf_arch(arch)
+    spec = spec_for_gguf_arch(arch, _int(reader, f"{arch}.expert_count") is not None)
+    cls, model_type = spec.hf_class, spec.model_type
     a = arch
     shapes = {t.name: [int(x) for x in t.shape] for t in reader.tensors}
     emb = shapes.get("token_embd.weight")
@@ -181,7 +182,8 @@ class GgufToDense(Converter):
         r = self.src.reader
         cfg = self.config
         arch = self.src.arch
-        rev = hf_name_map(arch, cfg["num_hidden_layers"])
+        spec = self.src.spec
+        rev = hf_name_map(arch, cfg["num_hidden_layers"], spec.block_extra)
         units = []
         for t in r.tensors:
             hf = rev.get(t.name)
@@ -192,7 +194,6 @@ class GgufToDense(Converter):
                     continue
                 raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"no Hugging Face name for GGUF tensor {t.name} "
                                 f"({arch})", tensor=t.name, file=self.src.path)
-            spec = spec_for_gguf_arch(arch)
             heads = qk_heads(hf, cfg["num_attention_heads"], cfg["num_key_value_heads"]) if spec.permute_qk else None
             offset = spec.norm_offset if hf.endswith("norm.weight") else 0.0
             units.append(self._unit(t, hf, heads, offset))
@@ -247,17 +248,28 @@ class GgufToDense(Converter):
             if isinstance(rep, LayerReport) and not rep.exact:
                 den = float(np.sqrt(np.sum(x.astype(np.float64) ** 2)))
                 rep.rel_error = float(np.sqrt(np.sum((back - x).astype(np.float64) ** 2))) / den if den else 0.0
-            return {hf: out}
+            if names is None:
+                return {hf: out}
+            return {n: np.ascontiguousarray(out[e]) for e, n in enumerate(names)}
 
         def verify(dst):
-            got = dst.read(hf)
             want = cast(values())
-            ok = np.array_equal(np.ascontiguousarray(got).view(np.uint16), np.ascontiguousarray(want).view(np.uint16))
-            rep.verified = ok
-            if not ok:
-                raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, "the written tensor is not the GGUF tensor decoded "
-                                "again", tensor=hf)
+            for e, n in enumerate(names or [hf]):
+                got = dst.read(n)
+                w_e = want if names is None else want[e]
+                ok = np.array_equal(np.ascontiguousarray(got).view(np.uint16),
+                                    np.ascontiguousarray(w_e).view(np.uint16))
+                rep.verified = ok
+                if not ok:
+                    raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, "the written tensor is not the GGUF tensor "
+                                    "decoded again", tensor=n)
 
+        # a stacked expert tensor [E, N, K] becomes the E Hugging Face tensors ...experts.<e>.<proj>.weight
+        names = None
+        if len(shape) == 3 and ".experts." in hf:
+            pre, proj = hf[: -len(".weight")].rsplit(".experts.", 1)
+            names = [f"{pre}.experts.{e}.{proj}.weight" for e in range(shape[0])]
+            return Unit(hf, [OutSpec(n, st, shape[1:]) for n in names], produce, verify, rep)
         return Unit(hf, [OutSpec(hf, st, shape)], produce, verify, rep)
 
     def output_config(self) -> dict | None:
@@ -293,6 +305,7 @@ def convert_from_gguf(src, dst, target: str, *, force: bool = False, shard_size:
                               options={"shard_size": shard_size, "force": force, "verify": verify})
     source = _GgufSource(p, reader, scan)
     source.config, source.arch = build_config(reader, p, report.warnings)
+    source.spec = spec_for_gguf_arch(source.arch, _int(reader, f"{source.arch}.expert_count") is not None)
     opts = Options(target=target, shard_size=shard_size, dtype=None, bits=None, group_size=None, sym=None)
     return run_conversion(GgufToDense, p, dst, opts, force=force, progress=progress, model=source, detection=None,
                           report=report, verify=verify, _fail_after=_fail_after)

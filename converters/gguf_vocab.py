@@ -334,6 +334,10 @@ def rebuild_tokenizer(reader, warnings: list[str]) -> dict[str, str]:
     ct = _field(reader, "tokenizer.chat_template")
     if isinstance(ct, str):
         tc["chat_template"] = ct
+    if flags["bos"] is not True and "bos_token" not in (ct if isinstance(ct, str) else ""):
+        # Qwen style: the GGUF's bos id is only config.json's (often <|endoftext|>); the tokenizer has none
+        tc["bos_token"] = None
+        special_map.pop("bos_token", None)
     return {"tokenizer.json": json.dumps(tj, ensure_ascii=False) + "\n",
             "tokenizer_config.json": json.dumps(tc, indent=2, ensure_ascii=False) + "\n",
             "special_tokens_map.json": json.dumps(special_map, indent=2, ensure_ascii=False) + "\n"}

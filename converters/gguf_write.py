@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -188,6 +189,8 @@ class _Item:
     redecode: Callable[[], np.ndarray] | None = None   # fresh float32 reference for verify="full"
     report: LayerReport | TensorReport | None = None
     sum: tuple | None = None
+    stack: tuple[str, ...] | None = None  # source names of the experts a stacked tensor holds
+    stack_rank: int = 0                   # its place among the stacked tensors of one block
 
     @property
     def nbytes(self) -> int:
@@ -306,6 +309,7 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
     items: list[_Item] = []
     owned: set[str] = set()
     shard: dict[str, str] = {}  # source name -> its shard file (llama.cpp's tensor order: shard, then name)
+    experts: dict[tuple[str, str], dict[int, tuple[str, object]]] = {}  # (prefix, proj) -> expert -> source
 
     def gtype_2d(want: str, cols: int, what: str) -> str:
         if want in ("Q8_0", "Q4_0") and cols % 32:
@@ -322,6 +326,10 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot be converted",
                             tensor=key)
         wname = f"{key}.weight"
+        em = _EXPERT.match(wname)
+        if em is not None:  # one expert of a stacked tensor: reconstructed, stacked below
+            experts.setdefault((em["pre"], em["w"]), {})[int(em["e"])] = ("layer", info)
+            continue
         g = name_of(wname)
         if g is None:
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"no GGUF name for {wname} in the gguf package's {arch} "
@@ -347,6 +355,10 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
             continue
         ti = model.info(name)
         shard[name] = str(ti.file)
+        em = _EXPERT.match(name)
+        if em is not None:
+            experts.setdefault((em["pre"], em["w"]), {})[int(em["e"])] = ("plain", name)
+            continue
         g = name_of(name)
         if g is None:
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"no GGUF name for {name} in the gguf package's {arch} "
@@ -355,7 +367,7 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"a {ti.dtype} tensor cannot be written to GGUF",
                             tensor=name)
         shape = tuple(int(x) for x in ti.shape)
-        if len(shape) == 1 or name.endswith("norm.weight") or not name.endswith(".weight"):
+        if len(shape) == 1 or name.endswith("norm.weight") or not name.endswith(".weight") or _always_f32(g):
             gtype = "F32"
         elif len(shape) == 2:
             gtype = gtype_2d(plain_t, shape[1], name)
@@ -365,17 +377,100 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
         heads = qk_heads(name, hp["n_head"], hp["n_kv"]) if permute else None
         offset = spec.norm_offset if name.endswith("norm.weight") else 0.0
         items.append(_plain_item(reader, name, ti.dtype, g, shape, gtype, heads, report, offset))
+    for (pre, wid), parts in sorted(experts.items()):
+        items.append(_stacked_item(model, reader, cfg, det, pre, wid, parts, name_of, plain_t, layer_t, gtype_2d,
+                                   spec, hp, report))
+        for kind, x in parts.values():
+            if kind == "plain":
+                owned.add(x)
     planned = (owned | {it.src for it in items} | {n for n in model.tensors if n.endswith(DROPPED_SUFFIXES)}
                | set(spec.skip))
     if set(model.tensors) - planned:  # pragma: no cover - a planning bug must never drop weights silently
         raise RuntimeError(f"tensors left out of the GGUF plan: {sorted(set(model.tensors) - planned)[:3]}")
 
     def order(it: _Item):
+        if it.stack is not None:  # llama.cpp emits a stacked tensor when its last expert arrives
+            last = max(it.stack, key=lambda n: (shard.get(n, ""), n))
+            return shard.get(last, ""), last, it.stack_rank
         src = it.src if it.src.endswith((".weight", ".bias")) else it.src + ".weight"
-        return shard.get(it.src, ""), src
+        return shard.get(it.src, ""), src, 0
 
     items.sort(key=order)  # llama.cpp's order: shards by file name, tensors of a shard by Hugging Face name
     return items
+
+
+#: ``<prefix>.experts.<e>.<proj>.weight``: one expert's matrix (Mixtral w1/w2/w3, Qwen-MoE gate/up/down_proj)
+_EXPERT = re.compile(r"^(?P<pre>.+)\.experts\.(?P<e>\d+)\.(?P<w>\w+)\.weight$")
+#: llama.cpp stacks each block's experts in this order (conversion/llama.py w1, w2, w3; conversion/qwen.py
+#: down, gate, up)
+_STACK_RANK = {"w1": 0, "w2": 1, "w3": 2, "down_proj": 0, "gate_proj": 1, "up_proj": 2}
+
+
+def _always_f32(gguf_name: str | None) -> bool:
+    """Tensor kinds llama.cpp's converter keeps F32 whatever the output type (routers, position embeddings)."""
+    if gguf_name is None:
+        return False
+    base = gguf_name.rsplit(".", 1)[0]
+    kind = base.split(".")[-1] if base.startswith("blk.") else base
+    return kind in ("ffn_gate_inp", "ffn_gate_inp_shexp", "position_embd", "token_types")
+
+
+def _stacked_item(model, reader, cfg, det, pre, wid, parts, name_of, plain_t, layer_t, gtype_2d, spec, hp,
+                  report) -> _Item:
+    """One GGUF tensor ``[E, N, K]`` holding every expert ``<pre>.experts.<e>.<wid>.weight`` (e = 0..E-1)."""
+    E = max(parts) + 1
+    if sorted(parts) != list(range(E)):
+        raise Exl2Error(ErrorCode.CONFIG_MISMATCH, f"experts {sorted(set(range(E)) - set(parts))} of {pre} "
+                        f"{wid} are missing", tensor=f"{pre}.experts")
+    merged = f"{pre}.experts.{wid}.weight"
+    g = name_of(merged)
+    if g is None:
+        raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"no GGUF name for the stacked experts {merged} in the gguf "
+                        "package's table", tensor=merged)
+    srcs, decoders, shapes, quantized = [], [], set(), False
+    for e in range(E):
+        kind, x = parts[e]
+        if kind == "plain":
+            ti = model.info(x)
+            shapes.add(tuple(int(v) for v in ti.shape))
+            srcs.append(x)
+            decoders.append(lambda x=x, dt=ti.dtype: _source_f32(reader.read(x), dt))
+        else:
+            from ..arch import expected_features
+
+            quantized = True
+            n = expected_features(cfg, x.key)[1] or x.out_features
+            shapes.add((n, x.in_features))
+            srcs.append(f"{x.key}.weight")
+
+            def dec(info=x, n=n):
+                layer = build_layer(reader, info, cfg)
+                layer_issues_or_raise(layer, report)
+                return layer.dequantize()[:n].astype(np.float32)
+
+            decoders.append(dec)
+    if len(shapes) != 1:
+        raise Exl2Error(ErrorCode.CONFIG_MISMATCH, f"the experts of {merged} have different shapes {sorted(shapes)}",
+                        tensor=merged)
+    N, K = shapes.pop()
+    gtype = gtype_2d(layer_t if quantized else plain_t, K, merged)
+    rep = TensorReport(merged, "experts", gtype)
+    report.tensors.append(rep)
+
+    def ref():
+        return np.stack([d() for d in decoders])
+
+    def produce():
+        x = ref()
+        out = _to_gtype(x.reshape(E * N, K), gtype)
+        back = decode(out, gtype).reshape(x.shape)
+        with np.errstate(invalid="ignore"):
+            rep.max_abs_error = float(np.nanmax(np.abs(back - x))) if x.size else 0.0
+        rep.exact = rep.max_abs_error == 0.0
+        return out.reshape(E, N, -1) if out.ndim == 2 else out.reshape(E, N, K)
+
+    return _Item(g, merged, gtype, (E, N, K), produce, ref, rep, stack=tuple(srcs),
+                 stack_rank=_STACK_RANK.get(wid, 0))
 
 
 def _to_gtype(w32: np.ndarray, gtype: str) -> np.ndarray:

@@ -106,3 +106,28 @@ def test_f16_round_trip_is_bit_exact(arch, tiny, tmp_path):
         la = m_src(torch.from_numpy(ids)).logits
         lb = m_back(torch.from_numpy(ids)).logits
     assert torch.equal(la, lb)
+
+
+@pytest.mark.parametrize("arch,style,adds_bos", [("llama", "llama3", True), ("qwen2", "bpe", False)])
+def test_rebuilt_tokenizer_gives_the_source_ids(arch, style, adds_bos, tmp_path):
+    """Issue 12.11: GGUF -> HF keeps BOS handling (Llama 3 adds <|begin_of_text|>, Qwen adds nothing)."""
+    from transformers import AutoTokenizer
+
+    src = make_tiny(arch, tmp_path / "src", tokenizer=style)
+    g = tmp_path / "m.gguf"
+    convert(src, g, to="gguf", gguf_type="f16")
+    r = gguf.GGUFReader(str(g))
+    assert r.get_field("tokenizer.ggml.add_bos_token") is not None or not adds_bos
+    back = tmp_path / "back"
+    convert(g, back, to="fp16")
+    a, b = AutoTokenizer.from_pretrained(src), AutoTokenizer.from_pretrained(back)
+    texts = ["Hello world, the quick brown fox.", " two  spaces\nand a newline 0123 ", "router gate expert"]
+    for t in texts:
+        ia, ib = a(t)["input_ids"], b(t)["input_ids"]
+        assert ia == ib, t
+        assert (ia[0] == a.bos_token_id) is adds_bos
+        assert a(t, add_special_tokens=False)["input_ids"] == b(t, add_special_tokens=False)["input_ids"]
+        assert a(t, "second part")["input_ids"] == b(t, "second part")["input_ids"]
+        assert b.decode(ib, skip_special_tokens=True) == a.decode(ia, skip_special_tokens=True)
+    assert (a.bos_token, a.eos_token) == (b.bos_token, b.eos_token)
+    assert json.loads((back / "special_tokens_map.json").read_text()).get("eos_token") == a.eos_token

@@ -102,6 +102,8 @@ def make_tiny(arch: str, dst: Path, dtype: str = "float16", tokenizer: str | Non
     for n, p in model.state_dict().items():
         if n.endswith("rotary_emb.inv_freq") or (tied and n == "lm_head.weight"):
             continue
+        if arch == "mixtral":  # the published checkpoints' names (transformers 5 renames them on load)
+            n = n.replace(".mlp.", ".block_sparse_moe.")
         sd[n] = _expand(n, tuple(p.shape), arch, tdt)
     out = {}
     for n, t in sd.items():
@@ -115,6 +117,8 @@ def make_tiny(arch: str, dst: Path, dtype: str = "float16", tokenizer: str | Non
         write_spm_tokenizer(dst)
     elif tokenizer == "bpe":
         write_bpe_tokenizer(dst)
+    elif tokenizer == "llama3":
+        write_bpe_tokenizer(dst, style="llama3")
     return dst
 
 
@@ -172,24 +176,37 @@ def write_spm_tokenizer(dst: Path, vocab: int = VOCAB) -> None:
     (dst / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
 
 
-def write_bpe_tokenizer(dst: Path, vocab: int = VOCAB) -> None:
-    """A byte-level BPE ``tokenizer.json`` with Qwen2's split regex and no BOS (Qwen style), trained here."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+def write_bpe_tokenizer(dst: Path, vocab: int = VOCAB, style: str = "qwen2") -> None:
+    """A byte-level BPE ``tokenizer.json`` trained here.  ``qwen2``: Qwen2's split regex, no BOS, ChatML
+    specials.  ``llama3``: Llama 3's split regex and a ``TemplateProcessing`` post-processor that prepends
+    ``<|begin_of_text|>`` (what Llama 3 repositories ship)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     from exl2fmt.converters.gguf_vocab import PRE_PATTERNS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRE_PATTERNS["qwen2"]), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(PRE_PATTERNS["llama-bpe" if style == "llama3" else "qwen2"]),
+                             behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tr = trainers.BpeTrainer(vocab_size=vocab - 3, show_progress=False,
                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_corpus(), tr)
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    if style == "llama3":
+        specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+        tok.add_special_tokens(specials)
+        bos = tok.token_to_id(specials[0])
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|>:1 $B:1",
+            special_tokens=[("<|begin_of_text|>", bos)])
+        tc = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": specials[0], "eos_token": specials[2],
+              "model_max_length": 256}
+    else:
+        tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+        tc = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+              "pad_token": "<|endoftext|>", "add_bos_token": False, "model_max_length": 256,
+              "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>"
+                               "\n{% endfor %}"}
     tok.save(str(dst / "tokenizer.json"))
-    tc = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
-          "pad_token": "<|endoftext|>", "add_bos_token": False, "model_max_length": 256,
-          "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                           "{% endfor %}"}
     (dst / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
