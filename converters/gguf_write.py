@@ -48,7 +48,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import ErrorCode, Exl2Error
-from .base import (ConversionReport, LayerReport, SourceReader, TensorReport, bf16_bits_to_f32, build_layer,
+from .base import (Checksum, ConversionReport, LayerReport, SourceReader, TensorReport, bf16_bits_to_f32, build_layer,
                    checksum, checksum_of_file_range, check_paths, error_stats, f32_to_bf16_bits,
                    layer_issues_or_raise, natural_key, publish, _remove)
 from .gguf_map import DROPPED_SUFFIXES, arch_of, gguf_name_map, permute_qk, qk_heads
@@ -502,30 +502,57 @@ def _source_f32(a: np.ndarray, dtype: str) -> np.ndarray:
     return bf16_bits_to_f32(a) if dtype == "BF16" else np.asarray(a, dtype=np.float32)
 
 
+#: rows of a plain tensor are converted and written this many float32 bytes at a time (peak memory: one chunk
+#: a few times over, not the tensor)
+_CHUNK_BYTES = 8 << 20
+
+
 def _plain_item(reader, name, dtype, g, shape, gtype, heads, report, offset: float = 0.0) -> _Item:
     rep = TensorReport(name, dtype, gtype)
     report.tensors.append(rep)
+    rows = shape[0] if len(shape) >= 1 else 1
+    row_elems = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else (shape[0] if shape else 1)
+    if len(shape) <= 1:
+        rows, row_elems = 1, int(np.prod(shape, dtype=np.int64))
 
-    def ref() -> np.ndarray:
-        x = _source_f32(reader.read(name), dtype)
+    def convert(x: np.ndarray) -> np.ndarray:
         if offset:
             x = _offset_in_dtype(x, offset, dtype)
+        return x
+
+    def ref() -> np.ndarray:
+        x = convert(_source_f32(reader.read(name), dtype))
         return permute_qk(x, heads, name) if heads else x
 
-    def produce():
-        x = ref()
-        out = _to_gtype(x, gtype)
+    def account(x: np.ndarray, out: np.ndarray) -> None:
         back = decode(out, gtype).reshape(x.shape)
         fin = np.isfinite(x)
         bad = int(np.count_nonzero(fin & ~np.isfinite(back)))
         with np.errstate(invalid="ignore"):
             diff = np.abs(np.where(fin & np.isfinite(back), back - x, 0))
-        rep.max_abs_error = float(diff.max()) if diff.size else 0.0
-        rep.nonfinite = bad
-        rep.exact = bad == 0 and rep.max_abs_error == 0.0
-        if bad:
-            report.warnings.append(f"{name}: {bad} values are not finite as {gtype}")
-        return out
+        rep.max_abs_error = max(rep.max_abs_error or 0.0, float(diff.max()) if diff.size else 0.0)
+        rep.nonfinite = (rep.nonfinite or 0) + bad
+
+    def produce():
+        rep.max_abs_error, rep.nonfinite = 0.0, 0
+        if heads or len(shape) != 2:  # Q/K rows move across the tensor; 1-D tensors are small
+            x = ref()
+            out = _to_gtype(x, gtype)
+            account(x, out)
+            yield out
+        else:
+            step = max(1, _CHUNK_BYTES // max(1, row_elems * 4))
+            if gtype not in ("F32", "F16", "BF16"):
+                step = max(1, step)  # block types quantize whole rows; any row count is a whole number of blocks
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                x = convert(_source_f32(reader.read_rows(name, r0, r1), dtype))
+                out = _to_gtype(x, gtype)
+                account(x, out)
+                yield out
+        rep.exact = rep.nonfinite == 0 and rep.max_abs_error == 0.0
+        if rep.nonfinite:
+            report.warnings.append(f"{name}: {rep.nonfinite} values are not finite as {gtype}")
 
     return _Item(g, name, gtype, shape, produce, ref, rep)
 
@@ -688,13 +715,22 @@ def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, fo
         for ui, it in enumerate(items):
             if _fail_after is not None and ui >= _fail_after:
                 raise RuntimeError("injected failure (test hook)")
-            arr = np.ascontiguousarray(it.produce())
-            if arr.nbytes != it.nbytes:  # pragma: no cover - converter bug
-                raise RuntimeError(f"{it.gguf_name}: produced {arr.nbytes} bytes, planned {it.nbytes}")
-            it.sum = checksum(memoryview(arr.reshape(-1).view(np.uint8)))
-            w.write_tensor_data(arr)
+            produced = it.produce()
+            chunks = [produced] if isinstance(produced, np.ndarray) else produced
+            fout = w.fout[0]
+            w.write_padding(fout, fout.tell())  # the data of each tensor starts aligned, as write_tensor_data
+            cs, n = Checksum(), 0
+            for arr in chunks:
+                b = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+                cs.update(b)
+                fout.write(b)
+                n += b.nbytes
+                del arr, b
+            if n != it.nbytes:  # pragma: no cover - converter bug
+                raise RuntimeError(f"{it.gguf_name}: produced {n} bytes, planned {it.nbytes}")
+            w.write_padding(fout, it.nbytes)
+            it.sum = cs.digest()
             done += it.nbytes
-            del arr
             if progress is not None:
                 progress(done, 2 * total, it.src)
         for f in w.fout or []:
