@@ -245,6 +245,38 @@ def _mixtral_back(get, cfg: dict) -> None:
             cfg[key] = v
 
 
+def _cohere_hparams(cfg: dict, w) -> None:
+    # conversion/command_r.py CommandR2Model: context length from model_max_length first, logit_scale, and an
+    # explicit rope scaling type NONE.
+    import gguf
+
+    n_ctx = find_hparam(cfg, ("model_max_length", "max_position_embeddings"))
+    if n_ctx is not None:
+        w.add_context_length(n_ctx)
+    w.add_logit_scale(cfg["logit_scale"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
+def _layernorm_back(get, cfg: dict) -> None:
+    eps = get("attention.layer_norm_epsilon")
+    if isinstance(eps, (int, float)):
+        cfg["layer_norm_eps"] = cfg["norm_epsilon"] = float(eps)
+
+
+def _cohere_back(get, cfg: dict) -> None:
+    _layernorm_back(get, cfg)
+    v = get("logit_scale")
+    if isinstance(v, (int, float)):
+        cfg["logit_scale"] = float(v)
+    cfg["use_qk_norm"] = False
+
+
+def _starcoder2_back(get, cfg: dict) -> None:
+    _layernorm_back(get, cfg)
+    cfg["use_bias"] = True
+    cfg["hidden_act"] = "gelu_pytorch_tanh"
+
+
 def _gemma_back(get, cfg: dict) -> None:
     cfg["hidden_act"] = "gelu_pytorch_tanh"
     cfg["hidden_activation"] = "gelu_pytorch_tanh"
@@ -292,6 +324,12 @@ _SPECS = [
     ArchSpec("mixtral", "llama", "MixtralForCausalLM", True,
              "conversion/llama.py LlamaModel: block_sparse_moe experts stacked w1, w2, w3 into [E, N, K]",
              hparams=_llama_hparams, tokenizer=_llama_tokenizer, config_back=_mixtral_back, block_extra="mixtral"),
+    ArchSpec("cohere", "command-r", "CohereForCausalLM", False,
+             "conversion/command_r.py CommandR2Model: logit_scale, rope scaling NONE, model_max_length context",
+             hparams=_cohere_hparams, config_back=_cohere_back),
+    ArchSpec("starcoder2", "starcoder2", "Starcoder2ForCausalLM", False,
+             "conversion/starcoder.py StarCoder2Model (generic hparams; LayerNorm and biases everywhere)",
+             config_back=_starcoder2_back, block_extra="starcoder2"),
     ArchSpec("qwen2", "qwen2", "Qwen2ForCausalLM", False, "conversion/qwen.py Qwen2Model (generic hparams, NEOX rope)"),
     ArchSpec("qwen3", "qwen3", "Qwen3ForCausalLM", False, "conversion/qwen.py Qwen3Model(Qwen2Model)"),
     ArchSpec("qwen2_moe", "qwen2moe", "Qwen2MoeForCausalLM", False,

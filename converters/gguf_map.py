@@ -37,15 +37,17 @@ ARCHS = {mt: (s.gguf_arch, s.permute_qk) for mt, s in SPECS.items()}
 #: GGUF arch -> (Hugging Face class, model_type) written by GGUF -> HF
 HF_ARCHITECTURES = {s.gguf_arch: (s.hf_class, s.model_type) for s in reversed(list(SPECS.values()))}
 
-_GLOBAL = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+_GLOBAL = ("model.embed_tokens.weight", "model.norm.weight", "model.norm.bias", "lm_head.weight")
 _BLOCK = ("input_layernorm.weight", "post_attention_layernorm.weight",
           "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
           "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.o_proj.bias",
           "self_attn.q_norm.weight", "self_attn.k_norm.weight",
           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-          "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
+          "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight",
+          "input_layernorm.bias", "post_attention_layernorm.bias")
 #: per-architecture block templates (``ArchSpec.block_extra`` names one of these): the stacked experts (one
-#: GGUF tensor ``[E, N, K]`` for the Hugging Face tensors ``...experts.<e>.<proj>.weight``) and routers
+#: GGUF tensor ``[E, N, K]`` for the Hugging Face tensors ``...experts.<e>.<proj>.weight``) and routers, and
+#: family-specific MLP names
 MOE_TEMPLATES = {
     "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.w1.weight",
                 "block_sparse_moe.experts.w2.weight", "block_sparse_moe.experts.w3.weight"),
@@ -53,6 +55,8 @@ MOE_TEMPLATES = {
                  "mlp.experts.down_proj.weight", "mlp.shared_expert.gate_proj.weight",
                  "mlp.shared_expert.up_proj.weight", "mlp.shared_expert.down_proj.weight",
                  "mlp.shared_expert_gate.weight"),
+    # not experts, but a family's own MLP names (they map onto the same GGUF names as up/down_proj)
+    "starcoder2": ("mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"),
 }
 #: Tensors that are derived at load time and carry nothing: dropped on the way to GGUF.
 DROPPED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -657,10 +657,14 @@ def _metadata(w, arch, hp, cfg, layer_t, model, items, report) -> None:
         meta.size_label = gguf.size_label(total, shared, expert, n_exp)
     w.add_type(gguf.GGUFType.MODEL)
     meta.set_gguf_meta_model(w)
-    if spec.common:
-        write_common_hparams(cfg, w, hp["n_layer"], report.warnings, head_dim_keys=spec.head_dim_keys)
-    if spec.hparams is not None:
-        spec.hparams(cfg, w)
+    log.setLevel(logging.ERROR)  # a family entry overriding a generic key is intended (gguf logs a warning)
+    try:
+        if spec.common:
+            write_common_hparams(cfg, w, hp["n_layer"], report.warnings, head_dim_keys=spec.head_dim_keys)
+        if spec.hparams is not None:
+            spec.hparams(cfg, w)
+    finally:
+        log.setLevel(level)
     w.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[layer_t]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_string("general.source.format", report.source_format)

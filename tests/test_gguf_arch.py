@@ -145,3 +145,57 @@ def test_rebuilt_tokenizer_gives_the_source_ids(arch, style, adds_bos, tmp_path)
         assert b.decode(ib, skip_special_tokens=True) == a.decode(ia, skip_special_tokens=True)
     assert (a.bos_token, a.eos_token) == (b.bos_token, b.eos_token)
     assert json.loads((back / "special_tokens_map.json").read_text()).get("eos_token") == a.eos_token
+
+
+#: architectures whose GGUF files transformers' own loader (transformers.integrations.ggml, 5.x) rebuilds
+#: completely.  It also lists qwen3, qwen2_moe, qwen3_moe, gemma2, gemma3 and starcoder2, but its config mapping
+#: drops keys those need (qwen3/qwen3_moe: attention.key_length -> head_dim, so the default 128 is used;
+#: gemma2/3: query_pre_attn_scalar and the sliding-window layout), so it cannot load these tiny models (nor
+#: llama.cpp's own goldens of them, which our files equal byte for byte) as the source model.
+TRANSFORMERS_GGUF = ("llama", "qwen2")
+
+
+@pytest.mark.parametrize("arch", [a for a in TRANSFORMERS_GGUF if any(v["arch"] == a for v in MANIFEST.values())])
+def test_transformers_gguf_loader_gives_the_source_logits(arch, tiny, tmp_path):
+    """transformers' GGUF loader (its own name table, reverse permutation, expert split and norm shift) on our
+    F16 file gives the logits of the FP16 source (for Gemma: of the source with the fp16(w + 1) - 1 norms
+    the format holds)."""
+    import torch
+    import transformers
+    from safetensors.numpy import load_file
+
+    from exl2fmt.converters.gguf_arch import SPECS
+
+    src = tiny(arch)
+    d = tmp_path / "g"
+    d.mkdir()
+    convert(src, d / "m.gguf", to="gguf", gguf_type="f16")
+    m_g = transformers.AutoModelForCausalLM.from_pretrained(str(d), gguf_file="m.gguf", dtype=torch.float32).eval()
+    m_s = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    off = SPECS[arch].norm_offset
+    if off:
+        a = load_file(str(src / "model.safetensors"))
+        params = dict(m_s.named_parameters())
+        with torch.no_grad():
+            for k, v in a.items():
+                if k.endswith("norm.weight"):
+                    moved = (v.astype(np.float32) + off).astype(np.float16).astype(np.float32) - off
+                    params[k].copy_(torch.from_numpy(moved.astype(np.float16).astype(np.float32)))
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3]])
+    with torch.no_grad():
+        lg, ls = m_g(ids).logits, m_s(ids).logits
+    assert lg.shape == ls.shape
+    assert torch.allclose(lg, ls, rtol=0, atol=1e-5 * float(ls.abs().max())), float((lg - ls).abs().max())
+
+
+@pytest.mark.parametrize("golden", ["llama-f16.gguf", "llama-q8_0.gguf"])
+def test_chunked_streaming_writes_the_same_bytes(golden, tiny, tmp_path, monkeypatch):
+    """Plain tensors are converted and written a few rows at a time (peak memory: a chunk, not the tensor);
+    with chunks of 1 KiB every 2-D tensor is split into many pieces and the file still equals llama.cpp's."""
+    from exl2fmt.converters import gguf_write
+
+    monkeypatch.setattr(gguf_write, "_CHUNK_BYTES", 1024)
+    m = MANIFEST[golden]
+    out = tmp_path / golden
+    convert(tiny(m["arch"]), out, to="gguf", gguf_type=m["type"])
+    assert gguf_diff(GOLD / golden, out, ignore=OURS_ONLY) == []
