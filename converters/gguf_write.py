@@ -389,9 +389,12 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
         raise RuntimeError(f"tensors left out of the GGUF plan: {sorted(set(model.tensors) - planned)[:3]}")
 
     def order(it: _Item):
+        def file_of(n: str) -> str:  # a plain tensor by name, a quantized layer by its key
+            return shard.get(n, shard.get(n.removesuffix(".weight"), ""))
+
         if it.stack is not None:  # llama.cpp emits a stacked tensor when its last expert arrives
-            last = max(it.stack, key=lambda n: (shard.get(n, ""), n))
-            return shard.get(last, ""), last, it.stack_rank
+            last = max(it.stack, key=lambda n: (file_of(n), n))
+            return file_of(last), last, it.stack_rank
         src = it.src if it.src.endswith((".weight", ".bias")) else it.src + ".weight"
         return shard.get(it.src, ""), src, 0
 

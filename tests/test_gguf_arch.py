@@ -199,3 +199,42 @@ def test_chunked_streaming_writes_the_same_bytes(golden, tiny, tmp_path, monkeyp
     out = tmp_path / golden
     convert(tiny(m["arch"]), out, to="gguf", gguf_type=m["type"])
     assert gguf_diff(GOLD / golden, out, ignore=OURS_ONLY) == []
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gemma2"])
+def test_gptq_source_equals_its_fp16_reconstruction(arch, tiny, tmp_path):
+    """GPTQ -> GGUF writes what GPTQ -> FP16 -> GGUF writes (experts reconstructed and stacked, Gemma's norm
+    offset applied to the unquantized norms): every tensor byte and every metadata key but the source format."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from exl2fmt.converters.gptq_quant import gptq_layer_tensors, rtn_quantize
+
+    src = tiny(arch)
+    q = tmp_path / f"tiny-{arch}"  # same directory name: general.name is derived from it
+    shutil.copytree(src, q)
+    t = load_file(str(src / "model.safetensors"))
+    out = {}
+    for n, a in t.items():
+        if n.endswith("_proj.weight") or n.endswith((".w1.weight", ".w2.weight", ".w3.weight")):
+            c, s, z, g = rtn_quantize(a.astype(np.float16), 4, 32, sym=True)
+            for slot, arr in gptq_layer_tensors(c, s, z, g, 4).items():
+                out[f"{n[:-7]}.{slot}"] = arr
+        else:
+            out[n] = a
+    save_file(out, str(q / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True,
+                                  "desc_act": False}
+    (q / "config.json").write_text(json.dumps(cfg))
+    direct = tmp_path / "direct.gguf"
+    convert(q, direct, to="gguf", gguf_type="f16")
+    dense = tmp_path / "dense" / f"tiny-{arch}"
+    convert(q, dense, to="fp16")
+    for f in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (q / f).is_file() and not (dense / f).is_file():
+            shutil.copy(q / f, dense / f)
+    via = tmp_path / "via.gguf"
+    convert(dense, via, to="gguf", gguf_type="f16")
+    assert gguf_diff(via, direct, ignore=OURS_ONLY) == []
