@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 #: architecture -> tokenizer kind used for its tiny model
 ARCHS = {"llama": "spm", "mistral": "spm", "qwen2": "bpe", "qwen3": "bpe", "gemma": "spm", "granite": "spm",
          "gemma2": "spm", "gemma3_text": "spm", "mixtral": "spm", "qwen2_moe": "bpe", "qwen3_moe": "bpe",
-         "cohere": "bpe", "starcoder2": "bpe"}
+         "cohere": "bpe", "starcoder2": "bpe", "phi3": "spm"}
 DEFAULT_TYPES = {"llama": ("f16", "bf16", "q8_0"), "qwen2": ("f16", "bf16"), "gemma": ("f16", "q8_0"),
                  "qwen2_moe": ("f16", "q8_0")}
 

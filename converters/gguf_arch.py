@@ -277,6 +277,38 @@ def _starcoder2_back(get, cfg: dict) -> None:
     cfg["hidden_act"] = "gelu_pytorch_tanh"
 
 
+def _phi3_hparams(cfg: dict, w) -> None:
+    # conversion/phi.py Phi3MiniModel.set_gguf_parameters: its own list (original context length, rope dims
+    # from partial_rotary_factor, sliding window 0 when absent); long-rope factor tensors are not written here
+    # (see ArchSpec.refuse).
+    rp = rope_params(cfg)
+    n_embd, n_head = cfg["hidden_size"], cfg["num_attention_heads"]
+    w.add_context_length(find_hparam(cfg, ("n_positions", "max_position_embeddings")))
+    w.add_rope_scaling_orig_ctx_len(rp.get("original_max_position_embeddings",
+                                           cfg.get("original_max_position_embeddings")))
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(int(rp.get("partial_rotary_factor", 1.0) * n_embd) // n_head)
+    w.add_rope_freq_base(rp["rope_theta"])
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+
+
+def _phi3_back(get, cfg: dict) -> None:
+    orig = get("rope.scaling.original_context_length")
+    if isinstance(orig, int):
+        cfg["original_max_position_embeddings"] = orig
+    sw = cfg.get("sliding_window")
+    cfg["sliding_window"] = sw if sw else None
+    rd = get("rope.dimension_count")
+    if isinstance(rd, int) and rd and cfg["head_dim"]:
+        cfg["partial_rotary_factor"] = rd / cfg["head_dim"]
+    cfg.pop("head_dim", None)
+
+
 def _gemma_back(get, cfg: dict) -> None:
     cfg["hidden_act"] = "gelu_pytorch_tanh"
     cfg["hidden_activation"] = "gelu_pytorch_tanh"
@@ -330,6 +362,10 @@ _SPECS = [
     ArchSpec("starcoder2", "starcoder2", "Starcoder2ForCausalLM", False,
              "conversion/starcoder.py StarCoder2Model (generic hparams; LayerNorm and biases everywhere)",
              config_back=_starcoder2_back, block_extra="starcoder2"),
+    ArchSpec("phi3", "phi3", "Phi3ForCausalLM", False,
+             "conversion/phi.py Phi3MiniModel: fused qkv_proj / gate_up_proj kept fused, own hparams, own SPM vocab",
+             common=False, hparams=_phi3_hparams, config_back=_phi3_back, block_extra="phi3",
+             extra={"vocab": "phi3"}),
     ArchSpec("qwen2", "qwen2", "Qwen2ForCausalLM", False, "conversion/qwen.py Qwen2Model (generic hparams, NEOX rope)"),
     ArchSpec("qwen3", "qwen3", "Qwen3ForCausalLM", False, "conversion/qwen.py Qwen3Model(Qwen2Model)"),
     ArchSpec("qwen2_moe", "qwen2moe", "Qwen2MoeForCausalLM", False,

@@ -57,6 +57,7 @@ MOE_TEMPLATES = {
                  "mlp.shared_expert_gate.weight"),
     # not experts, but a family's own MLP names (they map onto the same GGUF names as up/down_proj)
     "starcoder2": ("mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"),
+    "phi3": ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"),
 }
 #: Tensors that are derived at load time and carry nothing: dropped on the way to GGUF.
 DROPPED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -159,6 +159,7 @@ def build_config(reader, path: str, warnings: list[str]) -> tuple[dict, str]:
     if spec.config_back is not None:
         spec.config_back(lambda suffix: _field(reader, f"{a}.{suffix}"), cfg)
     cfg.pop("_has_q_bias", None)
+    cfg["pad_token_id"] = None  # set below when the GGUF names one (config classes' defaults can exceed the vocab)
     for typ in ("bos", "eos", "pad"):
         i = _field(reader, f"tokenizer.ggml.{typ}_token_id")
         if isinstance(i, int) and not isinstance(i, bool):

@@ -108,14 +108,17 @@ def looks_special(text: str) -> bool:
             or (text.startswith("<unused") and text.endswith(">")))
 
 
-def spm_vocab(src_dir: Path, n_vocab: int) -> tuple[list[str], list[float], list[int]] | None:
+def spm_vocab(src_dir: Path, n_vocab: int, variant: str | None = None
+              ) -> tuple[list[str], list[float], list[int]] | None:
     """``(tokens, scores, types)`` of length ``n_vocab`` from a SentencePiece ``tokenizer.model`` (None when
     there is none or the ``sentencepiece`` package is missing).
 
     Every id below ``n_vocab`` starts as ``[PAD<i>]`` / score -10000 / UNUSED; the model's pieces overwrite them
     with their own score and type (UNKNOWN, CONTROL, UNUSED, BYTE, else NORMAL); ``added_tokens.json`` entries
     are USER_DEFINED with score -1000; ``tokenizer_config.json`` ``added_tokens_decoder`` entries are CONTROL
-    when special (or ``looks_special``), else USER_DEFINED with ``\u2581`` shown as a space, score -1000."""
+    when special (or ``looks_special``), else USER_DEFINED with ``\u2581`` shown as a space, score -1000.
+    ``variant="phi3"`` (llama.cpp's Phi-3 converter): added tokens from ``added_tokens_decoder`` and then from
+    ``tokenizer.json``'s ``added_tokens`` are CONTROL when special, else USER_DEFINED, text kept as is."""
     path = Path(src_dir) / "tokenizer.model"
     if not path.is_file():
         return None
@@ -145,6 +148,18 @@ def spm_vocab(src_dir: Path, n_vocab: int) -> tuple[list[str], list[float], list
             if isinstance(i, int) and 0 <= i < n_vocab:
                 tokens[i], scores[i], types[i] = text, -1000.0, USER_DEFINED
     tcp = Path(src_dir) / "tokenizer_config.json"
+    if variant == "phi3":
+        entries = []
+        if tcp.is_file():
+            entries += [(int(k), d) for k, d in (_load_json(tcp).get("added_tokens_decoder") or {}).items()]
+        tjp = Path(src_dir) / "tokenizer.json"
+        if tjp.is_file():
+            entries += [(d.get("id"), d) for d in _load_json(tjp).get("added_tokens") or [] if isinstance(d, dict)]
+        for i, d in entries:
+            if isinstance(i, int) and 0 <= i < n_vocab and isinstance(d.get("content"), str):
+                tokens[i], scores[i] = d["content"], -1000.0
+                types[i] = CONTROL if d.get("special") else USER_DEFINED
+        return tokens, scores, types
     if tcp.is_file():
         dec = _load_json(tcp).get("added_tokens_decoder") or {}
         for k, d in dec.items():
@@ -161,7 +176,7 @@ def spm_vocab(src_dir: Path, n_vocab: int) -> tuple[list[str], list[float], list
     return tokens, scores, types
 
 
-def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str]) -> dict:
+def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str], variant: str | None = None) -> dict:
     """Add ``tokenizer.ggml.*`` to the GGUFWriter ``w`` from the tokenizer files in ``src_dir``.  Returns
     ``{"model", "pre", "tokens", "merges", "padded"}`` describing what was written; problems go to
     ``warnings`` (the GGUF is then written with ``tokenizer.ggml.model = "none"``)."""
@@ -176,7 +191,7 @@ def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str]) ->
         return info
 
     try:
-        spm = None if src_dir is None else spm_vocab(Path(src_dir), n_vocab)
+        spm = None if src_dir is None else spm_vocab(Path(src_dir), n_vocab, variant)
     except (OSError, ValueError, RuntimeError, TypeError) as e:
         warnings.append(f"tokenizer: tokenizer.model not read ({type(e).__name__}: {e}); trying tokenizer.json")
         spm = None

@@ -642,6 +642,12 @@ def _metadata(w, arch, hp, cfg, layer_t, model, items, report) -> None:
     from .gguf_arch import spec_for_model_type, write_common_hparams
 
     spec = spec_for_model_type(cfg.get("model_type"))
+    from .gguf_arch import rope_params
+
+    if spec.model_type == "phi3" and rope_params(cfg).get("long_factor"):
+        raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, "Phi-3 long-rope factors (rope_scaling long_factor / "
+                        "short_factor) are not written by exl2fmt's GGUF bridge; use a 4k-context Phi-3",
+                        file=str(model.root))
     root = Path(str(model.root))
     total, shared, expert, n_exp = w.get_total_parameter_count()
     log = logging.getLogger("gguf")
@@ -706,12 +712,12 @@ def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, fo
         n_vocab = next((it.shape[0] for it in items if it.gguf_name == "token_embd.weight"), hp["vocab"])
         from .gguf_vocab import add_tokenizer
 
-        tok_dir = src_p if src_p.is_dir() else src_p.parent
-        tok = add_tokenizer(w, tok_dir, n_vocab, report.warnings)
-        report.options["tokenizer"] = tok
         from .gguf_arch import spec_for_model_type
 
         spec = spec_for_model_type(model.config.get("model_type"))
+        tok_dir = src_p if src_p.is_dir() else src_p.parent
+        tok = add_tokenizer(w, tok_dir, n_vocab, report.warnings, spec.extra.get("vocab"))
+        report.options["tokenizer"] = tok
         if spec.tokenizer is not None and tok.get("model") != "none":
             spec.tokenizer(w, tok_dir)
         w.write_header_to_file(tmp)

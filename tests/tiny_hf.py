@@ -55,7 +55,7 @@ def _base(arch: str) -> dict:
                    "final_logit_softcapping": 30.0},
         "gemma3_text": {"head_dim": HEAD_DIM, "tie_word_embeddings": True, "sliding_window": 64,
                         "query_pre_attn_scalar": HEAD_DIM},
-        "phi3": {},
+        "phi3": {"pad_token_id": None},
         "cohere": {"logit_scale": 0.0625, "tie_word_embeddings": True},
         "starcoder2": {"use_bias": True, "sliding_window": None},
     }[arch]
