@@ -547,9 +547,14 @@ def _plain_item(reader, name, dtype, g, shape, gtype, heads, report, offset: flo
             step = max(1, _CHUNK_BYTES // max(1, row_elems * 4))
             if gtype not in ("F32", "F16", "BF16"):
                 step = max(1, step)  # block types quantize whole rows; any row count is a whole number of blocks
+            same = dtype == gtype and dtype in ("F16", "BF16", "F32") and not offset
             for r0 in range(0, rows, step):
                 r1 = min(rows, r0 + step)
-                x = convert(_source_f32(reader.read_rows(name, r0, r1), dtype))
+                raw = reader.read_rows(name, r0, r1)
+                if same:  # F16 -> F16 (BF16 -> BF16, F32 -> F32): the stored bits are the GGUF data, exactly
+                    yield raw
+                    continue
+                x = convert(_source_f32(raw, dtype))
                 out = _to_gtype(x, gtype)
                 account(x, out)
                 yield out
