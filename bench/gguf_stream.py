@@ -6,8 +6,8 @@ Model: a 307M-parameter Llama (TinyLlama's shape with 4 layers: hidden 2048, 32 
 intermediate 5632, vocab 32000, untied lm_head), F16 weights from a seeded NumPy generator, the SentencePiece
 tokenizer of ``tests/tiny_hf`` (320 pieces; both converters pad the vocabulary to 32000).  Both converters write
 ``--outtype f16`` / ``--gguf-type f16`` to the same disk; ours includes its verify pass (re-read, checksum of
-every tensor).  Each run is a child process measured with ``os.wait4`` (wall clock and the child's own peak
-RSS, ``ru_maxrss``); the runs alternate, the page cache is warm for both (one untimed warm-up read).
+every tensor).  Each run is measured by ``/usr/bin/time`` (wall clock and the command's own peak RSS); the
+runs alternate, the page cache is warm for both (one untimed warm-up read).
 Targets: our peak RSS <= 0.5x llama.cpp's and our wall time <= 1x.  Also checks that the two files hold the same
 tensors bytes (tests/gguf_diff.py).
 """
@@ -62,18 +62,23 @@ def build(d: Path) -> int:
     return sum(a.size for a in t.values())
 
 
-def measure(cmd: list[str], env=None) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, ru = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t0
-    err = p.stderr.read().decode(errors="replace") if p.stderr else ""
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{err[-2000:]}")
-    return wall, ru.ru_maxrss * 1024
+def measure(cmd: list[str]) -> tuple[float, int]:
+    """(wall seconds, peak RSS bytes) of ``cmd`` under ``/usr/bin/time -f '%e %M'`` (a small process that
+    execs the command, so the peak is the command's own, not this script's memory inherited at fork)."""
+    r = subprocess.run(["/usr/bin/time", "-f", "TIME %e %M", *cmd], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True)
+    line = [x for x in r.stderr.splitlines() if x.startswith("TIME ")]
+    if r.returncode != 0 or not line:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
+    _, wall, kb = line[-1].split()
+    return float(wall), int(kb) * 1024
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--build"]:
+        print(build(Path(argv[1])))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-cpp", required=True, type=Path)
     ap.add_argument("--python", required=True, help="interpreter for llama.cpp's converter (transformers 4.57)")
@@ -82,7 +87,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as td:
         src = Path(td) / "tinyllama-4l"
-        n_params = build(src)
+        # built by a child process: this script stays small (its memory is not the converters')
+        out = subprocess.run([sys.executable, __file__, "--build", str(src)], check=True, capture_output=True,
+                             text=True).stdout
+        n_params = int(out.split()[-1])
         subprocess.run(["cat", str(src / "model.safetensors")], stdout=subprocess.DEVNULL, check=True)  # warm cache
         ours_out, ref_out = Path(td) / "ours.gguf", Path(td) / "ref.gguf"
         ours = [str(Path(sys.executable).parent / "exl2fmt"), "convert", str(src), str(ours_out), "--to", "gguf",
@@ -110,8 +118,8 @@ def main(argv=None) -> int:
                  f"shared 2-core VM (other jobs running; wall times are noisy). Model: {n_params / 1e6:.0f}M-parameter "
                  "Llama (hidden 2048, 4 layers, 32/4 heads, intermediate 5632, vocab 32000), F16 -> GGUF F16 "
                  f"({size / 1e6:.0f} MB). llama.cpp: convert_hf_to_gguf.py from llama-cpp-python 0.3.36 (vendor "
-                 "commit 0c1e5709), transformers 4.57.6. Ours includes the verify pass. Peak RSS = the child's "
-                 "ru_maxrss (os.wait4).\n",
+                 "commit 0c1e5709), transformers 4.57.6. Ours includes the verify pass. Peak RSS and wall from "
+                 "/usr/bin/time (%M, %e).\n",
                  "| converter | runs (wall s / peak RSS MiB) | median wall | median peak RSS |",
                  "|---|---|---|---|"]
         for k, v in rows.items():

@@ -34,7 +34,7 @@ from .base import Converter, LayerReport, OutSpec, TensorReport, Unit, f32_to_bf
 from .gguf_arch import spec_for_gguf_arch
 from .gguf_map import HF_ARCHITECTURES, hf_name_map, qk_heads, unpermute_qk
 
-__all__ = ["open_gguf", "convert_from_gguf"]
+__all__ = ["open_gguf", "prescan_gguf", "convert_from_gguf"]
 
 
 def open_gguf(path: str | os.PathLike):
@@ -67,6 +67,16 @@ def open_gguf(path: str | os.PathLike):
             raise Exl2Error(ErrorCode.GGUF_INVALID, "the gguf package and the pre-scan disagree about this tensor",
                             tensor=t.name, file=p)
     return reader, scan
+
+
+def prescan_gguf(path: str | os.PathLike) -> dict:
+    """The bounded pre-scan of ``open_gguf`` alone (tensor table, counts, alignment; no ``gguf.GGUFReader``)."""
+    from ..inspect import _gguf_prescan
+
+    p = str(path)
+    if not os.path.isfile(p):
+        raise Exl2Error(ErrorCode.PATH_NOT_FOUND, "no such file", file=p)
+    return _gguf_prescan(p)
 
 
 def _field(reader, key):
