@@ -243,3 +243,16 @@ def test_gptq_source_equals_its_fp16_reconstruction(arch, tiny, tmp_path):
     via = tmp_path / "via.gguf"
     convert(dense, via, to="gguf", gguf_type="f16")
     assert gguf_diff(via, direct, ignore=OURS_ONLY) == []
+
+
+def test_goldens_are_small_and_listed():
+    """Every golden is in MANIFEST.json with its sha256 and the llama.cpp commit; the set stays a few MB."""
+    import hashlib
+
+    files = sorted(p.name for p in GOLD.glob("*.gguf"))
+    assert files == sorted(MANIFEST)
+    for name in files:
+        m = MANIFEST[name]
+        assert hashlib.sha256((GOLD / name).read_bytes()).hexdigest() == m["sha256"], name
+        assert len(m["llama_cpp_commit"]) == 40 and m["command"].startswith("python convert_hf_to_gguf.py")
+    assert sum((GOLD / n).stat().st_size for n in files) < 5_000_000
