@@ -671,6 +671,11 @@ def _metadata(w, arch, hp, cfg, layer_t, model, items, report) -> None:
         meta.size_label = gguf.size_label(total, shared, expert, n_exp)
     w.add_type(gguf.GGUFType.MODEL)
     meta.set_gguf_meta_model(w)
+    if spec.model_type == "llama" and cfg.get("head_dim") is None and \
+            cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        # llama.cpp's converter sees transformers' LlamaConfig, which fills head_dim = hidden / heads, so it
+        # writes key_length / value_length even when config.json has no head_dim (bench/gguf_stream.py)
+        cfg = {**cfg, "head_dim": cfg["hidden_size"] // cfg["num_attention_heads"]}
     log.setLevel(logging.ERROR)  # a family entry overriding a generic key is intended (gguf logs a warning)
     try:
         if spec.common:
