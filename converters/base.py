@@ -318,12 +318,30 @@ class SourceReader:
             raise Exl2Error(ErrorCode.DTYPE_UNKNOWN, f"sub-byte dtype {t.dtype} cannot be converted", tensor=name,
                             file=t.file)
         arr = np.empty(t.shape, dtype=spec.numpy)
-        if t.nbytes:
+        self._pread_into(arr, t, t.abs_begin, name)
+        return arr
+
+    def read_rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows ``r0:r1`` (first axis) of a tensor, read like ``read`` (only those bytes)."""
+        from ..container import SAFETENSORS_DTYPES
+
+        t = self.model.info(name)
+        spec = SAFETENSORS_DTYPES[t.dtype]
+        if spec.numpy is None or not t.shape:
+            raise Exl2Error(ErrorCode.DTYPE_UNKNOWN, f"{t.dtype} rows cannot be read", tensor=name, file=t.file)
+        r0, r1 = max(0, min(r0, t.shape[0])), max(0, min(r1, t.shape[0]))
+        arr = np.empty((max(0, r1 - r0), *t.shape[1:]), dtype=spec.numpy)
+        self._pread_into(arr, t, t.abs_begin + r0 * (arr[0:1].nbytes if arr.size else 0), name)
+        return arr
+
+    def _pread_into(self, arr: np.ndarray, t, offset: int, name: str) -> None:
+        nbytes = arr.nbytes
+        if nbytes:
             buf = memoryview(arr.reshape(-1).view(np.uint8))
             f = self._file(t.file)
-            off, done = t.abs_begin, 0
+            off, done = offset, 0
             try:
-                while done < t.nbytes:
+                while done < nbytes:
                     if _HAVE_PREADV:
                         n = os.preadv(f.fileno(), [buf[done:]], off + done)
                     else:  # pragma: no cover - platforms without preadv
@@ -336,8 +354,7 @@ class SourceReader:
             except OSError as e:
                 raise Exl2Error(ErrorCode.IO_ERROR, f"cannot read: {e.strerror or e}", tensor=name,
                                 file=t.file) from None
-        self.bytes_read += t.nbytes
-        return arr
+        self.bytes_read += nbytes
 
     def _file(self, path: str):
         f = self._files.get(path)

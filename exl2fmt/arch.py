@@ -58,6 +58,10 @@ def expected_features(config: dict | None, key: str) -> tuple[int | None, int | 
         return None, None
     hidden = _int(cfg, "hidden_size", "n_embd", "d_model")
     inter = _int(cfg, "intermediate_size", "n_inner", "ffn_dim")
+    if ".shared_expert." in key:  # Qwen-MoE: the shared expert and the routed experts have their own widths
+        inter = _int(cfg, "shared_expert_intermediate_size") or inter
+    elif ".experts." in key:
+        inter = _int(cfg, "moe_intermediate_size") or inter
     heads = _int(cfg, "num_attention_heads", "n_head")
     kv_heads = _int(cfg, "num_key_value_heads") or heads
     head_dim = _int(cfg, "head_dim")
