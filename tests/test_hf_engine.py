@@ -1,0 +1,142 @@
+"""The quantizer's transformers-driven engine (exl2fmt.quant.hf_engine) against transformers as the oracle.
+
+Per architecture (tests/tiny_models.py): the engine's layer-by-layer forward over the saved shards gives the
+logits of transformers' own full model loaded with ``from_pretrained``; the inputs the engine captures for the
+linears are exactly what transformers' modules receive; the attention half's output is the residual stream in
+front of the MLP's norm; and the calibrated quantizer produces output that validates.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from tiny_models import DENSE, make_tiny  # noqa: E402
+
+from exl2fmt.errors import ErrorCode, Exl2Error  # noqa: E402
+from exl2fmt.quant.forward import WeightSource  # noqa: E402
+from exl2fmt.quant.hf_engine import HFModel  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    made: dict = {}
+
+    def get(arch):
+        if arch not in made:
+            made[arch] = make_tiny(arch, tmp_path_factory.mktemp(arch) / "src")
+        return made[arch]
+    return get
+
+
+def _engine(d):
+    return HFModel(json.loads((d / "config.json").read_text()), WeightSource(d))
+
+
+def _reference(d):
+    return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_layerwise_forward_equals_transformers_full_model(tiny, arch):
+    d = tiny(arch)
+    ids = torch.as_tensor(np.random.default_rng(1).integers(0, 160, (2, 24)))
+    with torch.no_grad():
+        want = _reference(d)(ids).logits
+    eng = _engine(d)
+    eng.check_weights()
+    got = eng.forward(ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a substitute linear is used where given (here: the dense weight scaled by 0: output changes)
+    key = eng.linear_key(1, eng.linear_names("mlp")[-1])
+    zero = eng.forward(ids, lambda k: (lambda x: torch.zeros(*x.shape[:-1], eng.hidden_size)) if k == key else None)
+    assert not torch.allclose(zero, got)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "cohere", "starcoder2"])
+def test_captured_inputs_and_half_outputs_are_what_transformers_computes(tiny, arch):
+    """Oracle: forward hooks on transformers' full model (layer 1's modules)."""
+    d = tiny(arch)
+    ids = torch.as_tensor(np.random.default_rng(2).integers(0, 160, (2, 16)))
+    ref = _reference(d)
+    layer = ref.model.layers[1]
+    seen: dict = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, a, kw: seen.__setitem__("h", (a[0] if a else kw["hidden_states"])),
+                                             with_kwargs=True),
+             layer.register_forward_hook(lambda m, a, o: seen.__setitem__("out", o[0] if isinstance(o, tuple) else o))]
+    eng = _engine(d)
+    for n, path in eng.path_of.items():
+        hooks.append(layer.get_submodule(path).register_forward_pre_hook(
+            lambda m, a, _n=n: seen.__setitem__(_n, a[0])))
+    mid = eng.structure.mid_norm
+    if mid is not None:
+        hooks.append(layer.get_submodule(mid).register_forward_pre_hook(lambda m, a: seen.__setitem__("mid", a[0])))
+    with torch.no_grad():
+        ref(ids)
+    for hk in hooks:
+        hk.remove()
+    h0 = eng.embed(ids)
+    h1 = eng.runner(0).forward(h0)
+    torch.testing.assert_close(h1, seen["h"], rtol=1e-5, atol=1e-6)
+    r = eng.runner(1)
+    cap: dict = {}
+    rec: list = []
+    half = r.forward(seen["h"], capture=cap, stop_mid=True, record_attn=rec)
+    torch.testing.assert_close(half, seen["mid"] if mid is not None else seen["out"], rtol=1e-5, atol=1e-6)
+    out = r.forward(seen["h"], capture=cap, replay_attn=rec[0])     # the MLP half replays the attention result
+    torch.testing.assert_close(out, seen["out"], rtol=1e-5, atol=1e-6)
+    assert set(cap) == set(eng.path_of)
+    for n in eng.path_of:
+        torch.testing.assert_close(cap[n], seen[n], rtol=1e-5, atol=1e-6)
+    # linears that read one tensor share a Hessian; the groups run in forward order
+    groups = eng.groups("attn") + eng.groups("mlp")
+    assert [n for g in groups for n in g] == [n for k in ("attn", "mlp") for n in eng.linear_names(k)]
+    for g in groups:
+        assert all(cap[n] is cap[g[0]] for n in g)
+    eng.release()
+
+
+def test_parallel_block_has_no_mid_point_and_sequential_ones_do(tiny):
+    assert _engine(tiny("cohere")).structure.mid_norm is None
+    assert _engine(tiny("gemma2")).structure.mid_norm == "pre_feedforward_layernorm"
+    assert _engine(tiny("llama")).structure.mid_norm == "post_attention_layernorm"
+    assert _engine(tiny("starcoder2")).linear_names("mlp") == ("up_proj", "down_proj")
+    assert _engine(tiny("starcoder2")).linear_key(0, "up_proj") == "model.layers.0.mlp.c_fc"
+
+
+def test_unknown_or_unsupported_architectures_are_arch_unsupported(tiny, tmp_path):
+    d = tiny("llama")
+    cfg = json.loads((d / "config.json").read_text())
+    for mtype in ("no-such-model", "t5"):
+        with pytest.raises(Exl2Error) as e:
+            HFModel(dict(cfg, model_type=mtype), WeightSource(d))
+        assert e.value.code is ErrorCode.ARCH_UNSUPPORTED
+    # a missing or misshapen tensor is named before any compute
+    eng = HFModel(dict(cfg, intermediate_size=128), WeightSource(d))
+    with pytest.raises(Exl2Error) as e:
+        eng.check_weights()
+    assert e.value.code is ErrorCode.CONFIG_MISMATCH and e.value.tensor.endswith("gate_proj.weight")
+
+
+@pytest.mark.parametrize("arch", ["cohere"] + [pytest.param(a, marks=pytest.mark.slow)
+                                               for a in ("gemma2", "starcoder2", "granite")])
+def test_calibrated_gptq_on_other_architectures_validates(tiny, tmp_path, arch):
+    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.validate import validate_model
+
+    d = tiny(arch)
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 160, (4, 32)))
+    r = quantize_model(d, tmp_path / "q", QuantOptions(target="gptq", bits=4, group_size=32, calibration=str(ids),
+                                                       rows=4, length=32, device="cpu"))
+    assert not any("weight-only" in w for w in r.warnings), r.warnings
+    n_lin = len(_engine(d).path_of) * 2
+    assert len(r.layers) == n_lin and r.calibration_ppl is not None
+    assert r.calibration_ppl < 1.5 * r.calibration_ppl_fp16
+    rep = validate_model(tmp_path / "q", deep=True)
+    assert not rep.failed, [c for c in rep.as_dict()["checks"] if c["status"] == "FAIL"]
