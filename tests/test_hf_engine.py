@@ -140,3 +140,46 @@ def test_calibrated_gptq_on_other_architectures_validates(tiny, tmp_path, arch):
     assert r.calibration_ppl < 1.5 * r.calibration_ppl_fp16
     rep = validate_model(tmp_path / "q", deep=True)
     assert not rep.failed, [c for c in rep.as_dict()["checks"] if c["status"] == "FAIL"]
+
+
+@pytest.mark.parametrize("arch", sorted(__import__("tiny_models").ARCHS))
+def test_validate_passes_every_architectures_fp16_model(tiny, arch):
+    """A CI gate never fails a valid model: shapes are checked against the right config key per architecture
+    (Qwen3-MoE experts against moe_intermediate_size, Phi-3's fused qkv/gate_up, Starcoder2's c_fc/c_proj)."""
+    from exl2fmt.validate import validate_model
+
+    rep = validate_model(tiny(arch), deep=True)
+    assert not rep.failed and rep.counts().get("warn", 0) == 0, rep.as_dict()
+
+
+def test_validate_still_catches_a_wrong_expert_width(tiny, tmp_path):
+    from exl2fmt.validate import validate_model
+
+    d = tiny("qwen3_moe")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in d.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((d / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, moe_intermediate_size=64)))
+    rep = validate_model(bad)
+    fails = [c for c in rep.as_dict()["checks"] if c["status"] == "FAIL"]
+    assert rep.failed and any("moe_intermediate_size" in json.dumps(c) for c in fails), fails
+
+
+def test_moe_model_without_calibration_keeps_its_router_16_bit_and_validates(tiny, tmp_path):
+    from exl2fmt.container import open_model
+    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.validate import validate_model
+
+    d = tiny("qwen3_moe")
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 160, (2, 32)))
+    r = quantize_model(d, tmp_path / "q", QuantOptions(target="gptq", bits=4, group_size=32, calibration=str(ids),
+                                                       rows=2, length=32, device="cpu"))
+    assert any("weight-only" in w for w in r.warnings)
+    m = open_model(tmp_path / "q")
+    names = set(m.names())
+    m.close()
+    assert "model.layers.0.mlp.gate.weight" in names and "model.layers.0.mlp.experts.3.down_proj.qweight" in names
+    assert not validate_model(tmp_path / "q", deep=True).failed

@@ -845,6 +845,7 @@ def _measured_decoder_bpw(path: Path) -> float:
 
 
 _NUMBERED = re.compile(r"(?:^|\.)(\d+)\.")
+_ROUTER = re.compile(r"\.(gate|router|shared_expert_gate)$")
 
 
 def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, progress, config: dict,
@@ -870,6 +871,8 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
         shape = src.shape(name)
         if not name.endswith(".weight") or len(shape) != 2 or not _NUMBERED.search(name):
             continue
+        if _ROUTER.search(name[: -len(".weight")]):
+            continue                     # MoE routers stay 16-bit (as in ExLlamaV2)
         N, K = shape
         if K % 32 or (o.target == "gptq" and N % 32):
             report.warnings.append(f"{name}: K={K}, N={N} cannot be quantized; kept as fp16")
