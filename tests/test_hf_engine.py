@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tiny_models import DENSE, make_tiny  # noqa: E402
+from tiny_models import DENSE, OTHER, make_tiny  # noqa: E402
 
 from exl2fmt.errors import ErrorCode, Exl2Error  # noqa: E402
 from exl2fmt.quant.forward import WeightSource  # noqa: E402
@@ -42,7 +42,7 @@ def _reference(d):
     return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("arch", DENSE)
+@pytest.mark.parametrize("arch", DENSE + OTHER)
 def test_layerwise_forward_equals_transformers_full_model(tiny, arch):
     d = tiny(arch)
     ids = torch.as_tensor(np.random.default_rng(1).integers(0, 160, (2, 24)))

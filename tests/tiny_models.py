@@ -31,7 +31,13 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                      "decoder_sparse_step": 1}),
+    # decoder-only architectures outside ExLlamaV2's list, calibrated with a warning (Olmo2: post-norms only)
+    "olmo2": ("Olmo2Config", {}),
+    "stablelm": ("StableLmConfig", {}),
 }
+
+#: architectures ExLlamaV2 does not load whose layers the engine drives all the same
+OTHER = ("olmo2", "stablelm")
 
 #: the architectures the calibrated quantizer handles today (dense decoder layers of plain nn.Linear)
 DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite", "starcoder2")

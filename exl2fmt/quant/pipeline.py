@@ -1039,8 +1039,12 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                     measured = work.job["measured"]
             report.seconds["measure"] = time.monotonic() - t
             if o.save_measurement:
-                rows_by_key = {k: [(options_of("attn" if k.endswith("self_attn") else "mlp")[j], tb, acc)
-                                   for j, tb, acc in v] for k, v in measured.items()}
+                from .qparams import Option
+
+                def present(opt, kind):          # only the linears the block has (Starcoder2: no gate_proj)
+                    return Option(tuple(_opt_layers(opt, _linears(spec, kind))))
+                rows_by_key = {k: [(present(options_of(kd)[j], kd), tb, acc) for j, tb, acc in v]
+                               for k, v in measured.items() for kd in ["attn" if k.endswith("self_attn") else "mlp"]}
                 write_measurement(o.save_measurement, rows_by_key, 2 * spec.num_layers)
             if work.job.get("strategy") is None:
                 work.job["strategy"] = _optimize(spec, srcw, measured, options_of, o, report)
