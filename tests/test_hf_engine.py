@@ -183,3 +183,23 @@ def test_moe_model_without_calibration_keeps_its_router_16_bit_and_validates(tin
     m.close()
     assert "model.layers.0.mlp.gate.weight" in names and "model.layers.0.mlp.experts.3.down_proj.qweight" in names
     assert not validate_model(tmp_path / "q", deep=True).failed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["starcoder2", "olmo2"])
+def test_calibrated_exl2_on_other_architectures_round_trips_its_measurement(tiny, tmp_path, arch):
+    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.validate import validate_model
+
+    d = tiny(arch)
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 160, (4, 32)))
+    m = tmp_path / "m.json"
+    opts = dict(target="exl2", bits=4.0, calibration=str(ids), rows=4, length=32, device="cpu")
+    r = quantize_model(d, tmp_path / "a", QuantOptions(**opts, save_measurement=str(m)))
+    assert 3.98 <= r.decoder_bpw <= 4.0 and not any("weight-only" in w for w in r.warnings)
+    assert any("ExLlamaV2 may not load" in w for w in r.warnings) == (arch == "olmo2")
+    assert not validate_model(tmp_path / "a", deep=True).failed
+    quantize_model(d, tmp_path / "b", QuantOptions(**opts, measurement=str(m)))
+    for f in ("output.safetensors", "config.json"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()

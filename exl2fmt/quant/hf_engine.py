@@ -31,7 +31,6 @@ is one of them, else a small per-architecture map (Starcoder2 ``c_fc``/``c_proj`
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -312,7 +311,9 @@ class HFModel:
         out = [(a, {k: v for k, v in kw.items() if k not in ("past_key_values", "cache", "past_key_value")})
                for a, kw in records]
         out = [( _to_device(a, device), _to_device(kw, device)) for a, kw in out]
-        self._kw_cache = {key: out}        # one batch shape at a time (the last batch may be smaller)
+        if len(self._kw_cache) >= 2:          # a full batch and the smaller last one
+            self._kw_cache.pop(next(iter(self._kw_cache)))
+        self._kw_cache[key] = out
         return out
 
     def embed(self, ids: torch.Tensor, device: "torch.device | str | None" = None) -> torch.Tensor:
