@@ -968,7 +968,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
     from . import forward as F
     from .calib import load_calibration
     from .hf_engine import EXL2_ARCHS, HFModel
-    from .qparams import block_options, measurement_key, read_measurement, write_measurement
+    from .qparams import Option, block_options, measurement_key, read_measurement, write_measurement
 
     t0 = time.monotonic()
     o = options.resolved()
@@ -1027,7 +1027,9 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                 for key, rows in loaded.items():
                     kind = "attn" if key.endswith("self_attn") else "mlp"
                     opts = options_of(kind)
-                    index = {opt: j for j, opt in enumerate(opts)}
+                    index: dict = {}         # by the settings of the linears the block has (first option wins)
+                    for j, opt in enumerate(opts):
+                        index.setdefault(Option(tuple(_opt_layers(opt, _linears(spec, kind)))), j)
                     measured[key] = [[index[opt], tb, acc] for opt, tb, acc in rows if opt in index]
                     if not measured[key]:
                         raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{key}: none of the file's options is a "
@@ -1039,8 +1041,6 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                     measured = work.job["measured"]
             report.seconds["measure"] = time.monotonic() - t
             if o.save_measurement:
-                from .qparams import Option
-
                 def present(opt, kind):          # only the linears the block has (Starcoder2: no gate_proj)
                     return Option(tuple(_opt_layers(opt, _linears(spec, kind))))
                 rows_by_key = {k: [(present(options_of(kd)[j], kd), tb, acc) for j, tb, acc in v]
