@@ -167,6 +167,7 @@ def test_validate_still_catches_a_wrong_expert_width(tiny, tmp_path):
     assert rep.failed and any("moe_intermediate_size" in json.dumps(c) for c in fails), fails
 
 
+@pytest.mark.slow
 def test_moe_model_without_calibration_keeps_its_router_16_bit_and_validates(tiny, tmp_path):
     from exl2fmt.container import open_model
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
