@@ -143,7 +143,7 @@ def convert_command(
       Marlin compatibility is stated.
     * **GPTQ -> exl2**: the GPTQ integers kept as far as EXL2's 4-bit scale grid allows; error per layer.
     * **FP16/BF16 -> exl2** (decoder-only models through transformers' modeling code: llama, mistral, qwen2,
-      qwen3, gemma, gemma2, cohere, granite, starcoder2, ...; MoE and Phi-3 weight-only for now): calibration, measurement of every candidate
+      qwen3, gemma, gemma2, cohere, granite, starcoder2, phi3, ...; MoE weight-only for now): calibration, measurement of every candidate
       setting per block, an exact bit budget (--bits = average bpw of the decoder linears, overhead
       included), sequential GPTQ; checkpoints in .DST.exl2fmt-work (--resume). **-> gptq**: same engine.
     * **EXL2 / GPTQ / dense -> gguf** (DST is a .gguf file; llama, mistral, qwen2, qwen3): names and Q/K rows as

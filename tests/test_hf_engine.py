@@ -58,7 +58,7 @@ def test_layerwise_forward_equals_transformers_full_model(tiny, arch):
     assert not torch.allclose(zero, got)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "cohere", "starcoder2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "cohere", "starcoder2", "phi3"])
 def test_captured_inputs_and_half_outputs_are_what_transformers_computes(tiny, arch):
     """Oracle: forward hooks on transformers' full model (layer 1's modules)."""
     d = tiny(arch)
@@ -124,7 +124,7 @@ def test_unknown_or_unsupported_architectures_are_arch_unsupported(tiny, tmp_pat
 
 
 @pytest.mark.parametrize("arch", ["cohere"] + [pytest.param(a, marks=pytest.mark.slow)
-                                               for a in ("gemma2", "starcoder2", "granite")])
+                                               for a in ("gemma2", "starcoder2", "granite", "phi3")])
 def test_calibrated_gptq_on_other_architectures_validates(tiny, tmp_path, arch):
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
     from exl2fmt.validate import validate_model
@@ -135,7 +135,7 @@ def test_calibrated_gptq_on_other_architectures_validates(tiny, tmp_path, arch):
     r = quantize_model(d, tmp_path / "q", QuantOptions(target="gptq", bits=4, group_size=32, calibration=str(ids),
                                                        rows=4, length=32, device="cpu"))
     assert not any("weight-only" in w for w in r.warnings), r.warnings
-    n_lin = len(_engine(d).path_of) * 2
+    n_lin = len(_engine(d).source_keys(0)) * 2            # GPTQ keeps fused projections fused
     assert len(r.layers) == n_lin and r.calibration_ppl is not None
     assert r.calibration_ppl < 1.5 * r.calibration_ppl_fp16
     rep = validate_model(tmp_path / "q", deep=True)
@@ -187,7 +187,7 @@ def test_moe_model_without_calibration_keeps_its_router_16_bit_and_validates(tin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["starcoder2", "olmo2"])
+@pytest.mark.parametrize("arch", ["starcoder2", "olmo2", "phi3"])
 def test_calibrated_exl2_on_other_architectures_round_trips_its_measurement(tiny, tmp_path, arch):
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
     from exl2fmt.validate import validate_model
@@ -204,3 +204,11 @@ def test_calibrated_exl2_on_other_architectures_round_trips_its_measurement(tiny
     quantize_model(d, tmp_path / "b", QuantOptions(**opts, measurement=str(m)))
     for f in ("output.safetensors", "config.json"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
+    if arch == "phi3":          # fused projections are written split, as ExLlamaV2 stores them; no fp16 copy left
+        from exl2fmt.container import open_model
+
+        m = open_model(tmp_path / "a")
+        names = set(m.names())
+        m.close()
+        assert {"model.layers.0.self_attn.k_proj.q_weight", "model.layers.1.mlp.gate_proj.q_weight"} <= names
+        assert not [n for n in names if "qkv_proj" in n or "gate_up_proj" in n]

@@ -39,8 +39,8 @@ ARCHS: dict[str, tuple[str, dict]] = {
 #: architectures ExLlamaV2 does not load whose layers the engine drives all the same
 OTHER = ("olmo2", "stablelm")
 
-#: the architectures the calibrated quantizer handles today (dense decoder layers of plain nn.Linear)
-DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite", "starcoder2")
+#: the architectures the calibrated quantizer handles today (dense decoder layers of nn.Linear; Phi-3 fused)
+DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite", "starcoder2", "phi3")
 
 
 def make_config(arch: str, **overrides):

@@ -25,7 +25,9 @@ input) the attention half's output is the whole layer's output.
 
 Linear names within a block are EXL2 setting names (``q_proj`` ... ``down_proj``): the module's own name where it
 is one of them, else a small per-architecture map (Starcoder2 ``c_fc``/``c_proj`` are ``up_proj``/``down_proj``).
-``linear_key(i, name)`` gives the checkpoint key of the module (``model.layers.3.mlp.c_fc``).
+``linear_key(i, name)`` gives the checkpoint key of the module (``model.layers.3.mlp.c_fc``).  Fused projections
+(Phi-3 ``qkv_proj``, ``gate_up_proj``) are split into q/k/v and gate/up for EXL2, as ExLlamaV2 stores them
+(``split_fused``), and kept fused for GPTQ, the layout transformers and GPTQ loaders expect.
 """
 
 from __future__ import annotations
@@ -47,13 +49,14 @@ __all__ = ["HFModel", "LayerBlock", "EXL2_ARCHS"]
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 #: model_type values whose EXL2 output ExLlamaV2 loads (others are calibrated too, with a warning).
-EXL2_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite", "starcoder2")
+EXL2_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite", "starcoder2", "phi3")
 
 # module leaf name -> EXL2 setting name (the option tables name q/k/v/o and gate/up/down)
 _ROLE = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "o_proj",
          "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
          "c_fc": "up_proj", "c_proj": "down_proj"}
 _ATTN_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj")
+_FUSED = ("qkv_proj", "gate_up_proj")      # kept fused (GPTQ output: the layout transformers loads)
 _MLP_ROLES = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -115,7 +118,8 @@ class HFModel:
     weight-only quantization) and ``CONFIG_INVALID`` when transformers rejects the config.
     """
 
-    def __init__(self, config: Mapping[str, Any], src: WeightSource, device: "str | torch.device" = "cpu"):
+    def __init__(self, config: Mapping[str, Any], src: WeightSource, device: "str | torch.device" = "cpu",
+                 split_fused: bool = True):
         try:
             import transformers
             from transformers import AutoConfig, AutoModelForCausalLM
@@ -128,6 +132,7 @@ class HFModel:
         if not isinstance(mtype, str):
             raise _cfg_error("config.json names no model_type")
         self.src, self.device = src, torch.device(device)
+        self.split_fused = bool(split_fused)
         self.config_dict = dict(config)
         try:
             with warnings.catch_warnings():
@@ -192,30 +197,63 @@ class HFModel:
         self.path_of: dict[str, str] = {}          # name -> module path inside the layer
         self.kind_of: dict[str, str] = {}
         self.child_of: dict[str, str] = {}
+        self.key_of: dict[str, str] = {}           # name -> checkpoint key suffix of the (split) layer
+        self.part_of: dict[str, tuple[int, int]] = {}   # name -> output rows [a, b) of a fused module
+        c = self.hf_config
         for path, mod in layer.named_modules():
             if not isinstance(mod, nn.Linear):
                 continue
             child = path.split(".")[0]
-            leaf = path.rsplit(".", 1)[-1]
+            parent, _, leaf = path.rpartition(".")
             kind = "attn" if ("attn" in child or "attention" in child) else "mlp"
-            role = _ROLE.get(leaf)
-            if role is None or role not in (_ATTN_ROLES if kind == "attn" else _MLP_ROLES) or role in self.path_of:
-                raise _cfg_error(f"{self.arch}: linear layer {path!r} of the decoder layer has no EXL2 role")
-            self.path_of[role], self.kind_of[role], self.child_of[role] = path, kind, child
+            parts = self._split(leaf, mod, c) if self.split_fused else None
+            if parts is None:
+                role = _ROLE.get(leaf) or (leaf if leaf in _FUSED and not self.split_fused else None)
+                parts = [(role, None)]
+            for role, rows in parts:
+                if role is None or role in self.path_of or (role in _ROLE.values() and role not in (
+                        _ATTN_ROLES if kind == "attn" else _MLP_ROLES)):
+                    raise _cfg_error(f"{self.arch}: linear layer {path!r} of the decoder layer has no EXL2 role")
+                self.path_of[role], self.kind_of[role], self.child_of[role] = path, kind, child
+                self.key_of[role] = f"{parent}.{role}" if rows is not None else path
+                if rows is not None:
+                    self.part_of[role] = rows
         others = [n for n, p in layer.named_parameters() if p.dim() >= 3]
         if others:
             raise _cfg_error(f"{self.arch}: the decoder layer holds fused expert parameters ({others[0]}); mixture-"
                              "of-experts blocks are not calibrated yet")
-        self.names = {k: tuple(r for r in (_ATTN_ROLES if k == "attn" else _MLP_ROLES) if r in self.path_of)
+        order = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
+        self.names = {k: tuple(r for r in order if r in self.path_of and self.kind_of[r] == k)
                       for k in ("attn", "mlp")}
         if not self.names["attn"] or not self.names["mlp"]:
             raise _cfg_error(f"{self.arch}: expected attention and MLP linears in the decoder layer")
+
+    @staticmethod
+    def _split(leaf: str, mod: nn.Linear, c) -> list | None:
+        """Phi-3's fused projections as EXL2 stores them, split: ``qkv_proj`` -> q/k/v rows, ``gate_up_proj`` ->
+        gate (first half) and up (second half)."""
+        if leaf == "qkv_proj":
+            heads, kv = int(c.num_attention_heads), int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+            hd = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+            q, k = heads * hd, kv * hd
+            if q + 2 * k != mod.out_features:
+                return None
+            return [("q_proj", (0, q)), ("k_proj", (q, q + k)), ("v_proj", (q + k, q + 2 * k))]
+        if leaf == "gate_up_proj" and mod.out_features % 2 == 0:
+            half = mod.out_features // 2
+            return [("gate_proj", (0, half)), ("up_proj", (half, 2 * half))]
+        return None
+
+    def source_keys(self, i: int) -> list[str]:
+        """Checkpoint keys (without ``.weight``/``.bias``) of the source modules that layer ``i``'s quantized
+        linears replace (the fused module itself when it is written split)."""
+        return sorted({f"{self.layer_prefix(i)}.{self.path_of[n]}" for n in self.path_of})
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.layers_path}.{i}"
 
     def linear_key(self, i: int, name: str) -> str:
-        return f"{self.layer_prefix(i)}.{self.path_of[name]}"
+        return f"{self.layer_prefix(i)}.{self.key_of[name]}"
 
     def linear_names(self, kind: str) -> tuple[str, ...]:
         return self.names[kind]
@@ -223,7 +261,8 @@ class HFModel:
     def linear_shape(self, name: str) -> tuple[int, int]:
         """(N out_features, K in_features) of the linear ``name`` (layer 0's; layers are uniform)."""
         m = self.layers[0].get_submodule(self.path_of[name])
-        return int(m.out_features), int(m.in_features)
+        a, b = self.part_of.get(name, (0, m.out_features))
+        return int(b - a), int(m.in_features)
 
     def has_bias(self, name: str) -> bool:
         return self.layers[0].get_submodule(self.path_of[name]).bias is not None
@@ -509,8 +548,15 @@ class _LayerRunner:
         return self.layer.get_submodule(self.eng.path_of[name])
 
     def weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        return {n: (self.module(n).weight.data, None if self.module(n).bias is None else self.module(n).bias.data)
-                for n in self.eng.path_of}
+        out = {}
+        for n in self.eng.path_of:
+            m = self.module(n)
+            w, b = m.weight.data, None if m.bias is None else m.bias.data
+            if n in self.eng.part_of:
+                a, e = self.eng.part_of[n]
+                w, b = w[a:e].clone(), None if b is None else b[a:e].clone()
+            out[n] = (w, b)
+        return out
 
     def forward(self, h: torch.Tensor, subs: Mapping[str, Linear] | None = None, capture: dict | None = None,
                 stop_mid: bool = False, replay_attn: Any = None, record_attn: list | None = None,
@@ -524,16 +570,29 @@ class _LayerRunner:
         args, kw = eng._layer_kwargs(B, T, h.device)[self.i]
         patched: list = []
         hooks: list = []
+        by_module: dict = {}
         for n in eng.path_of:
-            mod = self.module(n)
-            fn = (subs or {}).get(n)
-            if fn is None and capture is None:
+            by_module.setdefault(eng.path_of[n], []).append(n)
+        for path, names in by_module.items():
+            mod = self.layer.get_submodule(path)
+            fns = [(subs or {}).get(n) for n in names]
+            if all(f is None for f in fns) and capture is None:
                 continue
+            parts = [eng.part_of.get(n) for n in names]
 
-            def fwd(x, _fn=fn, _n=n, _mod=mod):
-                if capture is not None:
-                    capture[_n] = x
-                return _fn(x) if _fn is not None else F.linear(x, _mod.weight, _mod.bias)
+            def fwd(x, _fns=fns, _names=names, _mod=mod, _parts=parts):
+                ys = []
+                for f, n, rows in zip(_fns, _names, _parts):
+                    if capture is not None:
+                        capture[n] = x
+                    if f is not None:
+                        ys.append(f(x))
+                    elif rows is None:
+                        ys.append(F.linear(x, _mod.weight, _mod.bias))
+                    else:
+                        a, e = rows
+                        ys.append(F.linear(x, _mod.weight[a:e], None if _mod.bias is None else _mod.bias[a:e]))
+                return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
             mod.forward = fwd
             patched.append(mod)
         attn = self.layer.get_submodule(eng.structure.attn_child)

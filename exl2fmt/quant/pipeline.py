@@ -756,7 +756,8 @@ def _compile(spec, src, src_dir: Path, tmp: Path, work: _Work, o: QuantOptions, 
     from ..converters.base import copy_side_files
 
     keys = layer_keys + (["lm_head"] if o.target == "exl2" else [])
-    skip = {f"{k}.{s}" for k in keys for s in ("weight", "bias")}
+    replaced = keys + [k for i in range(spec.num_layers) for k in spec.source_keys(i)]   # fused sources too
+    skip = {f"{k}.{s}" for k in replaced for s in ("weight", "bias")}
     _write_output(tmp, src, [(k, work.layer_path(k)) for k in keys], skip, o, report)
     copy_side_files(src_dir, tmp)
     _write_metadata(tmp, config, o, report)
@@ -983,7 +984,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
             raise Exl2Error(ErrorCode.CONFIG_MISSING, "the quantizer needs config.json", file=str(src_p))
         try:
             srcw = F.WeightSource(model)
-            spec = HFModel(config, srcw, o.device)
+            spec = HFModel(config, srcw, o.device, split_fused=o.target == "exl2")
         except Exl2Error as e:
             if e.code is not ErrorCode.ARCH_UNSUPPORTED:
                 raise
