@@ -152,7 +152,8 @@ def convert_command(
       shifted; the EXL2 permutation becomes act-order g_idx); wider groups are re-quantized and reported;
       Marlin compatibility is stated.
     * **GPTQ -> exl2**: the GPTQ integers kept as far as EXL2's 4-bit scale grid allows; error per layer.
-    * **FP16/BF16 -> exl2** (llama, mistral, qwen2, qwen3): calibration, measurement of every candidate
+    * **FP16/BF16 -> exl2** (decoder-only models through transformers' modeling code: llama, mistral, qwen2,
+      qwen3, gemma, gemma2, cohere, granite, starcoder2, phi3, ...; MoE weight-only for now): calibration, measurement of every candidate
       setting per block, an exact bit budget (--bits = average bpw of the decoder linears, overhead
       included), sequential GPTQ; checkpoints in .DST.exl2fmt-work (--resume). **-> gptq**: same engine.
     * **EXL2 / GPTQ / dense -> gguf** (DST is a .gguf file; llama, mistral, qwen2, qwen3): names and Q/K rows as

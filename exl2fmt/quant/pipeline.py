@@ -202,53 +202,17 @@ def _blocks(spec) -> list[tuple[int, str]]:
 
 
 def _linears(spec, kind):
-    return spec.attn_linears if kind == "attn" else spec.mlp_linears
+    return spec.linear_names(kind)
 
 
-# Layers that read the same input share one Hessian (and one act-order permutation).
-_OWNER = {"q_proj": "q_proj", "k_proj": "q_proj", "v_proj": "q_proj", "o_proj": "o_proj",
-          "gate_proj": "gate_proj", "up_proj": "gate_proj", "down_proj": "down_proj"}
+def _opt_layers(opt, names) -> list:
+    """(name, QParams) of an option for the linears the block has (Starcoder2's MLP has no gate_proj)."""
+    return [(n, opt.get(n)) for n in names]
 
 
 def _batches(rows: int, length: int, batch_tokens: int) -> list[slice]:
     per = max(1, batch_tokens // max(1, length))
     return [slice(a, min(rows, a + per)) for a in range(0, rows, per)]
-
-
-class _Block:
-    """Runs one attention or MLP block over all calibration rows in batches."""
-
-    def __init__(self, spec, src, i, kind, rope_cs, batches):
-        from . import forward as F
-
-        self.F, self.spec, self.src, self.i, self.kind, self.rope, self.batches = F, spec, src, i, kind, rope_cs, batches
-        self.names = _linears(spec, kind)
-
-    def weights(self, device) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        out = {}
-        for n in self.names:
-            key = self.spec.linear_key(self.i, n)
-            w = self.src.get(f"{key}.weight", torch.float32, device)
-            b = self.src.get(f"{key}.bias", torch.float32, device) if self.src.has(f"{key}.bias") else None
-            out[n] = (w, b)
-        return out
-
-    def run(self, h, linears, capture=None):
-        if self.kind == "attn":
-            return self.F.attention_block(self.spec, self.i, h, self.src, linears, rope=self.rope, capture=capture)
-        return self.F.mlp_block(self.spec, self.i, h, self.src, linears, capture=capture)
-
-    def sweep(self, h, linears, hessians: dict | None = None, out: torch.Tensor | None = None):
-        """Run every batch; accumulate the inputs of the layers named in ``hessians`` (owner -> accumulator);
-        return the outputs (into ``out`` if given)."""
-        y = out if out is not None else torch.empty_like(h)
-        for sl in self.batches:
-            cap = {} if hessians else None
-            y[sl] = self.run(h[sl], linears, cap)
-            if hessians:
-                for owner, acc in hessians.items():
-                    acc.add(cap[owner])
-        return y
 
 
 def _rel_err_rows(y, y_ref) -> float:
@@ -395,7 +359,7 @@ def _check_free(probe: Path, need: int) -> None:
 # ------------------------------------------------------------------------------------------------ measurement
 
 
-def _variants(blk: _Block, W, hess, options, vdir: Path, refine_scales: bool) -> dict[str, dict]:
+def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool) -> dict[str, dict]:
     """GPTQ-quantize every distinct candidate setting of every layer of the block and store each result in its
     packed EXL2 form in ``vdir`` (one small file per layer and setting).  Returns {layer: {QParams: path}}.
 
@@ -406,11 +370,11 @@ def _variants(blk: _Block, W, hess, options, vdir: Path, refine_scales: bool) ->
     prepared = {o: prepare(acc.take()) for o, acc in hess.items()}
     out: dict[str, dict] = {n: {} for n in blk.names}
     for opt in options:
-        for n, qp in opt.layers:
+        for n, qp in _opt_layers(opt, blk.names):
             if qp in out[n]:
                 continue
             w, _ = W[n]
-            r = quantize_exl2(w, prepared[_OWNER[n]], qp.bits_rows(w.shape[1]), refine_scales)
+            r = quantize_exl2(w, prepared[blk.owner(n)], qp.bits_rows(w.shape[1]), refine_scales)
             path = vdir / f"{n}.{len(out[n])}.safetensors"
             _save_tensors(path, r.tensors(None))
             out[n][qp] = path
@@ -451,17 +415,16 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
     h = h.to(device)
     rows, T = h.shape[0], h.shape[1]
     batches = _batches(rows, T, o.batch_tokens)
-    cs = F.rope(spec, T, device)
     measured = work.job["measured"]
     for bi in range(start, len(blocks)):
         i, kind = blocks[bi]
         key = measurement_key(spec.layer_prefix(i), kind)
-        blk = _Block(spec, src, i, kind, cs, batches)
+        blk = spec.block(i, kind, batches, device)
         W = blk.weights(device)
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
-        owners = sorted({_OWNER[n] for n in blk.names})
+        owners = sorted({blk.owner(n) for n in blk.names})
         hess = {ow: HessianAccumulator(W[ow][0].shape[1], device) for ow in owners}
-        y_ref = blk.sweep(h, dense, hess)
+        y_ref = blk.sweep(h, dense, hess, record=True)
         if key not in measured:
             options = options_of(kind)
             vdir = work.root / "variants"
@@ -471,11 +434,11 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
             rows_out = []
             y = torch.empty_like(h)
             for j, opt in enumerate(options):
-                lin = {n: cache.linear(n, qp) for n, qp in opt.layers}
+                lin = {n: cache.linear(n, qp) for n, qp in _opt_layers(opt, blk.names)}
                 blk.sweep(h, lin, out=y)
                 acc = max(1e-6, 1.0 - _rel_err_rows(y, y_ref))
                 bits = sum(qp.total_bits(W[n][0].shape[1], W[n][0].shape[0], W[n][1] is not None)
-                           for n, qp in opt.layers)
+                           for n, qp in _opt_layers(opt, blk.names))
                 rows_out.append([j, bits, acc])
                 if progress:
                     progress("measure", bi * 1000 + j + 1, len(blocks) * 1000, f"{key} option {j + 1}/{len(options)}")
@@ -488,10 +451,12 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
             shutil.rmtree(vdir, ignore_errors=True)
         if progress:
             progress("measure", (bi + 1) * 1000, len(blocks) * 1000, key)
-        h = y_ref
-        del W, dense, hess
+        h = blk.next_input(h, y_ref)
+        del W, dense, hess, y_ref
         _release_memory()
-        work.snapshot("measure", bi + 1, {"h": h})
+        if kind == "mlp":            # a layer's attention result lives only until its MLP half is measured
+            work.snapshot("measure", bi + 1, {"h": h})
+    spec.release()
     return measured
 
 
@@ -499,14 +464,15 @@ def _write_measurement_file(path: Path, spec, measured: dict, options_of) -> Non
     """ExLlamaV2's ``measurement.json`` from ``measured`` {block key: [[option index, bits, accuracy]]}: each
     row's ``total_bits`` is this model's exact cost of the setting, the rows in ascending cost
     (``qparams.write_measurement``), ``last_module_idx`` counted as ExLlamaV2 counts modules."""
-    from .qparams import exllamav2_last_module_idx, write_measurement
+    from .qparams import Option, exllamav2_last_module_idx, write_measurement
 
     rows_by_key = {}
     for key, rows in measured.items():
-        opts = options_of("attn" if key.endswith("self_attn") else "mlp")
+        kind = "attn" if key.endswith("self_attn") else "mlp"
+        opts = options_of(kind)
         out = []
         for j, _, acc in rows:
-            opt = opts[j]
+            opt = Option(tuple(_opt_layers(opts[j], _linears(spec, kind))))  # only the linears the block has
             bits = 0
             for n, qp in opt.layers:
                 N, K = spec.linear_shape(n)
@@ -547,7 +513,7 @@ def _optimize(spec, src, measured, options_of, o: QuantOptions, report) -> dict:
         for j, _, acc in rows:
             opt = opts[j]
             c = 0
-            for n, qp in opt.layers:
+            for n, qp in _opt_layers(opt, _linears(spec, kind)):
                 N, K = spec.linear_shape(n)
                 c += qp.total_bits(K, N, spec.has_bias(n))
             costs.append((c, 1.0 - acc))
@@ -617,7 +583,6 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
     h, h_ref = h.to(device), h_ref.to(device)
     rows, T = h.shape[0], h.shape[1]
     batches = _batches(rows, T, o.batch_tokens)
-    cs = F.rope(spec, T, device)
     damp = EXL2_PERCDAMP if o.target == "exl2" else GPTQ_PERCDAMP
 
     def quant_layer(i, n, w, b, prep):
@@ -638,13 +603,11 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
 
     for bi in range(start, len(blocks)):
         i, kind = blocks[bi]
-        blk = _Block(spec, src, i, kind, cs, batches)
+        blk = spec.block(i, kind, batches, device)
         W = blk.weights(device)
         lin = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
-        first, second = (("q_proj", "k_proj", "v_proj"), ("o_proj",)) if kind == "attn" else \
-            (("gate_proj", "up_proj"), ("down_proj",))
-        for group in (first, second):
-            owner = _OWNER[group[0]]
+        for group in spec.groups(kind):      # linears sharing an input, in the order the forward runs them
+            owner = group[0]
             acc = HessianAccumulator(W[owner][0].shape[1], device)
             blk.sweep(h, lin, {owner: acc})
             gs = _gptq_groups(o, W[owner][0].shape[1])
@@ -661,7 +624,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
                                                                          r.error))
                 if progress:
                     progress("quantize", bi * 10 + 1 + _linears(spec, kind).index(n), len(blocks) * 10, lk)
-        y_q = blk.sweep(h, lin)
+        y_q = blk.sweep(h, lin, record=True)     # the MLP half replays this (quantized) attention result
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         y_d = blk.sweep(h, dense)
         key = measurement_key(spec.layer_prefix(i), kind)
@@ -673,23 +636,24 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
             if k not in work.job["quantized"]:
                 work.job["quantized"].append(k)
         work.save()
-        h = y_q
-        del y_d
-        h_ref = blk.sweep(h_ref, dense)
+        h = blk.next_input(h, y_q)
+        del y_d, y_q
+        h_ref = blk.advance_reference(h_ref)
         del W, lin, dense
         _release_memory()
-        work.snapshot("quant", bi + 1, {"h": h, "h_ref": h_ref})
+        if kind == "mlp":
+            work.snapshot("quant", bi + 1, {"h": h, "h_ref": h_ref})
         if progress:
             progress("quantize", (bi + 1) * 10, len(blocks) * 10, key)
 
     # the head (EXL2 only; GPTQ keeps a dense head, as GPTQ tools do)
     if progress:
         progress("head", 0, 1, "lm_head and calibration perplexity")
-    norm_w = src.get("model.norm.weight", torch.float32, device)
+    spec.release()
     ids = ids.to(device)
     # the effective head: the embedding table when the model ties them (or stores no lm_head)
-    head_name = "model.embed_tokens.weight" if F._tied(spec, src) else "lm_head.weight"
-    b = src.get("lm_head.bias", torch.float32, device) if src.has("lm_head.bias") else None
+    head_name = spec.head_name
+    b = spec.head_bias(device)
     dense_head = F.dense_linear(src.get(head_name, torch.float32, device), b)
     report.calibration_ppl_fp16 = _calibration_ppl(spec, src, h_ref, ids, dense_head)
     del h_ref
@@ -703,7 +667,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         w = src.get(head_name, src.stored_dtype(head_name), device)
         acc = HessianAccumulator(w.shape[1], device)
         for sl in batches:
-            acc.add(F.rms_norm(h[sl], norm_w, spec.rms_norm_eps))
+            acc.add(spec.final_norm(h[sl]))
         prep = prepare(acc.take(), percdamp=EXL2_PERCDAMP, act_order=o.act_order)
         r = quantize_exl2(w, prep, head_qparams(o.head_bits).bits_rows(w.shape[1]), bool(o.refine_scales))
         packed = r.tensors(None if b is None else b.cpu().numpy())
@@ -748,7 +712,7 @@ def _calibration_ppl(spec, src, h, ids, head, max_logit_bytes: int = 64 << 20) -
     for r in range(rows):
         for a in range(0, T - 1, chunk):
             b = min(T - 1, a + chunk)
-            logits = F.final_logits(spec, h[r, a:b], src, head)
+            logits = spec.logits(h[r, a:b], head)
             nll += float(torch.nn.functional.cross_entropy(logits, ids[r, a + 1:b + 1], reduction="sum"))
             count += b - a
     return math.exp(nll / max(count, 1))
@@ -854,7 +818,8 @@ def _compile(spec, src, src_dir: Path, tmp: Path, work: _Work, o: QuantOptions, 
     from ..converters.base import copy_side_files
 
     keys = layer_keys + (["lm_head"] if o.target == "exl2" else [])
-    skip = {f"{k}.{s}" for k in keys for s in ("weight", "bias")}
+    replaced = keys + [k for i in range(spec.num_layers) for k in spec.source_keys(i)]   # fused sources too
+    skip = {f"{k}.{s}" for k in replaced for s in ("weight", "bias")}
     _write_output(tmp, src, [(k, work.layer_path(k)) for k in keys], skip, o, report)
     copy_side_files(src_dir, tmp)
     _write_metadata(tmp, config, o, report)
@@ -944,6 +909,7 @@ def _measured_decoder_bpw(path: Path) -> float:
 
 
 _NUMBERED = re.compile(r"(?:^|\.)(\d+)\.")
+_ROUTER = re.compile(r"\.(gate|router|shared_expert_gate)$")
 
 
 def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, progress, config: dict,
@@ -971,6 +937,8 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
         shape = src.shape(name)
         if not name.endswith(".weight") or len(shape) != 2 or not _NUMBERED.search(name):
             continue
+        if _ROUTER.search(name[: -len(".weight")]):
+            continue                     # MoE routers stay 16-bit (as in ExLlamaV2)
         N, K = shape
         if K % 32 or (o.target == "gptq" and N % 32):
             report.warnings.append(f"{name}: K={K}, N={N} cannot be quantized; kept as fp16")
@@ -1072,7 +1040,8 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
     from ..converters.partials import fault_point
     from . import forward as F
     from .calib import load_calibration
-    from .qparams import block_options, measurement_key, read_measurement
+    from .hf_engine import EXL2_ARCHS, HFModel
+    from .qparams import Option, block_options, measurement_key, read_measurement
 
     t0 = time.monotonic()
     o = options.resolved()
@@ -1086,13 +1055,13 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         if config is None:
             raise Exl2Error(ErrorCode.CONFIG_MISSING, "the quantizer needs config.json", file=str(src_p))
         try:
-            spec = F.ModelSpec.from_config(config)
+            srcw = F.WeightSource(model)
+            spec = HFModel(config, srcw, o.device, split_fused=o.target == "exl2")
         except Exl2Error as e:
             if e.code is not ErrorCode.ARCH_UNSUPPORTED:
                 raise
             return _weight_only(model, src_p, dst_p, o, force, progress, config, str(e.message), t0)
-        srcw = F.WeightSource(model)
-        F.check_weights(spec, srcw)
+        spec.check_weights()
         if o.target == "exl2" and o.measurement:       # a file for another model is refused before any work
             names = {measurement_key(spec.layer_prefix(i), k): _linears(spec, k) for i, k in _blocks(spec)}
             shapes = {n: (*spec.linear_shape(n)[::-1], spec.has_bias(n)) for k in ("attn", "mlp")
@@ -1116,9 +1085,12 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         fp = dict(o.fingerprint(), calibration_sha256=tok_hash, source_config=config)
         work = _Work(work_root, fp, o.resume)
         report = QuantReport(source=str(src_p), destination=str(dst_p), target=o.target, options=o.fingerprint())
+        if o.target == "exl2" and spec.arch not in EXL2_ARCHS:
+            report.warnings.append(f"model type {spec.arch!r} is calibrated through transformers, but ExLlamaV2 may "
+                                   "not load its EXL2 output (supported there: " + ", ".join(EXL2_ARCHS) + ")")
 
         def ids_h():
-            return F.embed(spec, srcw, ids, device=o.device)
+            return spec.embed(ids, device=o.device)
 
         options_of = (lambda kind: block_options(kind, extended=o.extended))
         strategy = None
@@ -1132,7 +1104,9 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                 for key, rows in loaded.items():
                     kind = "attn" if key.endswith("self_attn") else "mlp"
                     opts = options_of(kind)
-                    index = {opt: j for j, opt in enumerate(opts)}
+                    index: dict = {}         # by the settings of the linears the block has (first option wins)
+                    for j, opt in enumerate(opts):
+                        index.setdefault(Option(tuple(_opt_layers(opt, _linears(spec, kind)))), j)
                     seen = {}
                     for opt, tb, acc in rows:
                         if opt in index and index[opt] not in seen:
