@@ -105,6 +105,44 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
     return res
 
 
+GPTQ_ORDERS = ("act", "group", "static", "natural")
+
+
+def gptq_orders(work: Path, orders=GPTQ_ORDERS, bits=4, group_size=128, sym=True, rows_cal=None, length_cal=None,
+                rows_eval=64, length_eval=256, log=print) -> dict:
+    """GPTQ of the fixture with each input-feature order of the sweep (``QuantOptions.order``; None = the
+    default): act-order (non-monotone g_idx), group-aware and static (monotone g_idx), natural; same
+    calibration; KL etc. vs FP16 on held-out text.  Returns {"GPTQ {bits}b g{gs} {order}": metrics + bpw + seconds + monotone (g_idx sorted)}."""
+    from exl2fmt.container import open_model
+    from exl2fmt.quant import forward as fw
+    from exl2fmt.quant.evaluate import compare_many, dequantized_source, eval_ids
+    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+
+    spec, ref = fw.load_spec(FIXTURE)
+    ids = eval_ids(FIXTURE / "tokenizer.json", rows_eval, length_eval)
+    tests, info = {}, {}
+    for order in orders:
+        t = time.monotonic()
+        name = f"GPTQ {bits}b g{group_size} {order or 'default'}"
+        out = work / f"gptq-{order}"
+        quantize_model(FIXTURE, out, QuantOptions(target="gptq", bits=bits, group_size=group_size, sym=sym,
+                                                  order=order, rows=rows_cal, length=length_cal, device="cpu"))
+        m = open_model(out)
+        try:
+            monotone = all(bool(np.all(np.diff(np.asarray(m.get(n)).astype(np.int64)) >= 0))
+                           for n in m.names() if n.endswith(".g_idx"))
+        finally:
+            m.close()
+        tests[name] = dequantized_source(out)
+        info[name] = {"bpw": _gptq_bpw(out), "head_bpw": 16.0, "seconds": time.monotonic() - t,
+                      "monotone": monotone}
+        log(f"{name}: {time.monotonic() - t:.1f} s")
+    res = compare_many(spec, ref, tests, ids)
+    for k in res:
+        res[k].update(info[k])
+    return res
+
+
 def _gptq_bpw(path) -> float:
     from exl2fmt.inspect import inspect_model
 

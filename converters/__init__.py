@@ -175,6 +175,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
     model = open_model(src)
     try:
         config = model.config
+        from ..config_values import config_value_issues
+        from ..detect import quantization_config
+
+        bad_numbers = config_value_issues(config, quantization_config(config, model.root)[0], str(model.config_path))
+        if bad_numbers:  # checked before any arithmetic on them (issue 11)
+            raise bad_numbers[0].to_error()
         det = detect_model(model.tensors, config, root=model.root)
         fatal = [i for i in det.issues if i.code is ErrorCode.FORMAT_AMBIGUOUS]
         if fatal:

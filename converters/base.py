@@ -27,7 +27,9 @@ A converter turns one model directory (SRC) into another (DST).  It is a ``Conve
    (the re-packing conversions, or every unit with ``verify="full"``) are decoded and compared with SRC;
 6. renames the temporary directory to DST (with ``force``, the old DST is first moved aside and removed
    after the rename).  An exception or Ctrl-C at any point removes the temporary directory; a hard kill
-   leaves only the hidden ``.exl2fmt-partial-`` sibling, never a half-written DST.
+   leaves only the hidden ``.exl2fmt-partial-`` sibling, never a half-written DST, and the next run for the
+   same DST removes it (its owner marker says whose it is: converters/partials.py).  From the rename on,
+   SIGINT / SIGTERM are noted, not raised: a published result is reported as the success it is.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import numpy as np
 from numba import njit
 
 from ..errors import ErrorCode, Exl2Error, Issue, Severity
+from .partials import fault_point
 
 __all__ = [
     "TARGETS", "DEFAULT_SHARD_SIZE", "Options", "OutSpec", "Unit", "LayerReport", "TensorReport",
@@ -323,12 +326,30 @@ class SourceReader:
             raise Exl2Error(ErrorCode.DTYPE_UNKNOWN, f"sub-byte dtype {t.dtype} cannot be converted", tensor=name,
                             file=t.file)
         arr = np.empty(t.shape, dtype=spec.numpy)
-        if t.nbytes:
+        self._pread_into(arr, t, t.abs_begin, name)
+        return arr
+
+    def read_rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows ``r0:r1`` (first axis) of a tensor, read like ``read`` (only those bytes)."""
+        from ..container import SAFETENSORS_DTYPES
+
+        t = self.model.info(name)
+        spec = SAFETENSORS_DTYPES[t.dtype]
+        if spec.numpy is None or not t.shape:
+            raise Exl2Error(ErrorCode.DTYPE_UNKNOWN, f"{t.dtype} rows cannot be read", tensor=name, file=t.file)
+        r0, r1 = max(0, min(r0, t.shape[0])), max(0, min(r1, t.shape[0]))
+        arr = np.empty((max(0, r1 - r0), *t.shape[1:]), dtype=spec.numpy)
+        self._pread_into(arr, t, t.abs_begin + r0 * (arr[0:1].nbytes if arr.size else 0), name)
+        return arr
+
+    def _pread_into(self, arr: np.ndarray, t, offset: int, name: str) -> None:
+        nbytes = arr.nbytes
+        if nbytes:
             buf = memoryview(arr.reshape(-1).view(np.uint8))
             f = self._file(t.file)
-            off, done = t.abs_begin, 0
+            off, done = offset, 0
             try:
-                while done < t.nbytes:
+                while done < nbytes:
                     if _HAVE_PREADV:
                         n = os.preadv(f.fileno(), [buf[done:]], off + done)
                     else:  # pragma: no cover - platforms without preadv
@@ -341,8 +362,7 @@ class SourceReader:
             except OSError as e:
                 raise Exl2Error(ErrorCode.IO_ERROR, f"cannot read: {e.strerror or e}", tensor=name,
                                 file=t.file) from None
-        self.bytes_read += t.nbytes
-        return arr
+        self.bytes_read += nbytes
 
     def _file(self, path: str):
         f = self._files.get(path)
@@ -558,22 +578,28 @@ class ShardWriter:
         self.sync_every = sync_every
         self.bytes_written = 0
         self.checksums: dict[str, tuple] = {}
+        self._path: Path | None = None
 
     def _open(self, i: int) -> None:
         self._close()
         path = self.dir / self.names[i]
-        self._file = open(path, "xb", buffering=0)
-        hb = _header_bytes(self.shards[i], self.metadata)
-        self._file.write(struct.pack("<Q", len(hb)))
-        self._file.write(hb)
+        self._path = path
+        with _naming_write_errors(path):
+            self._file = open(path, "xb", buffering=0)
+            hb = _header_bytes(self.shards[i], self.metadata)
+            self._file.write(struct.pack("<Q", len(hb)))
+            self._file.write(hb)
         self._shard = i
         self._unsynced = 0
 
     def _close(self) -> None:
         if self._file is not None:
             f, self._file = self._file, None
-            os.fsync(f.fileno())
-            f.close()
+            with _naming_write_errors(getattr(self, "_path", self.dir)):
+                try:
+                    os.fsync(f.fileno())
+                finally:
+                    f.close()
 
     def check(self, name: str, arr: np.ndarray) -> np.ndarray:
         """Check ``arr`` against the next planned tensor (name, dtype, shape); returns it C-contiguous LE."""
@@ -601,13 +627,15 @@ class ShardWriter:
         mv = memoryview(a.reshape(-1).view(np.uint8))
         # one write call per tensor: the GIL is released for the whole copy into the page cache
         done = 0
-        while done < len(mv):
-            done += self._file.write(mv[done:])
+        with _naming_write_errors(self._path):
+            while done < len(mv):
+                done += self._file.write(mv[done:])
         self.checksums[name] = checksum(mv)
         self.bytes_written += a.nbytes
         self._unsynced += a.nbytes
         if self._unsynced >= self.sync_every:
-            os.fdatasync(self._file.fileno())
+            with _naming_write_errors(self._path):
+                os.fdatasync(self._file.fileno())
             self._unsynced = 0
         self._pos += 1
         if self._pos == len(self._order) or self._order[self._pos][0] != i:
@@ -756,10 +784,30 @@ def checksum_of_file_range(path: str, offset: int, length: int, window: int = 64
 
 
 def _write_text(path: Path, text: str) -> None:
-    with open(path, "x", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    with _naming_write_errors(path):
+        with open(path, "x", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def _naming_write_errors(path):
+    """An OSError while writing ``path`` (a full disk, a quota, EIO) becomes IO_ERROR naming the file."""
+    try:
+        yield
+    except OSError as e:
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot write: {e.strerror or e}", file=str(path)) from None
+
+
+def name_unnamed_os_error(e: BaseException, where: Path | None) -> BaseException:
+    """A bare OSError without a file name (``No space left on device`` from a flush or a library's write)
+    becomes IO_ERROR naming the working directory it happened in; anything else is returned unchanged."""
+    if isinstance(e, OSError) and not getattr(e, "filename", None) and where is not None \
+            and not isinstance(e, BrokenPipeError):
+        hint = "" if e.errno is not None else " (is the disk full?)"
+        return Exl2Error(ErrorCode.IO_ERROR, f"cannot write the output: {e.strerror or e}{hint}", file=str(where))
+    return e
 
 
 # ------------------------------------------------------------------------------------------------ paths
@@ -796,24 +844,31 @@ def check_paths(src: Path, dst: Path, force: bool, kind: str = "dir") -> None:
         raise err
 
 
-def make_partial_dir(dst: Path) -> Path:
+def make_partial_dir(dst: Path, removed: list[str] | None = None) -> Path:
+    """A new working directory ``.<DST name>.exl2fmt-partial-<hex>`` next to DST, with an owner marker
+    (converters/partials.py); first removes the partials that dead earlier runs left for this same DST (their
+    paths are appended to ``removed`` when given)."""
+    from .partials import make_owned_dir, remove_stale_partials
+
     parent = dst.parent if str(dst.parent) else Path(".")
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise Exl2Error(ErrorCode.IO_ERROR, f"cannot create the parent directory: {e.strerror or e}",
                         file=str(parent)) from None
-    for _ in range(100):
-        cand = parent / f".{dst.name[:150]}.exl2fmt-partial-{secrets.token_hex(6)}"
-        try:
-            cand.mkdir()
-            return cand
-        except FileExistsError:
-            continue
-        except OSError as e:
-            raise Exl2Error(ErrorCode.IO_ERROR, f"cannot create a working directory next to the output: "
-                            f"{e.strerror or e}", file=str(cand)) from None
-    raise Exl2Error(ErrorCode.IO_ERROR, "cannot create a working directory next to the output", file=str(dst))
+    gone = remove_stale_partials(dst)
+    if removed is not None:
+        removed.extend(gone)
+    try:
+        return make_owned_dir(dst)
+    except OSError as e:
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot create a working directory next to the output: "
+                        f"{e.strerror or e}", file=str(e.filename or parent)) from None
+
+
+def stale_note(removed: list[str]) -> list[str]:
+    return [f"removed {p}: a working directory an interrupted earlier run left for this destination"
+            for p in removed]
 
 
 def _remove(path: Path) -> None:
@@ -838,8 +893,15 @@ def _fsync_dir(path: Path) -> None:
 
 
 def publish(tmp: Path, dst: Path, force: bool) -> None:
-    """Rename the finished working directory to DST (moving an existing DST aside first with ``force``)."""
+    """Rename the finished working directory to DST (moving an existing DST aside first with ``force``).
+    From here on SIGINT / SIGTERM are noted, not raised (``partials.SHIELD``; the caller lowers it)."""
+    from .partials import MARKER, SHIELD
+
+    SHIELD.raise_shield()
     old = None
+    if tmp.is_dir() and not tmp.is_symlink():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp / MARKER)
     try:
         if os.path.lexists(dst):
             if not force:
@@ -882,8 +944,9 @@ def copy_side_files(src_dir: Path, tmp: Path, extra_skip: Iterable[str] = ()) ->
             out.parent.mkdir(parents=True, exist_ok=True)
             try:
                 shutil.copyfile(src, out)
-            except OSError as e:
-                raise Exl2Error(ErrorCode.IO_ERROR, f"cannot copy: {e.strerror or e}", file=str(src)) from None
+            except OSError as e:  # the file that failed: the source (unreadable) or the copy (disk full)
+                raise Exl2Error(ErrorCode.IO_ERROR, f"cannot copy {src}: {e.strerror or e}",
+                                file=str(e.filename or out)) from None
             copied.append(str(rel))
     return copied
 
@@ -912,7 +975,10 @@ def run_conversion(converter_cls, src: str | os.PathLike, dst: str | os.PathLike
         report.seconds["plan"] = time.perf_counter() - t_start
 
         t0 = time.perf_counter()
-        tmp = make_partial_dir(dst_p)
+        removed: list[str] = []
+        tmp = make_partial_dir(dst_p, removed)
+        report.warnings.extend(stale_note(removed))
+        fault_point("partial")
         writer = ShardWriter(tmp, shards, {"format": "pt"})
         bg = BackgroundWriter(writer)
         done = 0
@@ -949,6 +1015,7 @@ def run_conversion(converter_cls, src: str | os.PathLike, dst: str | os.PathLike
             report.files_copied = copy_side_files(src_p, tmp, extra_skip=conv.side_files().keys())
         report.seconds["write"] = time.perf_counter() - t0
 
+        fault_point("written")
         t0 = time.perf_counter()
         _verify(tmp, units, report, progress, writer.checksums, verify)
         report.seconds["verify"] = time.perf_counter() - t0
@@ -957,20 +1024,39 @@ def run_conversion(converter_cls, src: str | os.PathLike, dst: str | os.PathLike
 
             write_conversion_card(tmp, src_p, reader.model.config, report, left_out)
             report.files_written.append("README.md")
+        fault_point("verified")
         publish(tmp, dst_p, force)
         tmp = None
-    except BaseException:
+        fault_point("published")
+    except BaseException as e:
         if bg is not None:
             bg.abort()
         elif writer is not None:
             writer.abort()
-        raise
+        raise name_unnamed_os_error(e, tmp)
     finally:
         reader.close()
         if tmp is not None:
             _remove(tmp)
+        interrupts = lower_shield()
+    report.warnings.extend(interrupts)
     report.seconds["total"] = time.perf_counter() - t_start
     return report
+
+
+def lower_shield() -> list[str]:
+    """End of a driver: lower ``partials.SHIELD`` (unless the CLI holds it) and say which interrupts arrived
+    after DST was published (they were ignored: the output is complete and verified)."""
+    from .partials import SHIELD
+
+    got = list(SHIELD.received) if SHIELD.up else []
+    SHIELD.lower()
+    if not got:
+        return []
+    import signal as _signal
+
+    names = ", ".join(sorted({_signal.Signals(s).name for s in got}))
+    return [f"{names} arrived after the output was published: it is complete and verified, so the run finished"]
 
 
 @contextlib.contextmanager

@@ -94,8 +94,18 @@ def convert_command(
                                                      "where checkpoints, per-layer files and the measurement's "
                                                      "candidates go (default: .DST.exl2fmt-work next to DST); "
                                                      "removed after success.")] = None,
-    act_order: Annotated[bool, typer.Option("--act-order/--no-act-order", help="FP16 -> exl2/gptq: process "
-                                            "input features by decreasing Hessian diagonal.")] = True,
+    act_order: Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", show_default=False,
+                                                      help="FP16 -> exl2/gptq: --act-order = --order act, "
+                                                      "--no-act-order = --order natural.")] = None,
+    order: Annotated[Optional[str], typer.Option("--order", metavar="act|group|static|natural", show_default=False,
+                                                 help="FP16 -> exl2/gptq: input-feature order of the GPTQ sweep. "
+                                                 "act: by decreasing Hessian diagonal (GPTQ: desc_act, "
+                                                 "non-monotone g_idx). GPTQ only, g_idx stays monotone "
+                                                 "(desc_act false, as vLLM's Marlin kernels want): static = "
+                                                 "act-order over groups of consecutive features; group = "
+                                                 "whole groups, most important first, act-order inside each "
+                                                 "(GPTQModel's default). natural: no reordering. Default: act "
+                                                 "for exl2, static for gptq.")] = None,
     upstream_tables: Annotated[bool, typer.Option("--upstream-tables", help="FP16 -> exl2: choose only among "
                                                   "ExLlamaV2's own candidate settings (default: also exl2fmt's "
                                                   "extra rows; see bench/RESULTS.md).")] = False,
@@ -152,7 +162,8 @@ def convert_command(
       shifted; the EXL2 permutation becomes act-order g_idx); wider groups are re-quantized and reported;
       Marlin compatibility is stated.
     * **GPTQ -> exl2**: the GPTQ integers kept as far as EXL2's 4-bit scale grid allows; error per layer.
-    * **FP16/BF16 -> exl2** (llama, mistral, qwen2, qwen3): calibration, measurement of every candidate
+    * **FP16/BF16 -> exl2** (decoder-only models through transformers' modeling code: llama, mistral, qwen2,
+      qwen3, gemma, gemma2, cohere, granite, starcoder2, phi3, ...; MoE weight-only for now): calibration, measurement of every candidate
       setting per block, an exact bit budget (--bits = average bpw of the decoder linears, overhead
       included), sequential GPTQ; checkpoints in .DST.exl2fmt-work (--resume). **-> gptq**: same engine.
     * **EXL2 / GPTQ / dense -> gguf** (DST is a .gguf file; llama, mistral, qwen2, qwen3): names and Q/K rows as
@@ -179,8 +190,10 @@ def convert_command(
     3 unreadable or unsupported source, or a missing optional package (the pip command is named) ·
     4 internal error (the traceback with --debug) · 130 interrupted (the quantizer's progress is kept for --resume).
     """
-    from exl2fmt.cli.errors import EXIT_OK, handle_exception
+    from exl2fmt.cli.errors import EXIT_OK, Interrupted, handle_exception
     from exl2fmt.cli.output import Output
+
+    from exl2fmt.converters.partials import SHIELD
 
     out = Output("json" if json_ else "human")
     given = _given(ctx)
@@ -205,18 +218,22 @@ def convert_command(
         quant = {k: v for k, v in {
             "head_bits": head_bits, "calibration": calibration, "rows": rows, "length": length,
             "measurement": measurement, "save_measurement": save_measurement, "device": device, "seed": seed,
-            "resume": resume, "act_order": act_order, "work_dir": work_dir, "extended": not upstream_tables,
+            "resume": resume, "act_order": act_order, "order": order, "work_dir": work_dir, "extended": not upstream_tables,
             "refine_scales": refine_scales}.items() if _QUANT_PARAM.get(k, k) in given}
         bar = _progress(out, status_lines, target, measuring=measurement is None, resume=resume, dst=dst,
                         work_dir=work_dir, warn=warn)
-        with _sigterm_as_interrupt(), _jit_notice(out, bar):
-            rep = convert(src, dst, target, force=force, shard_size=shard_size, dtype=None if dtype is None else
-                          dtype.value, bits=bits, group_size=group_size, sym=sym, progress=bar, verify=verify.value,
-                          gguf_type=gguf_type.value, quant=quant)
-        _clear(bar)
-        if bar.pending_warning():
-            out.warn(warn)
-        _render(out, rep)
+        # SIGTERM is Ctrl-C until DST is published; from then on SIGINT / SIGTERM are only noted until the report
+        # is out, so a published, verified result always exits 0 (converters/partials.py).  The SIGTERM handler is
+        # the outer scope so that the shield, once lowered, restores it and not the other way round.
+        with _sigterm_as_interrupt(), SHIELD.held():
+            with _jit_notice(out, bar):
+                rep = convert(src, dst, target, force=force, shard_size=shard_size, dtype=None if dtype is None else
+                              dtype.value, bits=bits, group_size=group_size, sym=sym, progress=bar,
+                              verify=verify.value, gguf_type=gguf_type.value, quant=quant)
+            _clear(bar)
+            if bar.pending_warning():
+                out.warn(warn)
+            _render(out, rep)
         code = EXIT_OK
     except typer.Exit:
         _clear(bar)
@@ -226,7 +243,7 @@ def convert_command(
         if isinstance(e, SystemExit):
             raise
         code = handle_exception(e, out)
-        if isinstance(e, KeyboardInterrupt) and target in ("exl2", "gptq") and out.mode == "human":
+        if isinstance(e, (KeyboardInterrupt, Interrupted)) and target in ("exl2", "gptq") and out.mode == "human":
             _interrupted_note(out, dst, work_dir)
     raise typer.Exit(code or 0)
 

@@ -280,12 +280,11 @@ class Exl2ToGptq(Converter):
 
     # ---------------------------------------------------------------------------------------------------
     def quant_config(self) -> dict:
-        qc = {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size,
-              "desc_act": bool(self.act_order and self.group_size != -1), "sym": self.sym,
-              "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
-              "checkpoint_format": "gptq", "format": "gptq", "lm_head": False,
-              "model_name_or_path": None, "model_file_base_name": "model",
-              "meta": {"quantizer": [f"exl2fmt:{__version__}"], "source_format": "exl2"}}
+        from ..arch import gptq_quantization_config
+
+        qc = gptq_quantization_config(self.bits, self.group_size, self.sym,
+                                      bool(self.act_order and self.group_size != -1), __version__,
+                                      source_format="exl2")
         if self.dense_in_block:
             mods = sorted({k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1]
                            for key, info in self.detection.layers.items() if info.format is ModelFormat.EXL2
@@ -311,7 +310,12 @@ class Exl2ToGptq(Converter):
         return cfg
 
     def side_files(self) -> dict[str, str]:
-        qc = {k: v for k, v in self.quant_config().items() if k != "meta"}
+        from ..arch import autogptq_quantize_config
+
+        full = self.quant_config()
+        qc = autogptq_quantize_config(full)
+        if "modules_in_block_to_quantize" in full:
+            qc["modules_in_block_to_quantize"] = full["modules_in_block_to_quantize"]
         return {"quantize_config.json": json.dumps(qc, indent=2) + "\n"}
 
 

@@ -27,23 +27,38 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ErrorCode, Exl2Error
+from .gguf_arch import SPECS
 
 __all__ = ["ARCHS", "arch_of", "hf_templates", "gguf_name_map", "hf_name_map", "permute_qk", "unpermute_qk",
            "qk_heads", "HF_ARCHITECTURES"]
 
-#: model_type -> (GGUF arch name, permute Q/K rows)
-ARCHS = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
-         "qwen3": ("qwen3", False)}
+#: model_type -> (GGUF arch name, permute Q/K rows); the full per-architecture table is ``gguf_arch.SPECS``
+ARCHS = {mt: (s.gguf_arch, s.permute_qk) for mt, s in SPECS.items()}
 #: GGUF arch -> (Hugging Face class, model_type) written by GGUF -> HF
-HF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                    "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+HF_ARCHITECTURES = {s.gguf_arch: (s.hf_class, s.model_type) for s in reversed(list(SPECS.values()))}
 
-_GLOBAL = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+_GLOBAL = ("model.embed_tokens.weight", "model.norm.weight", "model.norm.bias", "lm_head.weight")
 _BLOCK = ("input_layernorm.weight", "post_attention_layernorm.weight",
           "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
           "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.o_proj.bias",
           "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+          "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight",
+          "input_layernorm.bias", "post_attention_layernorm.bias")
+#: per-architecture block templates (``ArchSpec.block_extra`` names one of these): the stacked experts (one
+#: GGUF tensor ``[E, N, K]`` for the Hugging Face tensors ``...experts.<e>.<proj>.weight``) and routers, and
+#: family-specific MLP names
+MOE_TEMPLATES = {
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.w1.weight",
+                "block_sparse_moe.experts.w2.weight", "block_sparse_moe.experts.w3.weight"),
+    "qwen_moe": ("mlp.gate.weight", "mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight",
+                 "mlp.experts.down_proj.weight", "mlp.shared_expert.gate_proj.weight",
+                 "mlp.shared_expert.up_proj.weight", "mlp.shared_expert.down_proj.weight",
+                 "mlp.shared_expert_gate.weight"),
+    # not experts, but a family's own MLP names (they map onto the same GGUF names as up/down_proj)
+    "starcoder2": ("mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"),
+    "phi3": ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"),
+}
 #: Tensors that are derived at load time and carry nothing: dropped on the way to GGUF.
 DROPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -69,9 +84,11 @@ def _gguf_arch(arch: str):
     raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"GGUF architecture {arch!r} is unknown to the gguf package")
 
 
-def hf_templates(n_blocks: int) -> list[str]:
-    """Every Hugging Face tensor name the bridge maps, for ``n_blocks`` decoder layers."""
-    return list(_GLOBAL) + [f"model.layers.{i}.{t}" for i in range(n_blocks) for t in _BLOCK]
+def hf_templates(n_blocks: int, extra: str | None = None) -> list[str]:
+    """Every Hugging Face tensor name the bridge maps, for ``n_blocks`` decoder layers (``extra``: a key of
+    ``MOE_TEMPLATES``)."""
+    block = _BLOCK + MOE_TEMPLATES.get(extra or "", ())
+    return list(_GLOBAL) + [f"model.layers.{i}.{t}" for i in range(n_blocks) for t in block]
 
 
 def gguf_name_map(arch: str, n_blocks: int):
@@ -95,11 +112,11 @@ def gguf_name_map(arch: str, n_blocks: int):
     return name
 
 
-def hf_name_map(arch: str, n_blocks: int) -> dict[str, str]:
+def hf_name_map(arch: str, n_blocks: int, extra: str | None = None) -> dict[str, str]:
     """``gguf_name -> hf_name`` for the supported tensors of ``arch`` (the templates pushed forward)."""
     fwd = gguf_name_map(arch, n_blocks)
     out: dict[str, str] = {}
-    for hf in hf_templates(n_blocks):
+    for hf in hf_templates(n_blocks, extra):
         g = fwd(hf)
         if g is not None:
             out[g] = hf

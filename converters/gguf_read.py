@@ -1,8 +1,8 @@
 """GGUF (Llama family) -> a Hugging Face FP16/BF16 model directory, and the bounded GGUF opener both directions use.
 
-``open_gguf(path)`` runs exl2fmt's own bounded pre-scan (``exl2fmt.inspect._gguf_prescan``: counts, string and
-array lengths, alignment, types, offsets and data extents checked against the file before anything is
-allocated) and only then ``gguf.GGUFReader``, whose tensor table must agree with the pre-scan.  Every problem
+``open_gguf(path)`` opens the file with exl2fmt's own bounded, lazy reader (``exl2fmt.gguf_scan``: counts,
+string and array lengths, alignment, types, offsets and data extents checked against the file before anything
+is allocated; hyper-parameters bounded by ``gguf_hparam_issues`` before any loop uses them).  Every problem
 is ``Exl2Error(GGUF_INVALID)`` naming the file (and tensor).
 
 ``convert_from_gguf(src, dst, "fp16"|"bf16")`` (reached through ``exl2fmt.converters.convert`` when SRC is a
@@ -31,41 +31,42 @@ import numpy as np
 
 from ..errors import ErrorCode, Exl2Error
 from .base import Converter, LayerReport, OutSpec, TensorReport, Unit, f32_to_bf16_bits, natural_key
+from .gguf_arch import spec_for_gguf_arch
 from .gguf_map import HF_ARCHITECTURES, hf_name_map, qk_heads, unpermute_qk
 
-__all__ = ["open_gguf", "convert_from_gguf"]
+__all__ = ["open_gguf", "prescan_gguf", "convert_from_gguf"]
 
 
 def open_gguf(path: str | os.PathLike):
-    """``(gguf.GGUFReader, prescan dict)`` for a GGUF file, after the bounded pre-scan; ``Exl2Error`` on any
-    problem (UNSUPPORTED_INPUT without the ``gguf`` package, GGUF_INVALID for a bad file)."""
-    from ..inspect import _gguf_prescan
+    """``(reader, prescan dict)`` for a GGUF file; ``Exl2Error`` on any problem (UNSUPPORTED_INPUT without the
+    ``gguf`` package, GGUF_INVALID for a bad file).  ``reader`` is ``exl2fmt.gguf_scan.GgufFile``: the bounded
+    walk of the whole header (counts, string and array lengths, alignment, types, offsets, data extents checked
+    before anything is allocated) with the part of ``gguf.GGUFReader``'s interface used here (``fields``,
+    ``get_field(k).contents()``, ``tensors`` with ``data`` memory-mapped); metadata arrays are decoded only when
+    asked for, so a long array costs nothing unless the tokenizer needs it."""
+    from ..gguf_scan import open_gguf_file
+    from ..inspect import _scan_dict
 
     p = str(path)
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401  (the ggml type table and block decoders)
     except ImportError:
         raise Exl2Error(ErrorCode.UNSUPPORTED_INPUT, "reading GGUF needs the optional gguf package: pip install "
                         "'exl2fmt[gguf]'", file=p) from None
     if not os.path.isfile(p):
         raise Exl2Error(ErrorCode.PATH_NOT_FOUND, "no such file", file=p)
-    scan = _gguf_prescan(p)
-    try:
-        reader = GGUFReader(p, "r")
-    except Exception as e:  # noqa: BLE001 - the package raises ValueError, KeyError, struct.error, ...
-        raise Exl2Error(ErrorCode.GGUF_INVALID, f"the gguf package rejects the file: {type(e).__name__}: {e}",
-                        file=p) from None
-    mine = {t[0]: t for t in scan["tensors"]}
-    if len(reader.tensors) != len(mine):
-        raise Exl2Error(ErrorCode.GGUF_INVALID, f"the gguf package reads {len(reader.tensors)} tensors, the "
-                        f"pre-scan {len(mine)}", file=p)
-    for t in reader.tensors:
-        m = mine.get(t.name)
-        if m is None or int(t.tensor_type) != m[2] or [int(x) for x in t.shape] != list(m[1]) or \
-                int(t.data_offset) != scan["data_start"] + m[3]:
-            raise Exl2Error(ErrorCode.GGUF_INVALID, "the gguf package and the pre-scan disagree about this tensor",
-                            tensor=t.name, file=p)
-    return reader, scan
+    reader = open_gguf_file(p)
+    return reader, _scan_dict(reader)
+
+
+def prescan_gguf(path: str | os.PathLike) -> dict:
+    """The bounded pre-scan of ``open_gguf`` alone (tensor table, counts, alignment; no ``gguf.GGUFReader``)."""
+    from ..inspect import _gguf_prescan
+
+    p = str(path)
+    if not os.path.isfile(p):
+        raise Exl2Error(ErrorCode.PATH_NOT_FOUND, "no such file", file=p)
+    return _gguf_prescan(p)
 
 
 def _field(reader, key):
@@ -97,13 +98,19 @@ class _GgufSource:
 
 
 def build_config(reader, path: str, warnings: list[str]) -> tuple[dict, str]:
-    """(config.json, GGUF arch) from a GGUF's metadata."""
+    """(config.json, GGUF arch) from a GGUF's metadata; the ``gguf_arch`` spec's ``config_back`` adds the
+    family's own keys."""
     arch = _field(reader, "general.architecture")
     if arch not in HF_ARCHITECTURES:
         raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"GGUF architecture {arch!r} is not supported by the bridge; "
                         f"supported: {', '.join(HF_ARCHITECTURES)}", file=path)
-    cls, model_type = HF_ARCHITECTURES[arch]
+    spec = spec_for_gguf_arch(arch, _int(reader, f"{arch}.expert_count") is not None)
+    cls, model_type = spec.hf_class, spec.model_type
     a = arch
+    from ..gguf_scan import gguf_hparam_issues
+
+    for key, problem in gguf_hparam_issues(reader, arch):  # bound every count before any loop or allocation
+        raise Exl2Error(ErrorCode.GGUF_METADATA_INVALID, f"{key}: {problem}", file=path)
     shapes = {t.name: [int(x) for x in t.shape] for t in reader.tensors}
     emb = shapes.get("token_embd.weight")
     if emb is None or len(emb) != 2:
@@ -130,16 +137,33 @@ def build_config(reader, path: str, warnings: list[str]) -> tuple[dict, str]:
         "rms_norm_eps": float(eps) if isinstance(eps, (int, float)) else 1e-5,
         "rope_theta": float(theta) if isinstance(theta, (int, float)) else 10000.0,
         "tie_word_embeddings": "output.weight" not in shapes, "hidden_act": "silu",
+        "_has_q_bias": "blk.0.attn_q.bias" in shapes,
     }
-    if arch == "llama":
-        cfg["attention_bias"] = "blk.0.attn_q.bias" in shapes
-        cfg["mlp_bias"] = False
     st = _field(reader, f"{a}.rope.scaling.type")
     fac = _field(reader, f"{a}.rope.scaling.factor")
     if st == "linear" and isinstance(fac, (int, float)):
-        cfg["rope_scaling"] = {"type": "linear", "factor": float(fac)}
+        cfg["rope_scaling"] = {"rope_type": "linear", "type": "linear", "factor": float(fac)}
+    elif st == "yarn" and isinstance(fac, (int, float)):
+        rs = {"rope_type": "yarn", "type": "yarn", "factor": float(fac)}
+        orig = _int(reader, f"{a}.rope.scaling.original_context_length")
+        if orig is not None:
+            rs["original_max_position_embeddings"] = orig
+        for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow"),
+                          ("rope.scaling.yarn_ext_factor", "extrapolation_factor"),
+                          ("rope.scaling.yarn_attn_factor", "attention_factor")):
+            v = _field(reader, f"{a}.{key}")
+            if isinstance(v, (int, float)):
+                rs[name] = float(v)
+        cfg["rope_scaling"] = rs
     elif st not in (None, "none"):
         warnings.append(f"rope scaling {st!r} is not carried into config.json")
+    sw = _int(reader, f"{a}.attention.sliding_window")
+    if sw is not None:
+        cfg["sliding_window"] = sw
+    if spec.config_back is not None:
+        spec.config_back(lambda suffix: _field(reader, f"{a}.{suffix}"), cfg)
+    cfg.pop("_has_q_bias", None)
+    cfg["pad_token_id"] = None  # set below when the GGUF names one (config classes' defaults can exceed the vocab)
     for typ in ("bos", "eos", "pad"):
         i = _field(reader, f"tokenizer.ggml.{typ}_token_id")
         if isinstance(i, int) and not isinstance(i, bool):
@@ -163,7 +187,8 @@ class GgufToDense(Converter):
         r = self.src.reader
         cfg = self.config
         arch = self.src.arch
-        rev = hf_name_map(arch, cfg["num_hidden_layers"])
+        spec = self.src.spec
+        rev = hf_name_map(arch, cfg["num_hidden_layers"], spec.block_extra)
         units = []
         for t in r.tensors:
             hf = rev.get(t.name)
@@ -174,12 +199,13 @@ class GgufToDense(Converter):
                     continue
                 raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"no Hugging Face name for GGUF tensor {t.name} "
                                 f"({arch})", tensor=t.name, file=self.src.path)
-            heads = qk_heads(hf, cfg["num_attention_heads"], cfg["num_key_value_heads"]) if arch == "llama" else None
-            units.append(self._unit(t, hf, heads))
+            heads = qk_heads(hf, cfg["num_attention_heads"], cfg["num_key_value_heads"]) if spec.permute_qk else None
+            offset = spec.norm_offset if hf.endswith("norm.weight") else 0.0
+            units.append(self._unit(t, hf, heads, offset))
         units.sort(key=lambda u: (u.key.startswith("lm_head"), natural_key(u.key)))
         return units
 
-    def _unit(self, t, hf: str, heads: int | None) -> Unit:
+    def _unit(self, t, hf: str, heads: int | None, offset: float = 0.0) -> Unit:
         from .gguf_write import decode
 
         gtype = t.tensor_type.name
@@ -201,6 +227,8 @@ class GgufToDense(Converter):
             except NotImplementedError:
                 raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"the gguf package cannot decode type {gtype}",
                                 tensor=t.name, file=src.path) from None
+            if offset:  # Gemma's GGUF norms hold 1 + w (gguf_arch.ArchSpec.norm_offset)
+                x = x - np.float32(offset)
             return unpermute_qk(x, heads, hf) if heads else x
 
         def cast(x):
@@ -225,17 +253,28 @@ class GgufToDense(Converter):
             if isinstance(rep, LayerReport) and not rep.exact:
                 den = float(np.sqrt(np.sum(x.astype(np.float64) ** 2)))
                 rep.rel_error = float(np.sqrt(np.sum((back - x).astype(np.float64) ** 2))) / den if den else 0.0
-            return {hf: out}
+            if names is None:
+                return {hf: out}
+            return {n: np.ascontiguousarray(out[e]) for e, n in enumerate(names)}
 
         def verify(dst):
-            got = dst.read(hf)
             want = cast(values())
-            ok = np.array_equal(np.ascontiguousarray(got).view(np.uint16), np.ascontiguousarray(want).view(np.uint16))
-            rep.verified = ok
-            if not ok:
-                raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, "the written tensor is not the GGUF tensor decoded "
-                                "again", tensor=hf)
+            for e, n in enumerate(names or [hf]):
+                got = dst.read(n)
+                w_e = want if names is None else want[e]
+                ok = np.array_equal(np.ascontiguousarray(got).view(np.uint16),
+                                    np.ascontiguousarray(w_e).view(np.uint16))
+                rep.verified = ok
+                if not ok:
+                    raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, "the written tensor is not the GGUF tensor "
+                                    "decoded again", tensor=n)
 
+        # a stacked expert tensor [E, N, K] becomes the E Hugging Face tensors ...experts.<e>.<proj>.weight
+        names = None
+        if len(shape) == 3 and ".experts." in hf:
+            pre, proj = hf[: -len(".weight")].rsplit(".experts.", 1)
+            names = [f"{pre}.experts.{e}.{proj}.weight" for e in range(shape[0])]
+            return Unit(hf, [OutSpec(n, st, shape[1:]) for n in names], produce, verify, rep)
         return Unit(hf, [OutSpec(hf, st, shape)], produce, verify, rep)
 
     def output_config(self) -> dict | None:
@@ -271,6 +310,7 @@ def convert_from_gguf(src, dst, target: str, *, force: bool = False, shard_size:
                               options={"shard_size": shard_size, "force": force, "verify": verify})
     source = _GgufSource(p, reader, scan)
     source.config, source.arch = build_config(reader, p, report.warnings)
+    source.spec = spec_for_gguf_arch(source.arch, _int(reader, f"{source.arch}.expert_count") is not None)
     opts = Options(target=target, shard_size=shard_size, dtype=None, bits=None, group_size=None, sym=None)
     return run_conversion(GgufToDense, p, dst, opts, force=force, progress=progress, model=source, detection=None,
                           report=report, verify=verify, _fail_after=_fail_after)

@@ -99,7 +99,84 @@ def _load_json(path: Path):
         return json.load(f)
 
 
-def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str]) -> dict:
+def looks_special(text: str) -> bool:
+    """Added tokens that families mark non-special although they act as control tokens (llama.cpp's converter
+    types them CONTROL too): ``<pad>``, ``<mask>``, ``<2mass>``, ``[@BOS@]``, ``<|...|>``, ``<｜...｜>``,
+    ``<unused...>``."""
+    return (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (text.startswith("<|") and text.endswith("|>"))
+            or (text.startswith("<\uff5c") and text.endswith("\uff5c>"))
+            or (text.startswith("<unused") and text.endswith(">")))
+
+
+def spm_vocab(src_dir: Path, n_vocab: int, variant: str | None = None
+              ) -> tuple[list[str], list[float], list[int]] | None:
+    """``(tokens, scores, types)`` of length ``n_vocab`` from a SentencePiece ``tokenizer.model`` (None when
+    there is none or the ``sentencepiece`` package is missing).
+
+    Every id below ``n_vocab`` starts as ``[PAD<i>]`` / score -10000 / UNUSED; the model's pieces overwrite them
+    with their own score and type (UNKNOWN, CONTROL, UNUSED, BYTE, else NORMAL); ``added_tokens.json`` entries
+    are USER_DEFINED with score -1000; ``tokenizer_config.json`` ``added_tokens_decoder`` entries are CONTROL
+    when special (or ``looks_special``), else USER_DEFINED with ``\u2581`` shown as a space, score -1000.
+    ``variant="phi3"`` (llama.cpp's Phi-3 converter): added tokens from ``added_tokens_decoder`` and then from
+    ``tokenizer.json``'s ``added_tokens`` are CONTROL when special, else USER_DEFINED, text kept as is."""
+    path = Path(src_dir) / "tokenizer.model"
+    if not path.is_file():
+        return None
+    try:
+        from sentencepiece import SentencePieceProcessor
+    except ImportError:
+        return None
+    sp = SentencePieceProcessor()
+    sp.LoadFromFile(str(path))
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    scores = [-10000.0] * n_vocab
+    types = [UNUSED] * n_vocab
+    for i in range(min(sp.vocab_size(), n_vocab)):
+        typ = NORMAL
+        if sp.IsUnknown(i):
+            typ = UNKNOWN
+        elif sp.IsControl(i):
+            typ = CONTROL
+        elif sp.IsUnused(i):
+            typ = UNUSED
+        elif sp.IsByte(i):
+            typ = BYTE
+        tokens[i], scores[i], types[i] = sp.IdToPiece(i), sp.GetScore(i), typ
+    added = Path(src_dir) / "added_tokens.json"
+    if added.is_file():
+        for text, i in _load_json(added).items():
+            if isinstance(i, int) and 0 <= i < n_vocab:
+                tokens[i], scores[i], types[i] = text, -1000.0, USER_DEFINED
+    tcp = Path(src_dir) / "tokenizer_config.json"
+    if variant == "phi3":
+        entries = []
+        if tcp.is_file():
+            entries += [(int(k), d) for k, d in (_load_json(tcp).get("added_tokens_decoder") or {}).items()]
+        tjp = Path(src_dir) / "tokenizer.json"
+        if tjp.is_file():
+            entries += [(d.get("id"), d) for d in _load_json(tjp).get("added_tokens") or [] if isinstance(d, dict)]
+        for i, d in entries:
+            if isinstance(i, int) and 0 <= i < n_vocab and isinstance(d.get("content"), str):
+                tokens[i], scores[i] = d["content"], -1000.0
+                types[i] = CONTROL if d.get("special") else USER_DEFINED
+        return tokens, scores, types
+    if tcp.is_file():
+        dec = _load_json(tcp).get("added_tokens_decoder") or {}
+        for k, d in dec.items():
+            i = int(k)
+            if not 0 <= i < n_vocab or not isinstance(d, dict) or not isinstance(d.get("content"), str):
+                continue
+            text = d["content"]
+            if d.get("special") or looks_special(text):
+                types[i] = CONTROL
+            else:
+                text = text.replace("\u2581", " ")
+                types[i] = USER_DEFINED
+            tokens[i], scores[i] = text, -1000.0
+    return tokens, scores, types
+
+
+def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str], variant: str | None = None) -> dict:
     """Add ``tokenizer.ggml.*`` to the GGUFWriter ``w`` from the tokenizer files in ``src_dir``.  Returns
     ``{"model", "pre", "tokens", "merges", "padded"}`` describing what was written; problems go to
     ``warnings`` (the GGUF is then written with ``tokenizer.ggml.model = "none"``)."""
@@ -113,6 +190,21 @@ def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str]) ->
         w.add_tokenizer_model("none")
         return info
 
+    try:
+        spm = None if src_dir is None else spm_vocab(Path(src_dir), n_vocab, variant)
+    except (OSError, ValueError, RuntimeError, TypeError) as e:
+        warnings.append(f"tokenizer: tokenizer.model not read ({type(e).__name__}: {e}); trying tokenizer.json")
+        spm = None
+    if spm is not None:
+        tokens, scores, types = spm
+        info.update(model="llama", pre="default", tokens=n_vocab)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        _special(w, src_dir, n_vocab, False, info, warnings)
+        return info
     path = None if src_dir is None else Path(src_dir) / "tokenizer.json"
     if path is None or not path.is_file():
         return none("no tokenizer.json next to the model")
@@ -173,6 +265,16 @@ def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str]) ->
         w.add_token_list(tokens)
         w.add_token_types(types)
         load_merges = True
+    _special(w, src_dir, n_vocab, load_merges, info, warnings)
+    if load_merges and not info["merges"]:
+        warnings.append("tokenizer: a BPE vocabulary without merges; llama.cpp will not tokenize it usefully")
+    return info
+
+
+def _special(w, src_dir, n_vocab: int, load_merges: bool, info: dict, warnings: list[str]) -> None:
+    """Special token ids, add_bos/add_eos, chat template (and merges) through the gguf package's SpecialVocab."""
+    import gguf
+
     log = logging.getLogger("gguf")
     level = log.level
     log.setLevel(logging.ERROR)
@@ -185,9 +287,6 @@ def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str]) ->
         warnings.append(f"tokenizer: special tokens / merges not read ({type(e).__name__}: {e})")
     finally:
         log.setLevel(level)
-    if load_merges and not info["merges"]:
-        warnings.append("tokenizer: a BPE vocabulary without merges; llama.cpp will not tokenize it usefully")
-    return info
 
 
 def _field(reader, key):
@@ -229,23 +328,59 @@ def rebuild_tokenizer(reader, warnings: list[str]) -> dict[str, str]:
         pre_tok = {"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    flags = {typ: _field(reader, f"tokenizer.ggml.add_{typ}_token") for typ in ("bos", "eos")}
+    ids = {typ: _field(reader, f"tokenizer.ggml.{typ}_token_id") for typ in ("bos", "eos", "unk", "pad")}
+    ids = {k: v for k, v in ids.items() if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < len(tokens)}
+    post = post_processor(tokens, ids, flags, warnings)
     tj = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-          "pre_tokenizer": pre_tok, "post_processor": None,
+          "pre_tokenizer": pre_tok, "post_processor": post,
           "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
                     "vocab": vocab, "merges": [m.split(" ", 1) for m in merges]}}
     tc: dict = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    special_map: dict = {}
     for typ in ("bos", "eos", "unk", "pad"):
-        i = _field(reader, f"tokenizer.ggml.{typ}_token_id")
-        if isinstance(i, int) and 0 <= i < len(tokens):
-            tc[f"{typ}_token"] = tokens[i]
+        tc[f"{typ}_token"] = tokens[ids[typ]] if typ in ids else None
+        if typ in ids:
+            special_map[f"{typ}_token"] = tokens[ids[typ]]
     for typ in ("bos", "eos"):
-        v = _field(reader, f"tokenizer.ggml.add_{typ}_token")
-        if isinstance(v, bool):
-            tc[f"add_{typ}_token"] = v
+        tc[f"add_{typ}_token"] = flags[typ] is True
     ct = _field(reader, "tokenizer.chat_template")
     if isinstance(ct, str):
         tc["chat_template"] = ct
+    if flags["bos"] is not True and "bos_token" not in (ct if isinstance(ct, str) else ""):
+        # Qwen style: the GGUF's bos id is only config.json's (often <|endoftext|>); the tokenizer has none
+        tc["bos_token"] = None
+        special_map.pop("bos_token", None)
     return {"tokenizer.json": json.dumps(tj, ensure_ascii=False) + "\n",
-            "tokenizer_config.json": json.dumps(tc, indent=2, ensure_ascii=False) + "\n"}
+            "tokenizer_config.json": json.dumps(tc, indent=2, ensure_ascii=False) + "\n",
+            "special_tokens_map.json": json.dumps(special_map, indent=2, ensure_ascii=False) + "\n"}
+
+
+def post_processor(tokens: list[str], ids: dict[str, int], flags: dict, warnings: list[str]) -> dict:
+    """The ``tokenizer.json`` post-processor that adds what the GGUF's ``add_bos_token`` / ``add_eos_token``
+    say: a ``TemplateProcessing`` ``[BOS] $A [EOS]`` (each part only when its flag is true; pairs ``$A`` then
+    ``[BOS] $B`` as Llama 3 does) or, with neither flag, byte-level offsets only (Qwen style)."""
+    parts = []
+    for typ in ("bos", "eos"):
+        if flags.get(typ) is True:
+            if typ not in ids:
+                warnings.append(f"tokenizer: add_{typ}_token is set but the GGUF names no {typ} token; not added")
+                continue
+            parts.append(typ)
+    if not parts:
+        return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+
+    def seq(letter: str, type_id: int) -> list:
+        out = []
+        if "bos" in parts:
+            out.append({"SpecialToken": {"id": tokens[ids["bos"]], "type_id": type_id}})
+        out.append({"Sequence": {"id": letter, "type_id": type_id}})
+        if "eos" in parts:
+            out.append({"SpecialToken": {"id": tokens[ids["eos"]], "type_id": type_id}})
+        return out
+
+    specials = {tokens[ids[t]]: {"id": tokens[ids[t]], "ids": [ids[t]], "tokens": [tokens[ids[t]]]} for t in parts}
+    return {"type": "TemplateProcessing", "single": seq("A", 0), "pair": seq("A", 0) + seq("B", 1),
+            "special_tokens": specials}

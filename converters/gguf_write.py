@@ -23,9 +23,10 @@
    max error are reported.  GPTQ symmetric 4-bit with groups of 32k rows and trivial ``g_idx`` -> Q4_0, and
    GPTQ symmetric 8-bit (or <= 7-bit) -> Q8_0, are exact.  EXL2 layers are exact only where a block lies in
    one group of one scale, which EXL2's input permutation rarely allows.
-4. Verify: the temporary file (``.<name>.exl2fmt-partial-<hex>`` next to DST) is re-read through the bounded
-   pre-scan and ``gguf.GGUFReader``; names, types and shapes must be the planned ones, every tensor's bytes must
-   match the checksum of what was produced, and the key hyper-parameters must read back.  ``verify="full"``
+4. Verify: the temporary file (in ``.<name>.exl2fmt-partial-<hex>/`` next to DST) is re-read through exl2fmt's
+   bounded GGUF reader (``exl2fmt.gguf_scan``; ``gguf.GGUFReader`` too with ``verify="full"``); names, types and
+   shapes must be the planned ones, every tensor's bytes must
+   match the CRC-32 of what was produced, and the key hyper-parameters must read back.  ``verify="full"``
    also decodes every layer from the file again and compares it with a fresh decode of SRC.  Then the file is
    renamed to DST (an existing DST only with ``force``).  SRC is only read.
 
@@ -36,8 +37,10 @@ the tokenizer (``converters.gguf_vocab``).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,8 +50,10 @@ import numpy as np
 
 from ..errors import ErrorCode, Exl2Error
 from .base import (ConversionReport, LayerReport, SourceReader, TensorReport, bf16_bits_to_f32, build_layer,
-                   checksum, checksum_of_file_range, check_paths, error_stats, f32_to_bf16_bits,
-                   layer_issues_or_raise, natural_key, publish, _remove)
+                   check_paths, error_stats, f32_to_bf16_bits,
+                   layer_issues_or_raise, lower_shield, make_partial_dir, name_unnamed_os_error, natural_key, publish,
+                   stale_note, _remove)
+from .partials import fault_point
 from .gguf_map import DROPPED_SUFFIXES, arch_of, gguf_name_map, permute_qk, qk_heads
 from .slots import G_IDX, Q_INVPERM, Q_SCALE_MAX, QWEIGHT, QZEROS, SCALES
 
@@ -187,6 +192,8 @@ class _Item:
     redecode: Callable[[], np.ndarray] | None = None   # fresh float32 reference for verify="full"
     report: LayerReport | TensorReport | None = None
     sum: tuple | None = None
+    stack: tuple[str, ...] | None = None  # source names of the experts a stacked tensor holds
+    stack_rank: int = 0                   # its place among the stacked tensors of one block
 
     @property
     def nbytes(self) -> int:
@@ -300,9 +307,14 @@ def convert_to_gguf(src, dst, *, gguf_type: str = "auto", force: bool = False, p
 def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) -> list[_Item]:
     from ..detect import ModelFormat
 
+    from .gguf_arch import spec_for_model_type
+
+    spec = spec_for_model_type(cfg.get("model_type"))
     name_of = gguf_name_map(arch, hp["n_layer"])
     items: list[_Item] = []
     owned: set[str] = set()
+    shard: dict[str, str] = {}  # source name -> its shard file (llama.cpp's tensor order: shard, then name)
+    experts: dict[tuple[str, str], dict[int, tuple[str, object]]] = {}  # (prefix, proj) -> expert -> source
 
     def gtype_2d(want: str, cols: int, what: str) -> str:
         if want in ("Q8_0", "Q4_0") and cols % 32:
@@ -314,10 +326,15 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
         if info.format is ModelFormat.DENSE:
             continue  # its weight (and bias) are plain tensors below
         owned.update(ti.name for ti in info.slots.values())
+        shard[info.key] = str(next(iter(info.slots.values())).file)
         if info.format not in (ModelFormat.EXL2, ModelFormat.GPTQ):
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot be converted",
                             tensor=key)
         wname = f"{key}.weight"
+        em = _EXPERT.match(wname)
+        if em is not None:  # one expert of a stacked tensor: reconstructed, stacked below
+            experts.setdefault((em["pre"], em["w"]), {})[int(em["e"])] = ("layer", info)
+            continue
         g = name_of(wname)
         if g is None:
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"no GGUF name for {wname} in the gguf package's {arch} "
@@ -338,7 +355,15 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
         if name.endswith(DROPPED_SUFFIXES):
             report.warnings.append(f"{name}: dropped (derived at load time)")
             continue
+        if name in spec.skip:
+            report.warnings.append(f"{name}: not written ({spec.gguf_arch} ties it to the embedding, as llama.cpp)")
+            continue
         ti = model.info(name)
+        shard[name] = str(ti.file)
+        em = _EXPERT.match(name)
+        if em is not None:
+            experts.setdefault((em["pre"], em["w"]), {})[int(em["e"])] = ("plain", name)
+            continue
         g = name_of(name)
         if g is None:
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"no GGUF name for {name} in the gguf package's {arch} "
@@ -347,7 +372,7 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"a {ti.dtype} tensor cannot be written to GGUF",
                             tensor=name)
         shape = tuple(int(x) for x in ti.shape)
-        if len(shape) == 1 or name.endswith("norm.weight") or not name.endswith(".weight"):
+        if len(shape) == 1 or name.endswith("norm.weight") or not name.endswith(".weight") or _always_f32(g):
             gtype = "F32"
         elif len(shape) == 2:
             gtype = gtype_2d(plain_t, shape[1], name)
@@ -355,13 +380,105 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"a {len(shape)}-D tensor is not part of the Llama family "
                             "mapping", tensor=name)
         heads = qk_heads(name, hp["n_head"], hp["n_kv"]) if permute else None
-        items.append(_plain_item(reader, name, ti.dtype, g, shape, gtype, heads, report))
-    planned = owned | {it.src for it in items} | {n for n in model.tensors if n.endswith(DROPPED_SUFFIXES)}
+        offset = spec.norm_offset if name.endswith("norm.weight") else 0.0
+        items.append(_plain_item(reader, name, ti.dtype, g, shape, gtype, heads, report, offset))
+    for (pre, wid), parts in sorted(experts.items()):
+        items.append(_stacked_item(model, reader, cfg, det, pre, wid, parts, name_of, plain_t, layer_t, gtype_2d,
+                                   spec, hp, report))
+        for kind, x in parts.values():
+            if kind == "plain":
+                owned.add(x)
+    planned = (owned | {it.src for it in items} | {n for n in model.tensors if n.endswith(DROPPED_SUFFIXES)}
+               | set(spec.skip))
     if set(model.tensors) - planned:  # pragma: no cover - a planning bug must never drop weights silently
         raise RuntimeError(f"tensors left out of the GGUF plan: {sorted(set(model.tensors) - planned)[:3]}")
-    order = {"token_embd": 0, "output_norm": 2, "output": 3}
-    items.sort(key=lambda it: (order.get(it.gguf_name.rsplit(".", 1)[0], 1), natural_key(it.gguf_name)))
+
+    def order(it: _Item):
+        def file_of(n: str) -> str:  # a plain tensor by name, a quantized layer by its key
+            return shard.get(n, shard.get(n.removesuffix(".weight"), ""))
+
+        if it.stack is not None:  # llama.cpp emits a stacked tensor when its last expert arrives
+            last = max(it.stack, key=lambda n: (file_of(n), n))
+            return file_of(last), last, it.stack_rank
+        src = it.src if it.src.endswith((".weight", ".bias")) else it.src + ".weight"
+        return shard.get(it.src, ""), src, 0
+
+    items.sort(key=order)  # llama.cpp's order: shards by file name, tensors of a shard by Hugging Face name
     return items
+
+
+#: ``<prefix>.experts.<e>.<proj>.weight``: one expert's matrix (Mixtral w1/w2/w3, Qwen-MoE gate/up/down_proj)
+_EXPERT = re.compile(r"^(?P<pre>.+)\.experts\.(?P<e>\d+)\.(?P<w>\w+)\.weight$")
+#: llama.cpp stacks each block's experts in this order (conversion/llama.py w1, w2, w3; conversion/qwen.py
+#: down, gate, up)
+_STACK_RANK = {"w1": 0, "w2": 1, "w3": 2, "down_proj": 0, "gate_proj": 1, "up_proj": 2}
+
+
+def _always_f32(gguf_name: str | None) -> bool:
+    """Tensor kinds llama.cpp's converter keeps F32 whatever the output type (routers, position embeddings)."""
+    if gguf_name is None:
+        return False
+    base = gguf_name.rsplit(".", 1)[0]
+    kind = base.split(".")[-1] if base.startswith("blk.") else base
+    return kind in ("ffn_gate_inp", "ffn_gate_inp_shexp", "position_embd", "token_types")
+
+
+def _stacked_item(model, reader, cfg, det, pre, wid, parts, name_of, plain_t, layer_t, gtype_2d, spec, hp,
+                  report) -> _Item:
+    """One GGUF tensor ``[E, N, K]`` holding every expert ``<pre>.experts.<e>.<wid>.weight`` (e = 0..E-1)."""
+    E = max(parts) + 1
+    if sorted(parts) != list(range(E)):
+        raise Exl2Error(ErrorCode.CONFIG_MISMATCH, f"experts {sorted(set(range(E)) - set(parts))} of {pre} "
+                        f"{wid} are missing", tensor=f"{pre}.experts")
+    merged = f"{pre}.experts.{wid}.weight"
+    g = name_of(merged)
+    if g is None:
+        raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"no GGUF name for the stacked experts {merged} in the gguf "
+                        "package's table", tensor=merged)
+    srcs, decoders, shapes, quantized = [], [], set(), False
+    for e in range(E):
+        kind, x = parts[e]
+        if kind == "plain":
+            ti = model.info(x)
+            shapes.add(tuple(int(v) for v in ti.shape))
+            srcs.append(x)
+            decoders.append(lambda x=x, dt=ti.dtype: _source_f32(reader.read(x), dt))
+        else:
+            from ..arch import expected_features
+
+            quantized = True
+            n = expected_features(cfg, x.key)[1] or x.out_features
+            shapes.add((n, x.in_features))
+            srcs.append(f"{x.key}.weight")
+
+            def dec(info=x, n=n):
+                layer = build_layer(reader, info, cfg)
+                layer_issues_or_raise(layer, report)
+                return layer.dequantize()[:n].astype(np.float32)
+
+            decoders.append(dec)
+    if len(shapes) != 1:
+        raise Exl2Error(ErrorCode.CONFIG_MISMATCH, f"the experts of {merged} have different shapes {sorted(shapes)}",
+                        tensor=merged)
+    N, K = shapes.pop()
+    gtype = gtype_2d(layer_t if quantized else plain_t, K, merged)
+    rep = TensorReport(merged, "experts", gtype)
+    report.tensors.append(rep)
+
+    def ref():
+        return np.stack([d() for d in decoders])
+
+    def produce():
+        x = ref()
+        out = _to_gtype(x.reshape(E * N, K), gtype)
+        back = decode(out, gtype).reshape(x.shape)
+        with np.errstate(invalid="ignore"):
+            rep.max_abs_error = float(np.nanmax(np.abs(back - x))) if x.size else 0.0
+        rep.exact = rep.max_abs_error == 0.0
+        return out.reshape(E, N, -1) if out.ndim == 2 else out.reshape(E, N, K)
+
+    return _Item(g, merged, gtype, (E, N, K), produce, ref, rep, stack=tuple(srcs),
+                 stack_rank=_STACK_RANK.get(wid, 0))
 
 
 def _to_gtype(w32: np.ndarray, gtype: str) -> np.ndarray:
@@ -378,32 +495,77 @@ def _to_gtype(w32: np.ndarray, gtype: str) -> np.ndarray:
     return np.ascontiguousarray(quants.quantize(np.ascontiguousarray(w32, dtype=np.float32), _qtype(gtype)))
 
 
+def _offset_in_dtype(x: np.ndarray, offset: float, dtype: str) -> np.ndarray:
+    """``x + offset`` (float32 sum) rounded to the source dtype (F16/BF16/F32), as float32: llama.cpp adds Gemma's +1 to
+    the tensor in its stored dtype (conversion/gemma.py ``data_torch + 1``) before the cast to F32."""
+    y = x.astype(np.float32) + np.float32(offset)  # torch's half/bfloat16 add: float32 sum, one rounding
+    if dtype == "F16":
+        return y.astype(np.float16).astype(np.float32)
+    if dtype == "BF16":
+        return bf16_bits_to_f32(f32_to_bf16_bits(y.astype(np.float32)))
+    return y.astype(np.float32)
+
+
 def _source_f32(a: np.ndarray, dtype: str) -> np.ndarray:
     return bf16_bits_to_f32(a) if dtype == "BF16" else np.asarray(a, dtype=np.float32)
 
 
-def _plain_item(reader, name, dtype, g, shape, gtype, heads, report) -> _Item:
+#: rows of a plain tensor are converted and written this many float32 bytes at a time (peak memory: one chunk
+#: a few times over, not the tensor)
+_CHUNK_BYTES = 8 << 20
+
+
+def _plain_item(reader, name, dtype, g, shape, gtype, heads, report, offset: float = 0.0) -> _Item:
     rep = TensorReport(name, dtype, gtype)
     report.tensors.append(rep)
+    rows = shape[0] if len(shape) >= 1 else 1
+    row_elems = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else (shape[0] if shape else 1)
+    if len(shape) <= 1:
+        rows, row_elems = 1, int(np.prod(shape, dtype=np.int64))
+
+    def convert(x: np.ndarray) -> np.ndarray:
+        if offset:
+            x = _offset_in_dtype(x, offset, dtype)
+        return x
 
     def ref() -> np.ndarray:
-        x = _source_f32(reader.read(name), dtype)
+        x = convert(_source_f32(reader.read(name), dtype))
         return permute_qk(x, heads, name) if heads else x
 
-    def produce():
-        x = ref()
-        out = _to_gtype(x, gtype)
+    def account(x: np.ndarray, out: np.ndarray) -> None:
         back = decode(out, gtype).reshape(x.shape)
         fin = np.isfinite(x)
         bad = int(np.count_nonzero(fin & ~np.isfinite(back)))
         with np.errstate(invalid="ignore"):
             diff = np.abs(np.where(fin & np.isfinite(back), back - x, 0))
-        rep.max_abs_error = float(diff.max()) if diff.size else 0.0
-        rep.nonfinite = bad
-        rep.exact = bad == 0 and rep.max_abs_error == 0.0
-        if bad:
-            report.warnings.append(f"{name}: {bad} values are not finite as {gtype}")
-        return out
+        rep.max_abs_error = max(rep.max_abs_error or 0.0, float(diff.max()) if diff.size else 0.0)
+        rep.nonfinite = (rep.nonfinite or 0) + bad
+
+    def produce():
+        rep.max_abs_error, rep.nonfinite = 0.0, 0
+        if heads or len(shape) != 2:  # Q/K rows move across the tensor; 1-D tensors are small
+            x = ref()
+            out = _to_gtype(x, gtype)
+            account(x, out)
+            yield out
+        else:
+            step = max(1, _CHUNK_BYTES // max(1, row_elems * 4))
+            if gtype not in ("F32", "F16", "BF16"):
+                step = max(1, step)  # block types quantize whole rows; any row count is a whole number of blocks
+            same = dtype == gtype and dtype in ("F16", "BF16", "F32") and not offset
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                raw = reader.read_rows(name, r0, r1)
+                if same:  # F16 -> F16 (BF16 -> BF16, F32 -> F32): the stored bits are the GGUF data, exactly
+                    yield raw
+                    continue
+                x = convert(_source_f32(raw, dtype))
+                out = _to_gtype(x, gtype)
+                account(x, out)
+                yield out
+        rep.exact = rep.nonfinite == 0 and rep.max_abs_error == 0.0
+        if rep.nonfinite:
+            report.warnings.append(f"{name}: {rep.nonfinite} values are not finite as {gtype}")
 
     return _Item(g, name, gtype, shape, produce, ref, rep)
 
@@ -416,7 +578,7 @@ def _layer_item(reader, info, cfg, g, wname, shape, gtype, heads, report) -> _It
 
     def reconstruct():
         layer = build_layer(reader, info, cfg)
-        w = layer.dequantize()
+        w = layer.dequantize_finite()
         if w.shape != (N, K):
             raise Exl2Error(ErrorCode.SLOT_SHAPE, f"dequantized to {list(w.shape)}, planned {[N, K]}", tensor=key)
         return layer, w
@@ -481,34 +643,52 @@ _FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8
 
 
 def _metadata(w, arch, hp, cfg, layer_t, model, items, report) -> None:
+    """Hyper-parameters (``gguf_arch.write_common_hparams`` + the architecture's own table entry) and the
+    ``general.*`` block as llama.cpp's converter derives it (``gguf.Metadata.load`` on the model directory:
+    model card, directory name heuristics for name/basename/finetune/size label; ``gguf.size_label`` from the
+    parameter count when the card gives none)."""
     import gguf
 
-    name = cfg.get("_name_or_path") or Path(str(model.root)).name
-    if isinstance(name, str) and name:
-        w.add_name(Path(name).name)
-    w.add_type("model")
-    w.add_block_count(hp["n_layer"])
-    w.add_context_length(hp["n_ctx"])
-    w.add_embedding_length(hp["n_embd"])
-    w.add_feed_forward_length(hp["n_ff"])
-    w.add_head_count(hp["n_head"])
-    w.add_head_count_kv(hp["n_kv"])
-    w.add_layer_norm_rms_eps(hp["eps"])
-    w.add_rope_freq_base(hp["rope_theta"])
-    w.add_rope_dimension_count(hp["head_dim"])
-    if hp["head_dim_explicit"]:
-        w.add_key_length(hp["head_dim"])
-        w.add_value_length(hp["head_dim"])
-    w.add_vocab_size(hp["vocab"])
-    rs = cfg.get("rope_scaling")
-    if isinstance(rs, dict):
-        kind = rs.get("rope_type", rs.get("type"))
-        if kind == "linear" and isinstance(rs.get("factor"), (int, float)):
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(float(rs["factor"]))
-        elif kind not in (None, "default"):
-            report.warnings.append(f"rope_scaling type {kind!r} is not written (only linear is); long-context "
-                                   "behaviour will differ in llama.cpp")
+    from .gguf_arch import spec_for_model_type, write_common_hparams
+
+    spec = spec_for_model_type(cfg.get("model_type"))
+    from .gguf_arch import rope_params
+
+    if spec.model_type == "phi3" and rope_params(cfg).get("long_factor"):
+        raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, "Phi-3 long-rope factors (rope_scaling long_factor / "
+                        "short_factor) are not written by exl2fmt's GGUF bridge; use a 4k-context Phi-3",
+                        file=str(model.root))
+    root = Path(str(model.root))
+    total, shared, expert, n_exp = w.get_total_parameter_count()
+    log = logging.getLogger("gguf")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        meta = gguf.Metadata.load(None, root if root.is_dir() else None, None, total)
+    except Exception as e:  # noqa: BLE001 - a malformed model card must not stop the conversion
+        report.warnings.append(f"model card metadata not read ({type(e).__name__}: {e})")
+        meta = gguf.Metadata()
+    finally:
+        log.setLevel(level)
+    if meta.name is None:
+        meta.name = root.name if root.is_dir() else root.stem
+    if meta.size_label is None and total > 0:
+        meta.size_label = gguf.size_label(total, shared, expert, n_exp)
+    w.add_type(gguf.GGUFType.MODEL)
+    meta.set_gguf_meta_model(w)
+    if spec.model_type == "llama" and cfg.get("head_dim") is None and \
+            cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        # llama.cpp's converter sees transformers' LlamaConfig, which fills head_dim = hidden / heads, so it
+        # writes key_length / value_length even when config.json has no head_dim (bench/gguf_stream.py)
+        cfg = {**cfg, "head_dim": cfg["hidden_size"] // cfg["num_attention_heads"]}
+    log.setLevel(logging.ERROR)  # a family entry overriding a generic key is intended (gguf logs a warning)
+    try:
+        if spec.common:
+            write_common_hparams(cfg, w, hp["n_layer"], report.warnings, head_dim_keys=spec.head_dim_keys)
+        if spec.hparams is not None:
+            spec.hparams(cfg, w)
+    finally:
+        log.setLevel(level)
     w.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[layer_t]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_string("general.source.format", report.source_format)
@@ -531,16 +711,95 @@ def _card_metadata(w, cfg, model, layer_t, report) -> None:
             w.add_string(key, value)
 
 
-def _tmp_path(dst: Path) -> Path:
-    import secrets
+def _type_name(type_id: int) -> str:
+    import gguf
 
-    parent = dst.parent if str(dst.parent) else Path(".")
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot create the parent directory: {e.strerror or e}",
-                        file=str(parent)) from None
-    return parent / f".{dst.name[:150]}.exl2fmt-partial-{secrets.token_hex(6)}"
+        return gguf.GGMLQuantizationType(int(type_id)).name
+    except ValueError:
+        return f"type {type_id}"
+
+
+class _Digest:
+    """CRC-32 and length of a byte stream fed in pieces (zlib: several GB/s, no JIT to load).  It guards the
+    copy from memory to disk of bytes this process produced (a torn or misplaced write), not against an adversary."""
+
+    __slots__ = ("crc", "n")
+
+    def __init__(self):
+        self.crc, self.n = 0, 0
+
+    def update(self, data) -> "_Digest":
+        import zlib
+
+        self.crc = zlib.crc32(data, self.crc)
+        self.n += memoryview(data).nbytes
+        return self
+
+    def digest(self) -> tuple[int, int]:
+        return self.crc, self.n
+
+
+def _digest_of_file_range(path: str, offset: int, length: int, window: int = 16 << 20) -> bytes:
+    """``_Digest`` of ``length`` bytes of ``path`` at ``offset``, read ``window`` bytes at a time (pread)."""
+    d = _Digest()
+    buf = bytearray(min(window, max(length, 1)))
+    mv = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pos, end = offset, offset + length
+        while pos < end:
+            n = os.preadv(fd, [mv[: min(len(buf), end - pos)]], pos)
+            if n <= 0:
+                raise Exl2Error(ErrorCode.TRUNCATED, "the written file is shorter than its tensor table", file=path)
+            d.update(mv[:n])
+            pos += n
+    finally:
+        os.close(fd)
+    return d.digest()
+
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def scalar_kvs(path, keys: set[str]) -> dict:
+    """The values of the scalar (and string) metadata ``keys`` of a little-endian GGUF file that has passed the
+    bounded pre-scan (so every length read here is known to lie inside the file)."""
+    import mmap
+    import struct
+
+    out: dict = {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        n_kv = struct.unpack_from("<Q", mm, 16)[0]
+        pos = 24
+
+        def string(p):
+            n = struct.unpack_from("<Q", mm, p)[0]
+            return bytes(mm[p + 8:p + 8 + n]).decode("utf-8", "replace"), p + 8 + n
+
+        def skip(t, p):
+            if t in _GGUF_SCALARS:
+                return p + struct.calcsize("<" + _GGUF_SCALARS[t])
+            if t == 8:
+                return string(p)[1]
+            et, cnt = struct.unpack_from("<IQ", mm, p)
+            p += 12
+            if et in _GGUF_SCALARS:
+                return p + cnt * struct.calcsize("<" + _GGUF_SCALARS[et])
+            for _ in range(cnt):
+                p = skip(et, p)
+            return p
+
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            t = struct.unpack_from("<I", mm, pos)[0]
+            pos += 4
+            if key in keys and t in _GGUF_SCALARS:
+                out[key] = struct.unpack_from("<" + _GGUF_SCALARS[t], mm, pos)[0]
+            elif key in keys and t == 8:
+                out[key] = string(pos)[0]
+            pos = skip(t, pos)
+    return out
 
 
 def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, force, progress, verify,
@@ -548,21 +807,31 @@ def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, fo
     import gguf
 
     t0 = time.perf_counter()
-    tmp = _tmp_path(dst_p)
+    removed: list[str] = []
+    tmp_dir = make_partial_dir(dst_p, removed)  # marked, so a killed run's leftover is removed by the next
+    report.warnings.extend(stale_note(removed))
+    tmp = tmp_dir / dst_p.name
     w = None
     try:
+        fault_point("partial")
         w = gguf.GGUFWriter(None, arch)
-        _metadata(w, arch, hp, model.config, layer_t, model, items, report)
-        n_vocab = next((it.shape[0] for it in items if it.gguf_name == "token_embd.weight"), hp["vocab"])
-        from .gguf_vocab import add_tokenizer
-
-        tok = add_tokenizer(w, src_p if src_p.is_dir() else src_p.parent, n_vocab, report.warnings)
-        report.options["tokenizer"] = tok
-        for it in items:
+        for it in items:  # the tensor table first: the parameter count (size label) is read from it
             bshape = it.byte_shape
             dt = {"F32": np.float32, "F16": np.float16}.get(it.gtype, np.uint8)
             w.add_tensor_info(it.gguf_name, bshape, np.dtype(dt), it.nbytes,
                               raw_dtype=None if it.gtype in ("F32", "F16") else _qtype(it.gtype))
+        _metadata(w, arch, hp, model.config, layer_t, model, items, report)
+        n_vocab = next((it.shape[0] for it in items if it.gguf_name == "token_embd.weight"), hp["vocab"])
+        from .gguf_vocab import add_tokenizer
+
+        from .gguf_arch import spec_for_model_type
+
+        spec = spec_for_model_type(model.config.get("model_type"))
+        tok_dir = src_p if src_p.is_dir() else src_p.parent
+        tok = add_tokenizer(w, tok_dir, n_vocab, report.warnings, spec.extra.get("vocab"))
+        report.options["tokenizer"] = tok
+        if spec.tokenizer is not None and tok.get("model") != "none":
+            spec.tokenizer(w, tok_dir)
         w.write_header_to_file(tmp)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -571,13 +840,22 @@ def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, fo
         for ui, it in enumerate(items):
             if _fail_after is not None and ui >= _fail_after:
                 raise RuntimeError("injected failure (test hook)")
-            arr = np.ascontiguousarray(it.produce())
-            if arr.nbytes != it.nbytes:  # pragma: no cover - converter bug
-                raise RuntimeError(f"{it.gguf_name}: produced {arr.nbytes} bytes, planned {it.nbytes}")
-            it.sum = checksum(memoryview(arr.reshape(-1).view(np.uint8)))
-            w.write_tensor_data(arr)
+            produced = it.produce()
+            chunks = [produced] if isinstance(produced, np.ndarray) else produced
+            fout = w.fout[0]
+            w.write_padding(fout, fout.tell())  # the data of each tensor starts aligned, as write_tensor_data
+            cs, n = _Digest(), 0
+            for arr in chunks:
+                b = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+                cs.update(b)
+                fout.write(b)
+                n += b.nbytes
+                del arr, b
+            if n != it.nbytes:  # pragma: no cover - converter bug
+                raise RuntimeError(f"{it.gguf_name}: produced {n} bytes, planned {it.nbytes}")
+            w.write_padding(fout, it.nbytes)
+            it.sum = cs.digest()
             done += it.nbytes
-            del arr
             if progress is not None:
                 progress(done, 2 * total, it.src)
         for f in w.fout or []:
@@ -589,11 +867,16 @@ def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, fo
         report.files_written = [dst_p.name]
         report.shards = [dst_p.name]
         report.seconds["write"] = time.perf_counter() - t0
+        fault_point("written")
         t0 = time.perf_counter()
         _verify(tmp, items, hp, arch, report, progress, total, verify)
         report.seconds["verify"] = time.perf_counter() - t0
+        fault_point("verified")
         publish(tmp, dst_p, force)
         tmp = None
+        fault_point("published")
+    except BaseException as e:
+        raise name_unnamed_os_error(e, tmp) from None
     finally:
         if w is not None:
             try:
@@ -602,38 +885,50 @@ def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, fo
                 pass
         if tmp is not None:
             _remove(tmp)
+        _remove(tmp_dir)
+        report.warnings.extend(lower_shield())
 
 
 def _verify(path: Path, items, hp, arch, report, progress, total, mode) -> None:
-    from .gguf_read import open_gguf
+    """Re-read the written file: the bounded pre-scan's tensor table (names, ggml types, shapes, offsets), the
+    key hyper-parameters (``scalar_kvs``), every tensor's bytes against the digest of what was produced; with
+    ``mode == "full"`` also ``gguf.GGUFReader`` and a decode of every tensor.  (``GGUFReader`` builds a Python
+    object per vocabulary string, seconds for a 32k vocabulary, so the default pass does without it.)"""
+    from .gguf_read import open_gguf, prescan_gguf
 
-    reader, scan = open_gguf(path)
+    reader = None
+    if mode == "full":
+        reader, scan = open_gguf(path)
+    else:
+        scan = prescan_gguf(path)
     try:
-        have = {t.name: t for t in reader.tensors}
+        have = {t[0]: t for t in scan["tensors"]}
         planned = {it.gguf_name for it in items}
         if set(have) != planned:
             raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"the written GGUF's tensors differ from the plan "
                             f"(missing {sorted(planned - set(have))[:3]}, unexpected {sorted(set(have) - planned)[:3]})",
                             file=str(path))
-        kv = {k: reader.get_field(k) for k in (f"{arch}.block_count", f"{arch}.embedding_length",
-                                               f"{arch}.attention.head_count")}
         want = {f"{arch}.block_count": hp["n_layer"], f"{arch}.embedding_length": hp["n_embd"],
                 f"{arch}.attention.head_count": hp["n_head"]}
+        kv = scalar_kvs(path, set(want))
         for k, v in want.items():
-            if kv[k] is None or kv[k].contents() != v:
-                raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"metadata {k} reads back as "
-                                f"{None if kv[k] is None else kv[k].contents()}, written {v}", file=str(path))
+            if kv.get(k) != v:
+                raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"metadata {k} reads back as {kv.get(k)}, written {v}",
+                                file=str(path))
+        rtensors = {t.name: t for t in reader.tensors} if reader is not None else {}
         done = total
         for it in items:
-            t = have[it.gguf_name]
-            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-            if t.tensor_type.name != it.gtype or shape != it.shape:
-                raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"reads back as {t.tensor_type.name} {list(shape)}, "
+            name, ne, gtype_id, off, _numel, nbytes = have[it.gguf_name]
+            shape = tuple(int(x) for x in reversed(ne))
+            tname = _type_name(gtype_id)
+            if tname != it.gtype or shape != it.shape or nbytes != it.nbytes:
+                raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"reads back as {tname} {list(shape)}, "
                                 f"planned {it.gtype} {list(it.shape)}", tensor=it.gguf_name, file=str(path))
-            if checksum_of_file_range(str(path), int(t.data_offset), int(t.n_bytes)) != it.sum:
+            if _digest_of_file_range(str(path), scan["data_start"] + off, nbytes) != it.sum:
                 raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, "the bytes on disk differ from the bytes produced "
-                                "(checksum)", tensor=it.gguf_name, file=str(path))
+                                "(digest)", tensor=it.gguf_name, file=str(path))
             if mode == "full" and it.redecode is not None:
+                t = rtensors[it.gguf_name]
                 got = decode(np.array(t.data), it.gtype).reshape(it.shape)
                 want_w = it.redecode()
                 if isinstance(it.report, LayerReport) and it.report.exact:
@@ -654,8 +949,9 @@ def _verify(path: Path, items, hp, arch, report, progress, total, mode) -> None:
             if progress is not None:
                 progress(done, 2 * total, f"verify {it.gguf_name}")
     finally:
-        del reader
+        reader = None
     report.validation = {"result": "PASS", "counts": {"tensors": len(items)}, "problems": []}
     report.verified = True
-    report.verify_mode = ("re-read through the GGUF pre-scan and gguf.GGUFReader; every tensor checksummed"
-                          + ("; every tensor decoded again and compared with the source" if mode == "full" else ""))
+    report.verify_mode = ("re-read through the bounded GGUF pre-scan; key metadata read back; every tensor's bytes "
+                          "checked (CRC-32 and length)" + ("; gguf.GGUFReader and every tensor decoded again and compared "
+                                                  "with the source" if mode == "full" else ""))

@@ -103,7 +103,7 @@ class QuantToDense(Converter):
 
         def reconstruct(r: SourceReader):
             layer = build_layer(r, info, config)
-            w = layer.dequantize()
+            w = layer.dequantize_finite()
             if w.shape != (N, K):
                 raise Exl2Error(ErrorCode.SLOT_SHAPE, f"dequantized to {list(w.shape)}, planned {[N, K]}", tensor=key)
             b = layer.bias()

@@ -147,6 +147,7 @@ __all__ = [
     "MAX_OPEN_SHARDS", "INDEX_NAME", "DtypeSpec", "SAFETENSORS_DTYPES", "RAW_DTYPES", "STRICTER_THAN_REFERENCE",
     "TensorInfo", "SafetensorsHeader", "read_header", "parse_header", "SafetensorsFile", "ModelFiles",
     "open_model", "RawTensor", "numpy_to_safetensors_dtype", "serialize", "write_safetensors", "write_sharded",
+    "file_kind", "open_regular",
 ]
 
 # ------------------------------------------------------------------------------------------------
@@ -610,24 +611,54 @@ def parse_header(buf: bytes | bytearray | memoryview, *, file_size: int, path: s
     return _parse_header_bytes(bytes(mv[8:8 + n]), n, file_size, path)
 
 
+def file_kind(st: os.stat_result) -> str:
+    """What a stat result describes, for messages: "a regular file", "a FIFO (named pipe)", ..."""
+    m = st.st_mode
+    for test, what in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(m):
+            return what
+    return "a special file"  # pragma: no cover - no other kinds on Linux
+
+
 def _stat_regular(path: str) -> os.stat_result:
+    """``os.stat`` of a file that must be regular: PATH_NOT_FOUND / IO_ERROR naming what is there instead.
+    Called before any ``open``: opening a FIFO blocks until a writer appears, a device never ends."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
+        if os.path.lexists(path):
+            raise _err(ErrorCode.IO_ERROR, "expected a regular file, found a symlink to nothing", path) from None
         raise _err(ErrorCode.PATH_NOT_FOUND, "expected an existing file, found nothing at this path", path) from None
     except OSError as e:
         raise _err(ErrorCode.IO_ERROR, f"cannot stat: {e.strerror or e}", path) from None
     if not stat.S_ISREG(st.st_mode):
-        raise _err(ErrorCode.IO_ERROR, "expected a regular file, found a directory or special file", path)
+        raise _err(ErrorCode.IO_ERROR, f"expected a regular file, found {file_kind(st)}", path)
     return st
+
+
+def open_regular(path: str):
+    """Open ``path`` for binary reading only if it is a regular file (checked on the open descriptor, so a
+    file swapped for a FIFO after ``_stat_regular`` cannot block: the open itself is non-blocking)."""
+    _stat_regular(path)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+                 | getattr(os, "O_BINARY", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _err(ErrorCode.IO_ERROR, f"expected a regular file, found {file_kind(st)}", path)
+        return open(fd, "rb")  # noqa: SIM115 - the caller closes it
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     """Read and validate the header of a safetensors file (reads 8 + n bytes, never the data)."""
     p = os.fspath(path)
-    _stat_regular(p)
     try:
-        with open(p, "rb") as f:
+        with open_regular(p) as f:
             file_size = os.fstat(f.fileno()).st_size
             first = f.read(8)
             n = _check_prefix(first, file_size, p)
@@ -796,7 +827,7 @@ def _read_json_file(path: Path, cap: int, code: ErrorCode, what: str) -> Any:
     if st.st_size > cap:
         raise _err(code, f"expected {what} of at most {cap} bytes, found {st.st_size} bytes", p)
     try:
-        with open(p, "rb") as f:
+        with open_regular(p) as f:
             raw = f.read(min(cap, st.st_size) + 1)  # never allocate by the cap
     except OSError as e:
         raise _err(ErrorCode.IO_ERROR, f"cannot read: {e.strerror or e}", p) from None
@@ -948,10 +979,47 @@ def _find_index(directory: Path) -> Path | None:
 
 
 def _glob_shards(directory: Path) -> list[Path]:
+    """The ``*.safetensors`` files of ``directory``, sorted.  A subdirectory of that name is ignored; any other
+    non-regular entry (a FIFO, a device, a socket, a dangling symlink) is IO_ERROR naming it: it is where a
+    shard is expected, and skipping it would report a wrong "no .safetensors file"."""
     try:
-        return sorted(q for q in directory.glob("*.safetensors") if _is_file(q))
+        cands = sorted(directory.glob("*.safetensors"))
     except OSError as e:
         raise _err(ErrorCode.IO_ERROR, f"cannot list the directory: {e.strerror or e}", str(directory)) from None
+    out = []
+    for q in cands:
+        try:
+            if q.is_dir():
+                continue
+        except OSError:
+            pass
+        _stat_regular(str(q))
+        out.append(q)
+    return out
+
+
+def _outside_links(root: Path, files: list[Path]) -> list[Issue]:
+    """A WARNING (SHARD_OUTSIDE_MODEL) for each shard that is a symlink resolving outside ``root``: it is read
+    (sharing weights by symlink is common), but the model directory is not self-contained and the target is
+    named so that nobody publishes a link into someone else's files unknowingly.  One lstat per shard."""
+    issues: list[Issue] = []
+    real_root = None
+    for f in files:
+        try:
+            if not os.path.islink(f):
+                continue
+            if real_root is None:
+                real_root = root.resolve()
+            target = f.resolve()
+        except (OSError, RuntimeError):
+            continue
+        try:
+            target.relative_to(real_root)
+        except ValueError:
+            issues.append(Issue(ErrorCode.SHARD_OUTSIDE_MODEL,
+                                f"expected the shard inside the model directory, found a symlink to {target}",
+                                file=str(f), severity=Severity.WARNING))
+    return issues
 
 
 def open_model(path: str | os.PathLike) -> ModelFiles:
@@ -969,6 +1037,7 @@ def open_model(path: str | os.PathLike) -> ModelFiles:
     if not exists:
         raise _err(ErrorCode.PATH_NOT_FOUND, "expected a .safetensors file or a model directory, found nothing", str(p))
     if not is_dir:
+        _stat_regular(str(p))  # a FIFO / device / dangling link is IO_ERROR whatever its name
         if p.name.endswith(".safetensors.index.json"):
             return _open_indexed(p.parent, p)
         if not p.name.endswith(".safetensors"):
@@ -994,7 +1063,7 @@ def open_model(path: str | os.PathLike) -> ModelFiles:
             where.setdefault(name, []).append(str(f))
             tensors.pop(name, None)  # keep file-by-file order; the last file wins
             tensors[name] = t
-    issues = _duplicate_issues(where)
+    issues = _duplicate_issues(where) + _outside_links(p, files)
     return ModelFiles(p, files, headers, tensors, None, issues)
 
 
@@ -1033,13 +1102,17 @@ def _open_indexed(directory: Path, index: Path) -> ModelFiles:
         raise _err(ErrorCode.INDEX_INVALID, f"expected \"metadata\" to be an object, found {_json_type(meta)}", ip)
 
     issues: list[Issue] = []
-    shard_names = sorted(set(wm.values()))
+    per_shard: dict[str, int] = {}  # shard name -> indexed tensors (one pass: linear in the index)
+    for v in wm.values():
+        per_shard[v] = per_shard.get(v, 0) + 1
+    shard_names = sorted(per_shard)
+    shard_path = {s: str(directory / s) for s in shard_names}
     files: list[Path] = []
     headers: dict[str, SafetensorsHeader] = {}
     for s in shard_names:
         sp = directory / s
-        if not _is_file(sp):
-            n = sum(1 for v in wm.values() if v == s)
+        if not _is_file(sp) and not os.path.lexists(sp):
+            n = per_shard[s]
             issues.append(Issue(ErrorCode.INDEX_MISSING_SHARD,
                                 f"expected shard file {s!r} ({n} indexed tensors), found no such file",
                                 file=str(sp), severity=Severity.ERROR))
@@ -1055,7 +1128,7 @@ def _open_indexed(directory: Path, index: Path) -> ModelFiles:
     chosen: dict[str, str] = {}
     for name, locs in where.items():
         want = wm.get(name)
-        want_path = str(directory / want) if want is not None else None
+        want_path = shard_path.get(want) if want is not None else None
         chosen[name] = want_path if want_path in locs else locs[-1]
         if want is None:
             issues.append(Issue(ErrorCode.INDEX_UNLISTED_TENSOR,
@@ -1064,7 +1137,7 @@ def _open_indexed(directory: Path, index: Path) -> ModelFiles:
                                 f"the index never load it)", tensor=name,
                                 file=chosen[name], severity=Severity.ERROR))
     for name, shard in wm.items():
-        sp = str(directory / shard)
+        sp = shard_path[shard]
         if sp not in headers:
             continue  # reported as INDEX_MISSING_SHARD
         if name not in headers[sp].tensors:
@@ -1099,6 +1172,7 @@ def _open_indexed(directory: Path, index: Path) -> ModelFiles:
                                 f"expected every .safetensors file in the directory to be referenced by the index, "
                                 f"found {extra.name!r} unreferenced (ExLlamaV2 loads every *.safetensors file)",
                                 file=str(extra), severity=Severity.WARNING))
+    issues.extend(_outside_links(directory, files))
     return ModelFiles(directory, files, headers, tensors, index, issues)
 
 

@@ -132,7 +132,17 @@ class Detection:
 
 
 def _int(v) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+    """A plain integer of sane size (|v| < 2**31), else None: config numbers past that are reported by
+    ``config_values`` and never computed with."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and -(1 << 31) < v < 1 << 31 else None
+
+
+def _bits(v) -> float | int | None:
+    """A target bit width: finite and in (0, 64], else None."""
+    from .config_values import finite_number
+
+    x = finite_number(v)
+    return x if x is not None and 0 < x <= 64 else None
 
 
 def quantization_config(config: dict | None, root: str | os.PathLike | None = None) -> tuple[dict | None, str | None]:
@@ -329,7 +339,7 @@ def detect_model(tensors: Mapping[str, Any], config: dict | None, *, root: str |
     label = FORMAT_TITLES[fmt]
     q = qc if isinstance(qc, dict) else {}
     if fmt is ModelFormat.EXL2:
-        variant = {"target_bits": q.get("bits") if isinstance(q.get("bits"), (int, float)) else None,
+        variant = {"target_bits": _bits(q.get("bits")),
                    "head_bits": _int(q.get("head_bits"))}
         label = "EXL2"
         if variant["target_bits"] is not None:
@@ -365,7 +375,7 @@ def detect_model(tensors: Mapping[str, Any], config: dict | None, *, root: str |
         label = f"AWQ {bits}-bit g{gs}" + (f" {ver}" if isinstance(ver, str) else "")
     elif fmt is ModelFormat.EXL3:
         ls = by_fmt.get(ModelFormat.EXL3, [])
-        variant = {"target_bits": q.get("bits") if isinstance(q.get("bits"), (int, float)) else None,
+        variant = {"target_bits": _bits(q.get("bits")),
                    "trellis_bits": sorted({l.bits for l in ls if l.bits})}
         label = "EXL3 (recognised, not decoded)" + (": named by quant_method, no trellis tensors found"
                                                     if from_config else "")

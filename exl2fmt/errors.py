@@ -161,6 +161,34 @@ class ErrorCode(str, enum.Enum):
     DISK_SPACE = ("DISK_SPACE", Category.USAGE,
                   "the destination's filesystem must have room for the quantizer's work files and the output")
 
+    # --- number sanity of configs and GGUF metadata (appended; issue 11) ---------------------------------
+    CONFIG_VALUE_INVALID = ("CONFIG_VALUE_INVALID", Category.INVALID,
+                            "numbers in config.json and quantization_config must be plain, finite and within the "
+                            "format's and sane model limits")
+    GGUF_METADATA_INVALID = ("GGUF_METADATA_INVALID", Category.INVALID,
+                             "GGUF hyper-parameters (block_count, widths, heads, experts, vocab) must be in range "
+                             "and agree with what the file's tensors can hold")
+    # --- hf:// models read by range (appended; see exl2fmt/hub.py) --------------------------------------
+    HUB_NOT_FOUND = ("HUB_NOT_FOUND", Category.UNREADABLE,
+                     "the Hub repository, revision and file must exist (a missing revision lists the branches)")
+    HUB_ACCESS_DENIED = ("HUB_ACCESS_DENIED", Category.UNREADABLE,
+                         "a private or gated Hub repository needs a token with access (HF_TOKEN)")
+    HUB_UNREACHABLE = ("HUB_UNREACHABLE", Category.UNREADABLE,
+                       "the Hub endpoint (HF_ENDPOINT) must be reachable and answer in time")
+    HUB_BAD_RESPONSE = ("HUB_BAD_RESPONSE", Category.UNREADABLE,
+                        "a byte-range request must be answered with exactly that range (206, matching "
+                        "Content-Range, bounded body) and redirects only to http(s)")
+    HUB_FETCH_LIMIT = ("HUB_FETCH_LIMIT", Category.UNREADABLE,
+                       "reading a Hub model fetches at most the per-file cap (headers and q_groups only)")
+    # --- model directory files (appended; see exl2fmt/container.py) ------------------------------------
+    SHARD_OUTSIDE_MODEL = ("SHARD_OUTSIDE_MODEL", Category.INVALID,
+                           "a shard should lie inside the model directory (a symlink out of it is read, with a "
+                           "warning naming the target)")
+    # --- measurement reuse (appended; see exl2fmt/quant/qparams.py) ------------------------------------
+    MEASUREMENT_MODEL_MISMATCH = ("MEASUREMENT_MODEL_MISMATCH", Category.USAGE,
+                                  "a reused measurement must have been measured on this model (same layer count "
+                                  "and layer shapes)")
+
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol
         return None
@@ -217,26 +245,34 @@ class Exl2Error(Exception):
         return Issue(self.code, self.message, tensor=self.tensor, file=self.file)
 
 
-_CONTROL = {c: f"\\x{c:02x}" for c in list(range(0x20)) + [0x7F]}
-_CONTROL.update({0x85: "\\x85", 0x2028: "\\u2028", 0x2029: "\\u2029"})
+def _escape_char(ch: str) -> str:
+    o = ord(ch)
+    if o <= 0xFF:
+        return f"\\x{o:02x}"
+    if o <= 0xFFFF:
+        return f"\\u{o:04x}"
+    return f"\\U{o:08x}"
 
 
 def escape_name(text: str) -> str:
-    """Make any string read from a file safe to print on a terminal.
+    """Make any string read from a file safe to print on a terminal (and in markdown, junit, ... output).
 
-    C0/C1 control characters, DEL and Unicode line/paragraph separators become visible escapes,
-    so a tensor name cannot move the cursor, clear the screen or forge an extra output line.
+    Every character that is not printable text becomes a visible escape (``\\x1b``, ``\\u202e``,
+    ``\\U000e0001``): C0/C1 controls and DEL, Unicode format characters (category Cf: bidi embeddings,
+    overrides and isolates U+202A-U+202E / U+2066-U+2069, zero-width spaces and joiners, the BOM, tag
+    characters), line and paragraph separators (Zl, Zp), spaces other than U+0020 (Zs), surrogates,
+    private-use and unassigned code points - exactly the characters for which ``str.isprintable()`` is false.
+    So a name cannot move the cursor, clear the screen, forge an extra output line or reorder what the
+    reader sees.  Rich markup is not this function's business: the CLI prints through ``rich.text.Text`` with
+    markup off, so ``[bold]`` stays literal.  JSON output uses the raw string (``json.dumps`` escapes).
     """
     text = str(text)
-    out = []
-    for ch in text:
-        o = ord(ch)
-        if o in _CONTROL or 0x80 <= o <= 0x9F:
-            out.append(_CONTROL.get(o, f"\\x{o:02x}"))
-        else:
-            out.append(ch)
-    return "".join(out)
+    if text.isprintable():  # the common case, at C speed
+        return text
+    return "".join(ch if ch.isprintable() else _escape_char(ch) for ch in text)
 
 
 def has_control_chars(text: str) -> bool:
-    return any(ord(c) < 0x20 or ord(c) == 0x7F or 0x80 <= ord(c) <= 0x9F or ord(c) in (0x2028, 0x2029) for c in text)
+    """True when ``escape_name`` would change ``text`` (a control, format, separator or other non-printable
+    character)."""
+    return not str(text).isprintable()

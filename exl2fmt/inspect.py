@@ -34,7 +34,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from .errors import ErrorCode, Exl2Error, Issue
+from .errors import Category, ErrorCode, Exl2Error, Issue
 
 __all__ = ["inspect_model", "inspect_gguf", "is_gguf", "SCHEMA_VERSION", "block_of", "natural_key", "layer_order_key",
            "has_control_chars"]
@@ -43,14 +43,10 @@ __all__ = ["inspect_model", "inspect_gguf", "is_gguf", "SCHEMA_VERSION", "block_
 #: renamed field bumps it.
 SCHEMA_VERSION = "1"
 
-# The characters exl2fmt.errors.escape_name escapes (C0, DEL, C1, U+2028/9), as one regex: a per-character
-# Python loop over ~3000 names costs 0.15 s, the regex a millisecond.
-_CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-
 def has_control_chars(name: str) -> bool:
-    """True when ``name`` holds a character ``escape_name`` would escape (same set as exl2fmt.errors)."""
-    return _CONTROL_RE.search(name) is not None
+    """True when ``name`` holds a character ``escape_name`` would escape: a control, format (bidi, zero-width),
+    separator or other non-printable character (``str.isprintable``, same set as exl2fmt.errors)."""
+    return not name.isprintable()
 
 
 _BLOCK_RE = re.compile(r"^(.*?(?:^|\.)(?:layers|h|blocks|block|blk)\.(\d+))\.")
@@ -125,6 +121,11 @@ def _split_tool(text: str) -> tuple[str, str | None]:
 def producer(qc: dict | None, method: str | None, metadata: dict[str, str]) -> dict:
     """Who wrote the model, from quantization_config (preferred) or safetensors ``__metadata__``."""
     q = qc if isinstance(qc, dict) else {}
+    prod = q.get("producer")
+    if method in ("exl2", "exl3") and isinstance(prod, dict) and isinstance(prod.get("name"), str) and prod["name"]:
+        ver = prod.get("version")
+        return {"name": prod["name"], "version": ver if isinstance(ver, str) else None,
+                "source": "quantization_config.producer"}
     if method in ("exl2", "exl3") and isinstance(q.get("version"), str):
         v = q["version"]
         if " " in v.strip():
@@ -293,8 +294,13 @@ def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
     try:
         config = model.config
     except Exl2Error as e:
+        if e.code.category is Category.UNREADABLE:  # a FIFO, device or directory: exit 3 like any input
+            raise
         issues.append(e.as_issue())
         config = None
+    from .config_values import config_value_issues
+
+    issues += config_value_issues(config, quantization_config(config, model.root)[0], str(model.config_path))
     tensors = model.tensors
     det = detect_model(tensors, config, root=model.root, file=str(model.files[0]) if model.files else None)
     issues += det.issues
@@ -400,233 +406,66 @@ def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
 
 # ------------------------------------------------------------------------------------------------ GGUF
 
-_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-GGUF_MAX_KV = 1_000_000
-GGUF_MAX_TENSORS = 1_000_000
-GGUF_MAX_STRING = 64 << 20
-GGUF_MAX_NAME = 1024
-GGUF_MAX_DIMS = 4
-GGUF_MAX_ARRAY_DEPTH = 2
-#: Strings in all array-valued keys together (a large vocabulary has ~256k tokens and as many merges); each one
-#: becomes Python objects in the ``gguf`` reader, so their number is capped, not only their bytes.
-GGUF_MAX_ARRAY_STRINGS = 1 << 22
-#: ``general.alignment`` must be a power of two no larger than this.
-GGUF_MAX_ALIGNMENT = 1 << 16
+_GGUF_ARRAY = 9
 
 
 def _gguf_prescan(path: str) -> dict:
-    """Walk the GGUF header with bounds checks before any third-party parser sees it.
-
-    Checks: magic, version 2 or 3 (either byte order), KV and tensor counts, every string and array length
-    against the bytes left and a cap (and the number of strings in arrays), array nesting depth,
-    ``general.alignment`` (a UINT32 power of two), tensor dims (<= 4, product < 2**63), and - when the ``gguf``
-    package is importable - every tensor's type (known, row length a multiple of its block size), offset
-    (aligned) and data (inside the file, no two tensors overlapping).  Raises ``GGUF_INVALID`` naming the first
-    problem.
-
-    Returns ``{"version", "byte_order", "n_kv", "n_tensors", "header_end", "size", "alignment", "data_start",
+    """The bounded walk of ``exl2fmt.gguf_scan`` (see there for the checks), as a summary dict:
+    ``{"version", "byte_order", "n_kv", "n_tensors", "header_end", "size", "alignment", "data_start",
     "tensors"}``; ``tensors`` lists ``(name, ne, ggml_type, offset, numel, nbytes)`` per tensor (``ne`` in GGUF
-    order, fastest dimension first; ``nbytes`` None when the type is unknown because ``gguf`` is missing).
-    """
-    def bad(msg):
-        raise Exl2Error(ErrorCode.GGUF_INVALID, msg, file=path)
+    order, fastest dimension first; ``offset`` relative to ``data_start``).  Raises ``GGUF_INVALID``."""
+    from .gguf_scan import open_gguf_file
 
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 24:
-                bad(f"expected at least 24 header bytes, found a {size}-byte file")
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except OSError as e:
-        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot read: {e.strerror or e}", file=path) from None
-    try:
-        if mm[:4] != b"GGUF":
-            bad(f"expected the magic b'GGUF', found {bytes(mm[:4])!r}")
-        bo = "<"
-        version = struct.unpack_from("<I", mm, 4)[0]
-        if version not in (2, 3):
-            v_be = struct.unpack_from(">I", mm, 4)[0]
-            if v_be in (2, 3):
-                bo, version = ">", v_be
-            else:
-                bad(f"expected GGUF version 2 or 3, found {version}")
-        n_tensors, n_kv = struct.unpack_from(bo + "QQ", mm, 8)
-        pos = 24
-        if n_kv > GGUF_MAX_KV or n_kv * 12 > size - pos:
-            bad(f"{n_kv} key/value pairs cannot fit in the file (cap {GGUF_MAX_KV})")
-        if n_tensors > GGUF_MAX_TENSORS or n_tensors * 24 > size - pos:
-            bad(f"{n_tensors} tensors cannot fit in the file (cap {GGUF_MAX_TENSORS})")
+    with open_gguf_file(path) as g:
+        return _scan_dict(g)
 
-        def need(n, what):
-            if n < 0 or pos + n > size:
-                bad(f"{what} at byte {pos} needs {n} bytes; only {size - pos} left")
 
-        def u32():
-            nonlocal pos
-            need(4, "a uint32")
-            v = struct.unpack_from(bo + "I", mm, pos)[0]
-            pos += 4
-            return v
-
-        def u64():
-            nonlocal pos
-            need(8, "a uint64")
-            v = struct.unpack_from(bo + "Q", mm, pos)[0]
-            pos += 8
-            return v
-
-        def string(cap, what):
-            nonlocal pos
-            n = u64()
-            if n > cap:
-                bad(f"{what} of {n} bytes exceeds the cap of {cap}")
-            need(n, what)
-            s = bytes(mm[pos:pos + n])
-            pos += n
-            return s
-
-        n_strings = 0
-
-        def value(vtype, depth, what):
-            nonlocal pos, n_strings
-            if vtype in _GGUF_SCALAR:
-                need(_GGUF_SCALAR[vtype], what)
-                pos += _GGUF_SCALAR[vtype]
-            elif vtype == _GGUF_STRING:
-                string(GGUF_MAX_STRING, what + " string")
-            elif vtype == _GGUF_ARRAY:
-                if depth >= GGUF_MAX_ARRAY_DEPTH:
-                    bad(f"{what}: arrays nested deeper than {GGUF_MAX_ARRAY_DEPTH}")
-                et = u32()
-                count = u64()
-                if et in _GGUF_SCALAR:
-                    need(count * _GGUF_SCALAR[et], f"{what} array of {count}")
-                    pos += count * _GGUF_SCALAR[et]
-                elif et in (_GGUF_STRING, _GGUF_ARRAY):
-                    if count * (8 if et == _GGUF_STRING else 12) > size - pos:
-                        bad(f"{what}: array of {count} elements cannot fit in the file")
-                    n_strings += count
-                    if n_strings > GGUF_MAX_ARRAY_STRINGS:
-                        bad(f"{what}: more than {GGUF_MAX_ARRAY_STRINGS} strings/arrays inside arrays in the file "
-                            "(cap)")
-                    for _ in range(count):
-                        value(et, depth + 1, what)
-                else:
-                    bad(f"{what}: unknown array element type {et}")
-            else:
-                bad(f"{what}: unknown value type {vtype}")
-
-        keys = set()
-        alignment = 32
-        for i in range(n_kv):
-            raw = string(1 << 16, f"key {i}")
-            try:
-                key = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                bad(f"key {i} is not UTF-8")
-            if key in keys:
-                bad(f"key {key!r} appears twice")
-            keys.add(key)
-            vtype = u32()
-            if key == "general.alignment":
-                if vtype != 4:
-                    bad(f"general.alignment has value type {vtype}; expected UINT32 (4)")
-                need(4, "general.alignment")
-                alignment = struct.unpack_from(bo + "I", mm, pos)[0]
-                if alignment == 0 or alignment & (alignment - 1) or alignment > GGUF_MAX_ALIGNMENT:
-                    bad(f"general.alignment = {alignment}; expected a power of two <= {GGUF_MAX_ALIGNMENT}")
-            value(vtype, 0, f"value of {key!r}")
-        names = set()
-        infos = []
-        for i in range(n_tensors):
-            raw = string(GGUF_MAX_NAME, f"tensor {i} name")
-            name = raw.decode("utf-8", errors="replace")
-            if name in names:
-                bad(f"tensor name {name!r} appears twice")
-            names.add(name)
-            nd = u32()
-            if nd > GGUF_MAX_DIMS:
-                bad(f"tensor {name!r} has {nd} dims; at most {GGUF_MAX_DIMS}")
-            dims = [u64() for _ in range(nd)]
-            numel = 1
-            for d in dims:
-                numel *= d
-            if numel >= 1 << 63:
-                bad(f"tensor {name!r}: element count {numel} overflows")
-            ttype = u32()
-            off = u64()
-            infos.append((name, dims, ttype, off, numel))
-        data_start = pos + (-pos % alignment)
-        try:
-            from gguf import GGML_QUANT_SIZES  # optional extra; without it the per-type checks are skipped
-        except ImportError:  # pragma: no cover - exercised only without the gguf package
-            GGML_QUANT_SIZES = None
-        tensors = []
-        for name, dims, ttype, off, numel in infos:
-            nbytes = None
-            if GGML_QUANT_SIZES is not None:
-                try:
-                    from gguf import GGMLQuantizationType
-
-                    bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
-                except (ValueError, KeyError):
-                    bad(f"tensor {name!r} has unknown ggml type {ttype}")
-                if dims and dims[0] % bs:
-                    bad(f"tensor {name!r}: row length {dims[0]} is not a multiple of the {bs}-element block of "
-                        f"type {ttype}")
-                nbytes = numel // bs * ts
-                if off % alignment:
-                    bad(f"tensor {name!r}: data offset {off} is not a multiple of the alignment {alignment}")
-                if data_start + off + nbytes > size:
-                    bad(f"tensor {name!r}: data ends at byte {data_start + off + nbytes}, past the end of the "
-                        f"{size}-byte file (truncated?)")
-            tensors.append((name, dims, ttype, off, numel, nbytes))
-        spans = sorted((t[3], t[3] + t[5], t[0]) for t in tensors if t[5])
-        for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
-            if b0 < a1:
-                bad(f"the data of tensors {an!r} and {bn!r} overlap")
-        return {"version": version, "byte_order": "big" if bo == ">" else "little", "n_kv": n_kv,
-                "n_tensors": n_tensors, "header_end": pos, "size": size, "alignment": alignment,
-                "data_start": data_start, "tensors": tensors}
-    finally:
-        mm.close()
+def _scan_dict(g) -> dict:
+    return {"version": g.version, "byte_order": g.byte_order, "n_kv": g.n_kv, "n_tensors": g.n_tensors,
+            "header_end": g.header_end, "size": g.size, "alignment": g.alignment, "data_start": g.data_start,
+            "tensors": [(t.name, [int(x) for x in t.shape.tolist()], int(t.tensor_type), t.data_offset - g.data_start,
+                         t.n_elements, t.n_bytes) for t in g.tensors]}
 
 
 def inspect_gguf(path: str | os.PathLike, *, layers: bool = True) -> dict:
     """Summarise a ``.gguf`` file through the ``gguf`` package (an optional dependency)."""
     p = str(path)
     try:
-        import gguf  # noqa: F401  (optional extra)
-        from gguf import GGUFReader
+        import gguf  # noqa: F401  (optional extra: the ggml type table)
     except ImportError:
         raise Exl2Error(ErrorCode.UNSUPPORTED_INPUT, "this is a GGUF file; reading it needs the optional gguf "
                         "package: pip install 'exl2fmt[gguf]'", file=p) from None
-    scan = _gguf_prescan(p)
-    try:
-        reader = GGUFReader(p, "r")
-    except Exception as e:  # the package raises ValueError, KeyError, struct.error, ... on bad input
-        raise Exl2Error(ErrorCode.GGUF_INVALID, f"the gguf package rejects the file: {type(e).__name__}: {e}",
-                        file=p) from None
+    from .gguf_scan import gguf_hparam_issues, open_gguf_file
+
+    with open_gguf_file(p) as reader:  # bounded walk; arrays stay lazy (only their lengths are reported)
+        return _inspect_gguf(p, reader, layers)
+
+
+def _inspect_gguf(p: str, reader, layers: bool) -> dict:
+    from .gguf_scan import gguf_hparam_issues
+
+    scan = _scan_dict(reader)
     size = scan["size"]
     issues: list[Issue] = []
     meta: dict[str, Any] = {}
     arrays: dict[str, int] = {}
     for name, fld in reader.fields.items():
-        if name.startswith("GGUF."):
+        if fld.types[0] == _GGUF_ARRAY:
+            arrays[name] = fld.count
             continue
         try:
-            types = list(fld.types)
-            if types and int(types[0]) == _GGUF_ARRAY:
-                arrays[name] = len(fld.data)
-                continue
             v = fld.contents()
-        except Exception:  # noqa: BLE001 - a field we cannot render is skipped, never fatal
+        except Exception:  # noqa: BLE001 - a field we cannot render (not UTF-8) is skipped, never fatal
             continue
+        if isinstance(v, float) and not math.isfinite(v):
+            v = str(v)  # JSON has no NaN / Infinity
         if isinstance(v, str) and len(v) > 200:
             v = v[:200] + "..."
         if isinstance(v, (str, int, float, bool)):
             meta[name] = v
+    arch0 = meta.get("general.architecture")
+    for key, problem in gguf_hparam_issues(reader, arch0 if isinstance(arch0, str) else None):
+        issues.append(Issue(ErrorCode.GGUF_METADATA_INVALID, f"{key}: {problem}", file=p))
 
     rows = []
     types: dict[str, dict] = {}
@@ -712,6 +551,7 @@ def inspect_gguf(path: str | os.PathLike, *, layers: bool = True) -> dict:
         "bits_histogram": {"decoder": [], "head": []},
         "gguf": {"version": scan["version"], "byte_order": scan["byte_order"], "kv_count": scan["n_kv"],
                  "tensor_count": scan["n_tensors"], "alignment": int(getattr(reader, "alignment", 32) or 32),
+                 "data_start": scan["data_start"],
                  "metadata": meta, "arrays": arrays,
                  "types": sorted(types.values(), key=lambda e: -e["bytes"])},
         "issues": [i.as_dict() for i in issues],

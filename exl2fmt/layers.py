@@ -93,6 +93,18 @@ class _Base:
             if issue.severity is Severity.ERROR:
                 raise issue.to_error()
 
+    def dequantize_finite(self) -> np.ndarray:
+        """``dequantize()`` under the rule every decoding command shares (validate --deep, dequantize,
+        convert): the layer passes the deep checks (``dequantize`` runs them) and the decoded weight is finite -
+        a finite layer can still overflow float16 in ExLlamaV2's arithmetic, which ``dequantize`` reproduces
+        bit for bit; here that is NONFINITE_VALUES naming the layer.  float16 [out_features, in_features]."""
+        w = self.dequantize()
+        bad = int(np.count_nonzero(~np.isfinite(w)))
+        if bad:
+            raise Exl2Error(ErrorCode.NONFINITE_VALUES, f"the dequantized weight holds {bad} NaN/Inf of {w.size}",
+                            tensor=self.key, file=self.file)
+        return w
+
     def stored_bytes(self) -> int:
         return sum(int(np.asarray(self.tensors[n]).nbytes) if not hasattr(self.tensors[n], "nbytes")
                    else int(self.tensors[n].nbytes) for n in self.tensors)
@@ -236,7 +248,7 @@ class Exl2Linear(_Base):
         """``nn.Linear`` weight float16 [out_features, in_features], bit-exact with ExLlamaV2."""
         from .codec.exl2 import dequantize
 
-        self.raise_if_invalid(deep=False)
+        self.raise_if_invalid(deep=True)  # the rules validate --deep and convert apply, before decoding
         t = self.tensors
         try:
             return dequantize(np.asarray(t["q_weight"]), np.asarray(t["q_scale"]), np.asarray(t["q_scale_max"]),
@@ -250,7 +262,7 @@ class Exl2Linear(_Base):
         ``nn.Linear`` weight (exact fp16 values, padding excluded) without materializing it."""
         from .codec.exl2_stats import layer_stats
 
-        self.raise_if_invalid(deep=False)
+        self.raise_if_invalid(deep=True)
         t = self.tensors
         return layer_stats(np.asarray(t["q_weight"]), np.asarray(t["q_scale"]), np.asarray(t["q_scale_max"]),
                            self.groups, out_features=self.out_features)
@@ -407,7 +419,7 @@ class GptqLinear(_Base):
     def dequantize(self) -> np.ndarray:
         from .codec.gptq import dequantize
 
-        self.raise_if_invalid(deep=False)
+        self.raise_if_invalid(deep=True)  # the rules validate --deep and convert apply, before decoding
         t = self.tensors
         try:
             return dequantize(np.asarray(t["qweight"]), np.asarray(t["qzeros"]), self.scales_f16(),
@@ -474,11 +486,12 @@ class DenseLinear(_Base):
 
     def dequantize(self) -> np.ndarray:
         """The weight as float16 [N, K] (BF16/F32 are rounded to fp16)."""
-        self.raise_if_invalid(deep=False)
+        self.raise_if_invalid(deep=True)  # the rules validate --deep and convert apply
         w = self.tensors["weight"]
         if self.dtypes["weight"] == "F16":
             return np.array(w, dtype=np.float16)
-        return _as_float32(w, self.dtypes["weight"]).astype(np.float16)
+        with np.errstate(over="ignore"):
+            return _as_float32(w, self.dtypes["weight"]).astype(np.float16)
 
     def bias(self) -> np.ndarray | None:
         if "bias" not in self.tensors:

@@ -93,11 +93,13 @@ def dequantize_layer(path: str | os.PathLike, key: str) -> np.ndarray:
     ``path``: a ``.safetensors`` file or a model directory (sharded or not).  ``key``: the layer prefix, e.g.
     ``model.layers.0.mlp.down_proj``.  Returns float16 [out_features, in_features] (``nn.Linear`` orientation),
     bit-exact with ExLlamaV2 for EXL2 layers; EXL2 padding columns are dropped using ``config.json`` when it
-    names the layer's true width.  Raises ``Exl2Error`` on any problem.
+    names the layer's true width.  Raises ``Exl2Error`` on any problem: the layer must pass the checks of
+    ``validate --deep`` and decode to finite values (``Linear.dequantize_finite``), the rule every command that
+    decodes applies.
     """
     model = open_model(path)
     try:
-        return load_layer(model, key).dequantize()
+        return load_layer(model, key).dequantize_finite()
     finally:
         close = getattr(model, "close", None)
         if close:

@@ -137,16 +137,13 @@ def decoder_bpw() -> float:
 
 def sample_config() -> dict:
     from . import __version__
+    from .arch import exl2_quantization_config
 
     cfg = dict(SAMPLE_CONFIG)
-    cfg["quantization_config"] = {
-        "quant_method": "exl2",
-        "version": f"exl2fmt {__version__}",
-        # the sample's plans are fixed, so record what they measure rather than a rounder target
-        "bits": round(decoder_bpw(), 2),
-        "head_bits": 6,
-        "calibration": {"rows": 0, "length": 0, "dataset": "(none: round-to-nearest sample)"},
-    }
+    # the sample's plans are fixed, so record what they measure rather than a rounder target
+    cfg["quantization_config"] = exl2_quantization_config(
+        round(decoder_bpw(), 2), 6, {"rows": 0, "length": 0, "dataset": "(none: round-to-nearest sample)"},
+        __version__)
     return cfg
 
 

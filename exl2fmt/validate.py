@@ -372,8 +372,26 @@ _CONFIG_FIELDS = {
     "gate_proj": ("hidden_size", "intermediate_size"),
     "up_proj": ("hidden_size", "intermediate_size"),
     "down_proj": ("intermediate_size", "hidden_size"),
+    "qkv_proj": ("hidden_size", "(num_attention_heads + 2 x num_key_value_heads) x head_dim"),
+    "gate_up_proj": ("hidden_size", "2 x intermediate_size"),
+    "w1": ("hidden_size", "intermediate_size"),
+    "w3": ("hidden_size", "intermediate_size"),
+    "w2": ("intermediate_size", "hidden_size"),
+    "c_fc": ("hidden_size", "intermediate_size"),
+    "c_proj": ("intermediate_size", "hidden_size"),
     "lm_head": ("hidden_size", "vocab_size"),
 }
+
+
+def _config_fields(key: str) -> tuple[str, str]:
+    """The config.json fields that ``expected_features`` used for ``key`` (named in messages)."""
+    f_in, f_out = _CONFIG_FIELDS.get(key.rsplit(".", 1)[-1], ("in_features", "out_features"))
+    for part, field in ((".experts.", "moe_intermediate_size"), (".shared_expert.", "shared_expert_intermediate_size"),
+                        (".shared_experts.", "moe_intermediate_size x n_shared_experts")):
+        if part in key:
+            f_in, f_out = (x.replace("intermediate_size", field) if "intermediate_size" in x and
+                           "moe_" not in x else x for x in (f_in, f_out))
+    return f_in, f_out
 _EMBED = ("embed_tokens", "wte", "word_embeddings", "tok_embeddings")
 
 
@@ -410,8 +428,7 @@ def _config_issues(config: dict, det, tensors, config_file: str) -> tuple[list[I
                                         f"hidden_size is {hidden}", tensor=name, file=config_file))
     for key, info in det.layers.items():
         k_exp, n_exp = expected_features(config, key)
-        leaf = key.rsplit(".", 1)[-1]
-        f_in, f_out = _CONFIG_FIELDS.get(leaf, ("in_features", "out_features"))
+        f_in, f_out = _config_fields(key)
         if k_exp is not None and info.in_features is not None:
             n += 1
             if info.in_features != k_exp:
@@ -621,7 +638,10 @@ def _validate_open(rep: Report, model, path: Path, deep: bool, reference, progre
            "complete data, no trailing bytes)", count=len(model.files))
 
     # --- index ------------------------------------------------------------------------------------------
-    idx_issues = model.index_issues()
+    idx_issues = [i for i in model.index_issues() if i.code is not ErrorCode.SHARD_OUTSIDE_MODEL]
+    for i in model.index_issues():
+        if i.code is ErrorCode.SHARD_OUTSIDE_MODEL:  # where the bytes come from: a container matter
+            rep.add_issue(CheckId.CONTAINER, i)
     for i in idx_issues:
         rep.add_issue(CheckId.INDEX, i)
     if model.index_path is not None:
@@ -652,11 +672,20 @@ def _validate_open(rep: Report, model, path: Path, deep: bool, reference, progre
     try:
         config = model.config
     except Exl2Error as e:
+        if e.code.category is Category.UNREADABLE:  # a FIFO, device or directory: exit 3 like any input
+            raise
         rep.add(CheckId.CONFIG, Status.FAIL, e.code, e.message, tensor=e.tensor, file=e.file)
     else:
         if config is None and path.is_dir():
             rep.add(CheckId.CONFIG, Status.WARN, ErrorCode.CONFIG_MISSING,
                     "no config.json: architecture and sizes cannot be cross-checked", file=config_file)
+    from .config_values import config_value_issues
+    from .detect import quantization_config
+
+    _qc, _qc_src = quantization_config(config, model.root)
+    for i in config_value_issues(config, _qc, config_file if _qc_src in (None, "config.json") else
+                                 str(Path(model.root) / _qc_src)):
+        rep.add_issue(CheckId.CONFIG, i)
 
     # --- format -----------------------------------------------------------------------------------------
     det = detect_model(tensors, config, root=model.root, file=first_file)

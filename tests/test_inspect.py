@@ -283,8 +283,11 @@ def test_config_and_tensors_disagree(tmp_path, sample_dir):
     rep = inspect_model(d)
     assert rep["format"]["name"] == "exl2"  # tensors decide
     codes = [i["code"] for i in rep["issues"]]
-    assert codes == ["FORMAT_MISMATCH"]
-    assert "gptq" in rep["issues"][0]["message"] and rep["issues"][0]["file"].endswith("config.json")
+    # the shard is a symlink out of the model directory: a warning naming the target (issue 11)
+    assert codes == ["SHARD_OUTSIDE_MODEL", "FORMAT_MISMATCH"]
+    assert rep["issues"][0]["severity"] == "warning"
+    assert str((sample_dir / "output.safetensors").resolve()) in rep["issues"][0]["message"]
+    assert "gptq" in rep["issues"][1]["message"] and rep["issues"][1]["file"].endswith("config.json")
 
 
 def test_ambiguous_and_mixed_layers(tmp_path):

@@ -39,3 +39,14 @@ def test_quality_ordering_on_trained_weights(tmp_path):
             assert target - 0.02 <= r["bpw"] <= target, (name, r["bpw"])
     top1 = {k: v["top1_agree"] for k, v in res.items()}
     assert top1["EXL2 6.0"] > top1["EXL2 3.0"] and top1["EXL2 4.15"] > top1["RTN 4b g128"], top1
+
+
+def test_gptq_default_order_keeps_g_idx_monotone_at_act_order_quality(tmp_path):
+    """The GPTQ default (--order static) stores g_idx = k // group_size, which vLLM's Marlin kernels run without
+    reordering, and is within 5% of full act-order (non-monotone g_idx) in KL on the trained fixture."""
+    res = _quality().gptq_orders(tmp_path, orders=("act", None), rows_cal=8, length_cal=256, rows_eval=12,
+                                 length_eval=256, log=lambda *a: None)
+    act, default = res["GPTQ 4b g128 act"], res["GPTQ 4b g128 default"]
+    assert default["monotone"] and not act["monotone"]
+    assert default["kl_mean"] <= 1.05 * act["kl_mean"], (default["kl_mean"], act["kl_mean"])
+    assert default["bpw"] == act["bpw"]

@@ -220,7 +220,7 @@ def test_measurement_json_round_trip_and_upstream_keys(tmp_path):
     opts = QP.block_options("attn")
     rows = [(o, 1000 + j, 0.9 + j / 1000) for j, o in enumerate(opts)]
     p = tmp_path / "measurement.json"
-    QP.write_measurement(p, {"model.layers.0.self_attn": rows}, 2)
+    QP.write_measurement(p, {"model.layers.0.self_attn": rows[::-1]}, 2)    # written in ascending cost
     doc = json.loads(p.read_text())
     d0 = doc["measurement"]["model.layers.0.self_attn"][0]
     assert d0["q_proj"] == {"group_size": {"3": 64, "2": 64}, "bits": [3, 2], "bits_prop": [0.05, 0.95], "scale_bits": 4}
@@ -311,12 +311,11 @@ def test_exl2_pipeline_hits_the_budget_validates_and_is_reproducible(tiny_llama,
     manifest = json.loads((tmp_path / "a" / "exl2fmt-manifest.json").read_text())
     assert len(manifest["layers"]) == 2 * 7 + 1
     # the FP16 calibration perplexity against the whole-model forward (oracle), the quantized one near it
-    from exl2fmt.quant import forward as F
-
-    spec, srcw = F.load_spec(src)
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     cal = torch.as_tensor(np.load(ids))
-    lp = torch.log_softmax(F.forward(spec, srcw, cal)[:, :-1].double(), dim=-1).gather(-1, cal[:, 1:, None])
-    srcw.close()
+    with torch.no_grad():
+        lp = torch.log_softmax(ref(cal).logits[:, :-1].double(), dim=-1).gather(-1, cal[:, 1:, None])
     ppl = manifest["calibration_perplexity"]
     assert ppl["fp16"] == pytest.approx(math.exp(-float(lp.mean())), rel=1e-5) == r.calibration_ppl_fp16
     assert ppl["quantized"] == r.calibration_ppl and 0.9 < ppl["quantized"] / ppl["fp16"] < 1.5
@@ -385,9 +384,10 @@ def test_gptq_pipeline_writes_a_valid_gptq_model(tiny_llama, tmp_path, monkeypat
     rep = validate_model(tmp_path / "g", deep=True)
     assert not rep.failed, rep.as_dict()
     qc = json.loads((tmp_path / "g" / "quantize_config.json").read_text())
-    assert qc["bits"] == 4 and qc["group_size"] == 64 and qc["desc_act"] is True
+    assert qc["bits"] == 4 and qc["group_size"] == 64 and qc["desc_act"] is False   # default: monotone g_idx
     m = open_model(tmp_path / "g")
     try:
+        assert np.array_equal(m.get("model.layers.1.mlp.down_proj.g_idx"), np.arange(256) // 64)
         lay = load_layer(m, "model.layers.1.mlp.down_proj")
         assert type(lay).__name__ == "GptqLinear"
         w = lay.dequantize().astype(np.float32)
@@ -446,7 +446,7 @@ def test_peer_autogptq_decodes_the_quantizers_gptq_output(tiny_llama, tmp_path, 
 
     QuantLinear = _autogptq_quantlinear()
     src, ids = tiny_llama
-    r = quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=32, sym=sym))
+    r = quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=32, sym=sym, order="act"))
     m = open_model(tmp_path / "g")
     try:
         for l in r.layers:
@@ -487,23 +487,28 @@ def test_cpu_kernel_and_torch_row_loop_give_the_same_bits():
 
 
 def test_calibration_perplexity_in_chunks_equals_the_whole_logit_computation(tiny_llama):
-    """Oracle: the full forward's logits for every row at once, log-softmax, gather."""
-    from exl2fmt.quant import forward as F
+    """Oracle: transformers' own model over the whole rows at once (fp32), log-softmax, gather."""
+    transformers = pytest.importorskip("transformers")
+    from exl2fmt.quant.forward import WeightSource
+    from exl2fmt.quant.hf_engine import HFModel
     from exl2fmt.quant.pipeline import _calibration_ppl
 
     src_dir, ids_path = tiny_llama
-    spec, src = F.load_spec(src_dir)
     ids = torch.as_tensor(np.load(ids_path))
-    logits = F.forward(spec, src, ids)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = ref(ids).logits
     lp = torch.log_softmax(logits[:, :-1].double(), dim=-1).gather(-1, ids[:, 1:, None])
     want = math.exp(-float(lp.mean()))
-    h = F.embed(spec, src, ids)
-    cs = F.rope(spec, ids.shape[1], "cpu")
-    for i in range(spec.num_layers):
-        h = F.mlp_block(spec, i, F.attention_block(spec, i, h, src, {}, rope=cs), src, {})
-    head = F.dense_linear(src.get("lm_head.weight"))
-    for limit in (4 * spec.vocab_size * 5, 64 << 20):           # 5-token chunks (uneven split of 47) and one chunk
-        assert _calibration_ppl(spec, src, h, ids, head, max_logit_bytes=limit) == pytest.approx(want, rel=1e-5)
+    src = WeightSource(src_dir)
+    eng = HFModel(json.loads((src_dir / "config.json").read_text()), src)
+    h = eng.embed(ids)
+    for i in range(eng.num_layers):
+        h = eng.runner(i).forward(h)
+    eng.release()
+    head = eng.dense_head("cpu")
+    for limit in (4 * eng.vocab_size * 5, 64 << 20):           # 5-token chunks (uneven split of 47) and one chunk
+        assert _calibration_ppl(eng, src, h, ids, head, max_logit_bytes=limit) == pytest.approx(want, rel=1e-5)
     src.close()
 
 
@@ -583,11 +588,13 @@ def test_too_little_disk_space_is_refused_before_any_work(tiny_llama, tmp_path, 
     written.  Oracle for the estimate: it covers what a real run writes (output + work files + candidates)."""
     import shutil as sh
 
-    from exl2fmt.quant import forward as F
+    from exl2fmt.quant.forward import WeightSource
     from exl2fmt.quant import pipeline as P
+    from exl2fmt.quant.hf_engine import HFModel
 
     src, ids = tiny_llama
-    spec, srcw = F.load_spec(src)
+    srcw = WeightSource(src)
+    spec = HFModel(json.loads((src / "config.json").read_text()), srcw)
     o = _opts(ids).resolved()
     out_need, work_need = P._disk_needed(spec, srcw, o, measuring=True)
     need = out_need + work_need

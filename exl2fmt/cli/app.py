@@ -84,8 +84,20 @@ def _run(out, body) -> None:
 
 # ------------------------------------------------------------------------------------------------ inspect
 
-PathArg = Annotated[str, typer.Argument(help="A .safetensors file, a model directory (sharded or not) or a .gguf "
-                                        "file.", show_default=False)]
+RevisionOpt = Annotated[Optional[str], typer.Option("--revision", metavar="BRANCH|TAG|COMMIT", help="For hf:// "
+                        "paths: the revision (same as hf://ORG/REPO@REV; EXL2 repos use one branch per bitrate; a "
+                        "missing one lists the branches).", show_default=False)]
+
+
+def _not_hub(path: str) -> str:
+    from ..errors import ErrorCode, Exl2Error
+
+    raise Exl2Error(ErrorCode.USAGE, f"--revision applies to hf://ORG/REPO paths only, not {path!r}")
+
+
+PathArg = Annotated[str, typer.Argument(help="A .safetensors file, a model directory (sharded or not), a .gguf "
+                                        "file, or a Hub model hf://ORG/REPO[@REVISION][/PATH] (read by range: "
+                                        "pip install 'exl2fmt[hub]').", show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout "
                                        "(schema: spec/inspect.schema.json).")]
 
@@ -96,6 +108,7 @@ def inspect(
     json_: JsonOpt = False,
     markdown: Annotated[bool, typer.Option("--markdown", help="GitHub markdown for a model card.")] = False,
     layers: Annotated[bool, typer.Option("--layers/--no-layers", help="Show the per-layer table.")] = True,
+    revision: RevisionOpt = None,
 ) -> None:
     """Show what a model really is, from its headers alone (never reads tensor data).
 
@@ -109,13 +122,19 @@ def inspect(
     * `exl2fmt inspect model.safetensors --no-layers`
     * `exl2fmt inspect ./model --json > report.json`
     * `exl2fmt inspect ./model --markdown >> README.md`
+    * `exl2fmt inspect hf://turboderp/Llama-3-8B-exl2@4.0bpw` (Hub: headers by range, nothing downloaded)
     """
     out = _output(json_, markdown)
 
     def body():
-        from ..inspect import inspect_model
+        if path.startswith("hf://") or revision is not None:
+            from ..hub import inspect_hub
 
-        rep = inspect_model(path, layers=layers)
+            rep = inspect_hub(path if path.startswith("hf://") else _not_hub(path), revision=revision, layers=layers)
+        else:
+            from ..inspect import inspect_model
+
+            rep = inspect_model(path, layers=layers)
         out.inspect_report(rep, show_layers=layers)
         return EXIT_OK
 
@@ -127,11 +146,13 @@ def inspect(
 
 @app.command()
 def validate(
-    path: Annotated[str, typer.Argument(help="A .safetensors file or a model directory.", show_default=False)],
+    path: Annotated[str, typer.Argument(help="A .safetensors file, a model directory, or hf://ORG/REPO[@REVISION] "
+                                        "(structural checks by range requests).", show_default=False)],
     deep: Annotated[bool, typer.Option("--deep", help="Also read the data: permutations, scales, NaN/Inf, "
                                        "dequantize every layer, per-layer weight statistics.")] = False,
-    reference: Annotated[Optional[str], typer.Option("--reference", metavar="DIR", help="Compare every "
-                         "dequantized layer with this FP16/BF16 model (implies --deep).", show_default=False)] = None,
+    reference: Annotated[Optional[str], typer.Option("--reference", metavar="DIR|hf://ORG/REPO", help="Compare "
+                         "every dequantized layer with this FP16/BF16 model (implies --deep); an hf:// source is "
+                         "compared by shapes and config from its headers alone.", show_default=False)] = None,
     fix_index: Annotated[bool, typer.Option("--fix-index", help="First write a correct "
                          "model.safetensors.index.json (atomically; tensor files are never touched).")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Treat warnings as failures.")] = False,
@@ -152,6 +173,11 @@ def validate(
                         "--kernel, repeatable (default: 1 and 16; on CUDA also 128).", show_default=False)] = None,
     json_: JsonOpt = False,
     markdown: Annotated[bool, typer.Option("--markdown", help="A markdown table of the checks.")] = False,
+    fmt: Annotated[Optional[str], typer.Option("--format", metavar="human|json|markdown|junit|github",
+                   help="Output format: junit = JUnit XML (one test case per rule per file, for GitLab / Jenkins / "
+                   "GitHub test reporters), github = GitHub Actions annotations; --json / --markdown are "
+                   "short for --format json / markdown.", show_default=False)] = None,
+    revision: RevisionOpt = None,
 ) -> None:
     """Check a model against every rule exl2fmt knows: one line per check, PASS / WARN / FAIL with a stable code.
 
@@ -175,8 +201,24 @@ def validate(
     * `exl2fmt validate ./model/ --kernel` (GPU; `--device cpu` for a small model)
     * `exl2fmt validate ./model/ --run --prompt-ids 1,15043,3186 --json | jq .run.kernel`
     * `exl2fmt validate ./model/ --json | jq '.checks[] | select(.status != "PASS")'`
+    * `exl2fmt validate ./model/ --format junit > exl2fmt-junit.xml` (CI test report)
+    * `exl2fmt validate ./model/ --format github` (annotations in a GitHub Actions job)
+    * `exl2fmt validate hf://ORG/REPO@4.0bpw` (structural checks on the Hub, headers by range)
+    * `exl2fmt validate ./model-exl2/ --reference hf://ORG/REPO-fp16` (shapes and config from headers alone)
     """
-    out = _output(json_, markdown)
+    from .ci_formats import CiErrorOutput, FORMATS
+
+    if fmt is not None and fmt not in FORMATS:
+        _output().error("USAGE", f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}", category="usage",
+                        exit_code=EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE)
+    if fmt is not None and (json_ or markdown) and fmt != ("json" if json_ else "markdown"):
+        _output().error("USAGE", "--format contradicts --json / --markdown", category="usage", exit_code=EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE)
+    ci = fmt if fmt in ("junit", "github") else None
+    out = CiErrorOutput(ci) if ci else _output(json_ or fmt == "json", markdown or fmt == "markdown")
+    hub_path = path.startswith("hf://")
+    hub_ref = reference is not None and reference.startswith("hf://")
 
     def body():
         from ..validate import fix_index as write_index
@@ -190,6 +232,17 @@ def validate(
             raise Exl2Error(ErrorCode.USAGE, "--prompt-ids only applies with --run")
         if kernel_m and not kernel:
             raise Exl2Error(ErrorCode.USAGE, "--kernel-m only applies with --kernel")
+        if revision is not None and not hub_path and not hub_ref:
+            raise Exl2Error(ErrorCode.USAGE, "--revision applies to hf://ORG/REPO paths only")
+        if hub_path and (deep or reference or fix_index or kernel or run):
+            raise Exl2Error(ErrorCode.USAGE, "an hf:// model gets the structural checks only (headers by range); "
+                            "--deep, --reference, --fix-index, --kernel and --run need a local copy")
+        if hub_path:
+            from ..hub import validate_hub
+
+            doc, code = validate_hub(path, revision=revision, strict=strict)
+            _validate_out(out, ci, doc)
+            return code
         if kernel or run:  # before anything else: torch/triton load first (interpreter mode) and fail fast
             ks = _load_kernels(out, device, kernel_m, "--kernel" if kernel else "--run")
         elif device is not None:
@@ -201,15 +254,27 @@ def validate(
                 out.info(f"wrote {written['path']}: {written['tensors']} tensors in {written['shards']} shard(s), "
                          f"total_size {written['total_size']}")
         what = ("validate --kernel" if kernel else "validate --run" if run else "validate --deep"
-                if reference is None else "validate --reference")
-        with out.progress(what) as cb, _jit_notice(out, deep or reference is not None or kernel or run):
-            rep = validate_model(path, deep=deep, reference=reference, strict=strict, progress=cb, kernel=kernel,
-                                 device=None if ks is None else ks.device,
+                if reference is None or hub_ref else "validate --reference")
+        with out.progress(what) as cb, _jit_notice(out, deep or (reference is not None and not hub_ref)
+                                                   or kernel or run):
+            rep = validate_model(path, deep=deep, reference=None if hub_ref else reference, strict=strict,
+                                 progress=cb, kernel=kernel, device=None if ks is None else ks.device,
                                  kernel_ms=tuple(kernel_m) if kernel_m else None, run=run, prompt_ids=ids)
+        hub_info = None
+        if hub_ref:  # shapes and config against the Hub source, from its headers alone
+            from ..hub import reference_shape_checks
+
+            hub_info = reference_shape_checks(rep, path, reference, revision=revision)
+            rep.reference = reference
+            rep.apply_strict()
         rep.index_written = written
         if kernel:
             _kernel_table(out, rep.as_dict())
-        out.validate_report(rep.as_dict())
+        doc = rep.as_dict()
+        if hub_info is not None:
+            doc["hub"] = hub_info
+            doc["exit_code"] = rep.exit_code
+        _validate_out(out, ci, doc)
         return rep.exit_code
 
     _run(out, body)
@@ -225,6 +290,20 @@ def _jit_notice(out, uses_codecs: bool):
     from ..jitnote import compile_notice
 
     return compile_notice(out.info)
+
+
+def _validate_out(out, ci, doc: dict) -> None:
+    """The validate report in the chosen format (junit / github through ci_formats, else the output sink)."""
+    hub = doc.get("hub")
+    if hub and out.mode == "human":
+        out.info(f"hub: read {hub['bytes_fetched']:,} of {hub['model_bytes']:,} bytes ({hub['requests']} requests) "
+                 f"from {hub['repo']}@{hub['revision']} (commit {str(hub['commit'])[:12]})")
+    if ci:
+        from .ci_formats import emit
+
+        emit(ci, doc)
+    else:
+        out.validate_report(doc)
 
 
 def _load_kernels(out, device, kernel_m, what="--kernel"):
@@ -410,7 +489,8 @@ def _save_npy(path: str, w) -> None:
             os.unlink(tmp)
         except OSError:
             pass
-        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot write: {e.strerror or e}", file=path) from None
+        hint = "" if e.errno is not None else " (is the disk full?)"  # numpy's short-write error has no errno
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot write: {e.strerror or e}{hint}", file=path) from None
 
 
 # ------------------------------------------------------------------------------------------------ demo
@@ -500,7 +580,18 @@ _no_bool_metavar()
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (``exl2fmt``)."""
-    app(args=argv, prog_name="exl2fmt")
+    import signal
+    import sys
+
+    from .errors import EXIT_INTERRUPTED, Interrupted, interrupt_handler
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # leave an ignored SIGINT ignored
+        signal.signal(signal.SIGINT, interrupt_handler)
+    try:
+        app(args=argv, prog_name="exl2fmt")
+    except Interrupted:  # before or after a command body (start-up, option parsing)
+        sys.stderr.write("error: [INTERRUPTED] interrupted\n")
+        sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":  # python -m exl2fmt.cli.app

@@ -23,8 +23,9 @@ import traceback
 
 from ..errors import Category, Exl2Error
 
-__all__ = ["EXIT_OK", "EXIT_INVALID", "EXIT_USAGE", "EXIT_UNREADABLE", "EXIT_INTERNAL", "EXIT_INTERRUPTED",
-           "EXIT_BROKEN_PIPE", "EXIT_FOR_CATEGORY", "exit_code_for", "debug_enabled", "set_debug", "handle_exception"]
+__all__ = ["Interrupted", "interrupt_handler", "EXIT_OK", "EXIT_INVALID", "EXIT_USAGE", "EXIT_UNREADABLE",
+           "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE", "EXIT_FOR_CATEGORY", "exit_code_for",
+           "debug_enabled", "set_debug", "handle_exception"]
 
 EXIT_OK = 0
 EXIT_INVALID = 1
@@ -41,6 +42,15 @@ EXIT_FOR_CATEGORY = {
 }
 
 
+class Interrupted(BaseException):
+    """SIGINT in the CLI process (``main`` installs the handler).  Not a KeyboardInterrupt, which click would
+    turn into "Aborted!" and exit 1 outside a command body; every layer maps it to exit 130."""
+
+
+def interrupt_handler(signum, frame) -> None:  # noqa: ARG001 - signal handler protocol
+    raise Interrupted()
+
+
 def exit_code_for(exc: BaseException) -> int:
     if isinstance(exc, Exl2Error):
         return EXIT_FOR_CATEGORY[exc.code.category]
@@ -48,7 +58,7 @@ def exit_code_for(exc: BaseException) -> int:
         return EXIT_BROKEN_PIPE
     if isinstance(exc, OSError):
         return EXIT_UNREADABLE
-    if isinstance(exc, KeyboardInterrupt):
+    if isinstance(exc, (KeyboardInterrupt, Interrupted)):
         return EXIT_INTERRUPTED
     return EXIT_INTERNAL
 
@@ -88,8 +98,8 @@ def handle_exception(exc: BaseException, out, *, debug: bool = False) -> int:
     elif isinstance(exc, OSError):
         out.error("IO_ERROR", exc.strerror or str(exc), file=getattr(exc, "filename", None),
                   category=Category.UNREADABLE.value, exit_code=code)
-    elif isinstance(exc, KeyboardInterrupt):
-        out.error("INTERRUPTED", "interrupted", exit_code=code)
+    elif isinstance(exc, (KeyboardInterrupt, Interrupted)):
+        out.error("INTERRUPTED", "interrupted; nothing was published", exit_code=code)
     elif _extra_error(exc) is not None:   # an optional package missing on a path no pre-check foresaw
         e = _extra_error(exc)
         out.error(e.code.value, e.message, category=e.code.category.value, exit_code=EXIT_UNREADABLE)

@@ -4,7 +4,8 @@ The algorithm is the one of spec/exl2.md ("Conversion"), written for torch on CP
 
 1. ``HessianAccumulator`` sums ``H = X^T X`` (float32) over the calibration inputs ``X`` of the layer.
 2. ``prepare`` orders the input features by descending ``diag(H)`` (act-order; a stable sort, so ties keep
-   their index order and runs are reproducible), dampens ``H`` by ``percdamp * mean(diag(H))`` and returns the
+   their index order and runs are reproducible) or group-aware (``group_aware_order``: whole GPTQ groups of
+   consecutive features, most important first, by descending ``diag(H)`` within each), dampens ``H`` by ``percdamp * mean(diag(H))`` and returns the
    upper Cholesky factor ``U`` of ``H^-1`` in that order (retrying with more damping if the factorization
    fails).
 3. ``quantize_exl2`` / ``quantize_gptq`` sweep the stored rows group by group.  At the start of a group the
@@ -28,7 +29,7 @@ import torch
 from ..errors import ErrorCode, Exl2Error
 from ..layout import BIT_WIDTHS, pad32
 
-__all__ = ["HessianAccumulator", "Prepared", "prepare", "Exl2Result", "GptqResult", "quantize_exl2",
+__all__ = ["HessianAccumulator", "Prepared", "prepare", "group_aware_order", "Exl2Result", "GptqResult", "quantize_exl2",
            "quantize_gptq", "proxy_error", "EXL2_PERCDAMP", "GPTQ_PERCDAMP"]
 
 #: Relative damping of ExLlamaV2 (``percdamp = 0.12``) and of the GPTQ reference implementations (0.01).
@@ -72,22 +73,62 @@ class HessianAccumulator:
 class Prepared:
     """``perm`` int64 [K]: stored row k holds input feature perm[k].  ``U`` float32 [K, K]: upper Cholesky
     factor of the damped ``H^-1`` in stored order.  ``H`` float32 [K, K]: the undamped Hessian in original
-    order (kept for error estimates)."""
+    order (kept for error estimates).  ``within_groups``: set when ``perm`` is a group-aware order
+    (``group_aware_order``) of groups of that many consecutive features."""
 
     perm: torch.Tensor
     U: torch.Tensor
     H: torch.Tensor
     damp: float
+    within_groups: int | None = None
+    fixed_groups: int | None = None
 
 
-def prepare(H: torch.Tensor, *, percdamp: float = EXL2_PERCDAMP, act_order: bool = True) -> Prepared:
-    """Act-order permutation and the inverse-Hessian factor for ``H`` float32 [K, K] (symmetric, PSD)."""
+def group_aware_order(diag: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Group-aware act-order: the processing order of GPTQ that keeps every group of ``group_size`` consecutive
+    input features together (so ``g_idx`` stays ``k // group_size``, monotone) while processing the important
+    features first, as act-order does.
+
+    ``diag`` float [K] (the Hessian diagonal, the features' importance).  The groups (the last one may be
+    shorter) are ranked by their largest ``diag`` value, decreasing; within a group the features go by
+    decreasing ``diag``.  Both sorts are stable (ties keep their index order).  Returns ``perm`` int64 [K]:
+    stored (processing) row k holds feature perm[k].  (GPTQModel's default, "group aware reordering" after
+    Gafni et al., CVPRW 2025, ranks groups the same way.)"""
+    K = int(diag.shape[0])
+    gs = int(group_size)
+    if gs <= 0:
+        raise ValueError(f"group-aware order needs a positive group size, got {group_size}")
+    d = diag.detach().to(torch.float64).cpu()
+    starts = list(range(0, K, gs))
+    tops = torch.stack([d[a:a + gs].max() for a in starts])
+    parts = []
+    for g in torch.argsort(tops, descending=True, stable=True).tolist():
+        a = starts[g]
+        parts.append(a + torch.argsort(d[a:a + gs], descending=True, stable=True))
+    return torch.cat(parts).to(device=diag.device, dtype=torch.int64)
+
+
+def prepare(H: torch.Tensor, *, percdamp: float = EXL2_PERCDAMP, act_order: bool = True,
+            within_groups: int | None = None, fixed_groups: int | None = None) -> Prepared:
+    """Act-order permutation and the inverse-Hessian factor for ``H`` float32 [K, K] (symmetric, PSD).
+
+    ``act_order`` orders the input features by decreasing ``diag(H)``; with ``within_groups`` (a group size)
+    they are ordered group-aware instead (``group_aware_order``: whole groups of that many consecutive
+    features, most important group first); with ``fixed_groups`` (a group size) the order is the full
+    act-order and only ``quantize_gptq`` treats groups differently (consecutive features, not processing runs)."""
     K = H.shape[0]
     H = H.to(torch.float32)
-    if act_order:
+    if within_groups and fixed_groups:
+        raise ValueError("within_groups and fixed_groups exclude each other")
+    if not act_order:
+        fixed_groups = None
+    if act_order and within_groups:
+        perm = group_aware_order(torch.diag(H), within_groups)
+    elif act_order:
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
     else:
         perm = torch.arange(K, device=H.device)
+        within_groups = None
     # Written for memory: at most four K x K float32 matrices live at once (H, and two of Hp / L / L^-1 /
     # H^-1 / U); at K = 28672 (a 70B MLP's down_proj) each is 3.3 GB.
     diag_mean = float(torch.diag(H).mean())
@@ -111,7 +152,8 @@ def prepare(H: torch.Tensor, *, percdamp: float = EXL2_PERCDAMP, act_order: bool
         U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
         del Hinv
         if int(info) == 0 and bool(torch.isfinite(U).all()):
-            return Prepared(perm=perm, U=U, H=H, damp=damp)
+            return Prepared(perm=perm, U=U, H=H, damp=damp, within_groups=within_groups or None,
+                            fixed_groups=fixed_groups or None)
     raise Exl2Error(ErrorCode.QUANT_NUMERICS, f"the Hessian (K={K}) is not positive definite even with "
                     f"damping {damp:.3g}: calibration inputs are degenerate or non-finite")
 
@@ -206,6 +248,49 @@ def _sweep(Wt: torch.Tensor, U: torch.Tensor, groups: list[tuple[int, int]], fit
             err[c] = e
             if c + 1 < r:
                 # (a broadcast product: Tensor.addr_ takes a slow generic path on the CPU)
+                blk[c + 1:].sub_(Ublk[c, c + 1:, None] * e[None, :])
+            codes[a + c] = q.to(torch.uint8)
+            blk[c] = w_hat
+        if b < K:
+            Wt[b:].addmm_(U[a:b, b:].T, err, alpha=-1.0)
+    return codes
+
+
+def _sweep_fixed_groups(Wt: torch.Tensor, U: torch.Tensor, row_group: np.ndarray, group_rows: list[np.ndarray],
+                        fit, block: int = 128) -> torch.Tensor:
+    """The GPTQ sweep in place on ``Wt`` float32 [K, N] (stored order) where a group is any set of stored rows:
+    ``row_group`` int [K] is the group of each stored row, ``group_rows[g]`` the stored rows of group g
+    (ascending).  A group's parameters are fitted (``fit(g, X)`` as in ``_sweep``) when its first row comes up,
+    on the current values of all its rows, i.e. with every error pushed so far (the updates still pending in
+    the current block are applied to those rows for the fit).  Rows go in blocks of ``block``: inside a block
+    each row's error moves the block's later rows at once, after it the block's errors move every later row by
+    one matrix product.  Returns the codes uint8 [K, N]; ``Wt`` ends as the fp16 reconstruction."""
+    K, N = Wt.shape
+    codes = torch.empty((K, N), dtype=torch.uint8, device=Wt.device)
+    params: dict[int, tuple] = {}
+    for a in range(0, K, block):
+        b = min(K, a + block)
+        blk = Wt[a:b]
+        Ublk = U[a:b, a:b]
+        err = torch.zeros((b - a, N), dtype=torch.float32, device=Wt.device)
+        for c in range(b - a):
+            g = int(row_group[a + c])
+            if g not in params:
+                rows = torch.from_numpy(np.asarray(group_rows[g], dtype=np.int64)).to(Wt.device)
+                X = Wt.index_select(0, rows)
+                later = rows >= b
+                if c > 0 and bool(later.any()):      # pending updates of this block's rows so far
+                    X[later] -= U[a:a + c].index_select(1, rows[later]).T @ err[:c]
+                s_, z_, maxq = fit(g, X)
+                live = s_ > 0
+                params[g] = (s_, z_, maxq, live, torch.where(live, s_, torch.ones_like(s_)))
+            s_, z_, maxq, live, s_div = params[g]
+            w = blk[c]
+            q = torch.where(live, torch.clamp(torch.round(w / s_div) + z_, 0, maxq), z_)
+            w_hat = ((q - z_) * s_).half().float()
+            e = (w - w_hat) / Ublk[c, c]
+            err[c] = e
+            if c + 1 < b - a:
                 blk[c + 1:].sub_(Ublk[c, c + 1:, None] * e[None, :])
             codes[a + c] = q.to(torch.uint8)
             blk[c] = w_hat
@@ -330,9 +415,12 @@ class GptqResult:
 
 
 def quantize_gptq(weight: torch.Tensor, prep: Prepared, bits: int, group_size: int, *, sym: bool = True) -> GptqResult:
-    """GPTQ-quantize ``weight`` float [N, K] to ``bits`` (2/3/4/8) with groups of ``group_size`` stored rows
-    (-1 = one group).  Groups follow the processing order (act-order when ``prep`` permuted), so
-    ``g_idx[perm[i]] = i // group_size``; each group's scale (and zero point when asymmetric) is the best fp16
+    """GPTQ-quantize ``weight`` float [N, K] to ``bits`` (2/3/4/8) with groups of ``group_size`` rows (-1 = one
+    group).  With a plain act-order ``prep`` the groups are cut in processing order, so
+    ``g_idx[perm[i]] = i // group_size`` (non-monotone); with a group-aware ``prep`` (``within_groups`` equal
+    to the group size) each group is a run of consecutive input features processed together, so
+    ``g_idx[k] = k // group_size`` (monotone) and ``scales[g]`` / ``zeros[g]`` belong to features
+    g*group_size.. as without reordering.  Each group's scale (and zero point when asymmetric) is the best fp16
     fit of the compensated rows (``converters.gptq_quant.fit_group``); asymmetric zero points stay >= 1 so the
     v1 zero field is never negative."""
     from ..converters.gptq_quant import fit_group
@@ -344,25 +432,52 @@ def quantize_gptq(weight: torch.Tensor, prep: Prepared, bits: int, group_size: i
     if gs <= 0 or K % 32 or N % 32:
         raise Exl2Error(ErrorCode.USAGE, f"GPTQ needs K and N multiples of 32 and a positive group size "
                         f"(K={K}, N={N}, group size {group_size})")
+    fixed = prep.fixed_groups is not None
+    if fixed and prep.fixed_groups != gs:
+        raise Exl2Error(ErrorCode.USAGE, f"an act-order with fixed {prep.fixed_groups}-feature groups cannot make "
+                        f"GPTQ groups of {gs} rows")
+    if prep.within_groups is not None and prep.within_groups != gs:
+        raise Exl2Error(ErrorCode.USAGE, f"a group-aware order of {prep.within_groups}-feature groups cannot make "
+                        f"GPTQ groups of {gs} rows")
     Wt = _work_matrix(weight, prep.perm, N)
     G = -(-K // gs)
     scales = np.empty((G, N), dtype=np.float16)
     zeros = np.empty((G, N), dtype=np.int32)
-    groups = [(h * gs, min(gs, K - h * gs)) for h in range(G)]
+    perm = prep.perm.cpu().numpy()
+    if prep.within_groups is None:
+        groups = [(h * gs, min(gs, K - h * gs)) for h in range(G)]
+        gid = list(range(G))                       # stored group h is group h
+    else:
+        groups, gid, a = [], [], 0                 # whole feature groups, in the order they are processed
+        while a < K:
+            g = int(perm[a]) // gs
+            r = min(gs, K - g * gs)
+            groups.append((a, r))
+            gid.append(g)
+            a += r
     maxq = float((1 << bits) - 1)
 
     def fit(g, X):
         _, s, z = fit_group(X.detach().cpu().numpy(), bits, sym)
-        scales[g], zeros[g] = s, z
+        scales[gid[g]], zeros[gid[g]] = s, z
         return (torch.from_numpy(s.astype(np.float32)).to(X.device),
                 torch.from_numpy(z.astype(np.float32)).to(X.device), maxq)
 
-    codes_stored = _sweep(Wt, prep.U, groups, fit)
-    perm = prep.perm.cpu().numpy()
+    if fixed:                                      # groups of consecutive features, rows in full act-order
+        row_group = perm // gs
+        gid = list(range(G))
+        codes_stored = _sweep_fixed_groups(Wt, prep.U, row_group, [np.nonzero(row_group == g)[0] for g in range(G)],
+                                           fit)
+    else:
+        codes_stored = _sweep(Wt, prep.U, groups, fit)
     codes = np.empty((K, N), dtype=np.uint8)
     codes[perm] = codes_stored.cpu().numpy()
     g_idx = np.empty(K, dtype=np.int32)
-    g_idx[perm] = np.arange(K) // gs
+    if fixed:
+        g_idx[:] = np.arange(K) // gs
+    else:
+        for (a, r), g in zip(groups, gid):
+            g_idx[perm[a:a + r]] = g
     w_hat = _unpermute(Wt, prep.perm, N)
     return GptqResult(codes=codes, scales=scales, zeros=zeros, g_idx=g_idx, bits=bits, weight_hat=w_hat,
                       error=proxy_error(weight.to(w_hat.device), w_hat, prep.H))

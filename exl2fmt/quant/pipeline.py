@@ -34,7 +34,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,7 +64,14 @@ class QuantOptions:
     head_bits: int = 6                    # exl2 head setting (2/3/4/5/6/8)
     group_size: int = 128                 # gptq
     sym: bool = True                      # gptq
-    act_order: bool = True
+    act_order: bool | None = None         # True = order "act", False = "natural"; None: from ``order``
+    # input-feature order of the GPTQ sweep: "act" (decreasing Hessian diagonal; GPTQ: desc_act, non-monotone
+    # g_idx); GPTQ only, with g_idx = k // group_size (monotone, desc_act False): "static" (the act-order over
+    # groups of group_size consecutive features, each group fitted at its first row) and "group" (whole groups
+    # ranked by their largest diagonal, act-order inside each: GPTQModel's default); "natural".  None = auto:
+    # "act" for EXL2 (its stored permutation makes act-order free), "static" for GPTQ (monotone g_idx, which
+    # vLLM's Marlin kernels need, at act-order quality: bench/RESULTS.md)
+    order: str | None = None
     calibration: str | None = None        # file, or None for the built-in set
     rows: int | None = None               # default: 100 on CUDA, 32 on CPU
     length: int | None = None             # default: 2048 on CUDA, 512 on CPU
@@ -104,6 +110,8 @@ class QuantOptions:
             o.bits = int(o.bits)
         else:
             raise Exl2Error(ErrorCode.USAGE, f"the quantizer writes exl2 or gptq, not {o.target!r}")
+        o.order = _resolve_order(o)
+        o.act_order = o.order != "natural"
         if o.rows <= 0 or o.length <= 0:
             raise Exl2Error(ErrorCode.USAGE, "--rows and --length must be positive")
         # checked here, before calibration and measurement, rather than when the head or first layer is reached
@@ -122,6 +130,28 @@ class QuantOptions:
         for k in ("resume", "work_dir", "save_measurement", "shard_size"):
             d.pop(k)
         return d
+
+
+_ORDERS = ("act", "group", "static", "natural")
+#: The GPTQ default: the best in KL of the orders that keep g_idx monotone (bench/RESULTS.md, issue 16).
+_GPTQ_DEFAULT_ORDER = "static"
+
+
+def _resolve_order(o: "QuantOptions") -> str:
+    """The GPTQ sweep's input order from ``order`` and ``act_order`` (see QuantOptions)."""
+    order = o.order
+    if order is not None and order not in _ORDERS:
+        raise Exl2Error(ErrorCode.USAGE, f"--order must be one of {', '.join(_ORDERS)}, got {order!r}")
+    if o.act_order is True and order == "natural" or o.act_order is False and order not in (None, "natural"):
+        raise Exl2Error(ErrorCode.USAGE, f"--{'' if o.act_order else 'no-'}act-order contradicts --order {order}")
+    if order is None and o.act_order is not None:
+        order = "act" if o.act_order else "natural"
+    if order is None:
+        order = "act" if o.target == "exl2" else _GPTQ_DEFAULT_ORDER
+    if order in ("group", "static") and o.target == "exl2":
+        raise Exl2Error(ErrorCode.USAGE, f"--order {order} is for GPTQ output: EXL2 stores its own input "
+                        "permutation, so it takes the full act-order at no cost (--order act, the default)")
+    return order
 
 
 @dataclass
@@ -174,53 +204,17 @@ def _blocks(spec) -> list[tuple[int, str]]:
 
 
 def _linears(spec, kind):
-    return spec.attn_linears if kind == "attn" else spec.mlp_linears
+    return spec.linear_names(kind)
 
 
-# Layers that read the same input share one Hessian (and one act-order permutation).
-_OWNER = {"q_proj": "q_proj", "k_proj": "q_proj", "v_proj": "q_proj", "o_proj": "o_proj",
-          "gate_proj": "gate_proj", "up_proj": "gate_proj", "down_proj": "down_proj"}
+def _opt_layers(opt, names) -> list:
+    """(name, QParams) of an option for the linears the block has (Starcoder2's MLP has no gate_proj)."""
+    return [(n, opt.get(n)) for n in names]
 
 
 def _batches(rows: int, length: int, batch_tokens: int) -> list[slice]:
     per = max(1, batch_tokens // max(1, length))
     return [slice(a, min(rows, a + per)) for a in range(0, rows, per)]
-
-
-class _Block:
-    """Runs one attention or MLP block over all calibration rows in batches."""
-
-    def __init__(self, spec, src, i, kind, rope_cs, batches):
-        from . import forward as F
-
-        self.F, self.spec, self.src, self.i, self.kind, self.rope, self.batches = F, spec, src, i, kind, rope_cs, batches
-        self.names = _linears(spec, kind)
-
-    def weights(self, device) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        out = {}
-        for n in self.names:
-            key = self.spec.linear_key(self.i, n)
-            w = self.src.get(f"{key}.weight", torch.float32, device)
-            b = self.src.get(f"{key}.bias", torch.float32, device) if self.src.has(f"{key}.bias") else None
-            out[n] = (w, b)
-        return out
-
-    def run(self, h, linears, capture=None):
-        if self.kind == "attn":
-            return self.F.attention_block(self.spec, self.i, h, self.src, linears, rope=self.rope, capture=capture)
-        return self.F.mlp_block(self.spec, self.i, h, self.src, linears, capture=capture)
-
-    def sweep(self, h, linears, hessians: dict | None = None, out: torch.Tensor | None = None):
-        """Run every batch; accumulate the inputs of the layers named in ``hessians`` (owner -> accumulator);
-        return the outputs (into ``out`` if given)."""
-        y = out if out is not None else torch.empty_like(h)
-        for sl in self.batches:
-            cap = {} if hessians else None
-            y[sl] = self.run(h[sl], linears, cap)
-            if hessians:
-                for owner, acc in hessians.items():
-                    acc.add(cap[owner])
-        return y
 
 
 def _rel_err_rows(y, y_ref) -> float:
@@ -367,7 +361,7 @@ def _check_free(probe: Path, need: int) -> None:
 # ------------------------------------------------------------------------------------------------ measurement
 
 
-def _variants(blk: _Block, W, hess, options, vdir: Path, refine_scales: bool) -> dict[str, dict]:
+def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool) -> dict[str, dict]:
     """GPTQ-quantize every distinct candidate setting of every layer of the block and store each result in its
     packed EXL2 form in ``vdir`` (one small file per layer and setting).  Returns {layer: {QParams: path}}.
 
@@ -378,11 +372,11 @@ def _variants(blk: _Block, W, hess, options, vdir: Path, refine_scales: bool) ->
     prepared = {o: prepare(acc.take()) for o, acc in hess.items()}
     out: dict[str, dict] = {n: {} for n in blk.names}
     for opt in options:
-        for n, qp in opt.layers:
+        for n, qp in _opt_layers(opt, blk.names):
             if qp in out[n]:
                 continue
             w, _ = W[n]
-            r = quantize_exl2(w, prepared[_OWNER[n]], qp.bits_rows(w.shape[1]), refine_scales)
+            r = quantize_exl2(w, prepared[blk.owner(n)], qp.bits_rows(w.shape[1]), refine_scales)
             path = vdir / f"{n}.{len(out[n])}.safetensors"
             _save_tensors(path, r.tensors(None))
             out[n][qp] = path
@@ -423,17 +417,16 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
     h = h.to(device)
     rows, T = h.shape[0], h.shape[1]
     batches = _batches(rows, T, o.batch_tokens)
-    cs = F.rope(spec, T, device)
     measured = work.job["measured"]
     for bi in range(start, len(blocks)):
         i, kind = blocks[bi]
         key = measurement_key(spec.layer_prefix(i), kind)
-        blk = _Block(spec, src, i, kind, cs, batches)
+        blk = spec.block(i, kind, batches, device)
         W = blk.weights(device)
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
-        owners = sorted({_OWNER[n] for n in blk.names})
+        owners = sorted({blk.owner(n) for n in blk.names})
         hess = {ow: HessianAccumulator(W[ow][0].shape[1], device) for ow in owners}
-        y_ref = blk.sweep(h, dense, hess)
+        y_ref = blk.sweep(h, dense, hess, record=True)
         if key not in measured:
             options = options_of(kind)
             if progress:
@@ -445,11 +438,11 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
             rows_out = []
             y = torch.empty_like(h)
             for j, opt in enumerate(options):
-                lin = {n: cache.linear(n, qp) for n, qp in opt.layers}
+                lin = {n: cache.linear(n, qp) for n, qp in _opt_layers(opt, blk.names)}
                 blk.sweep(h, lin, out=y)
                 acc = max(1e-6, 1.0 - _rel_err_rows(y, y_ref))
                 bits = sum(qp.total_bits(W[n][0].shape[1], W[n][0].shape[0], W[n][1] is not None)
-                           for n, qp in opt.layers)
+                           for n, qp in _opt_layers(opt, blk.names))
                 rows_out.append([j, bits, acc])
                 if progress:
                     # a block is 1000 units, spread over its options (the bar moves inside a block too)
@@ -464,11 +457,35 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
             shutil.rmtree(vdir, ignore_errors=True)
         if progress:
             progress("measure", (bi + 1) * 1000, len(blocks) * 1000, key)
-        h = y_ref
-        del W, dense, hess
+        h = blk.next_input(h, y_ref)
+        del W, dense, hess, y_ref
         _release_memory()
-        work.snapshot("measure", bi + 1, {"h": h})
+        if kind == "mlp":            # a layer's attention result lives only until its MLP half is measured
+            work.snapshot("measure", bi + 1, {"h": h})
+    spec.release()
     return measured
+
+
+def _write_measurement_file(path: Path, spec, measured: dict, options_of) -> None:
+    """ExLlamaV2's ``measurement.json`` from ``measured`` {block key: [[option index, bits, accuracy]]}: each
+    row's ``total_bits`` is this model's exact cost of the setting, the rows in ascending cost
+    (``qparams.write_measurement``), ``last_module_idx`` counted as ExLlamaV2 counts modules."""
+    from .qparams import Option, exllamav2_last_module_idx, write_measurement
+
+    rows_by_key = {}
+    for key, rows in measured.items():
+        kind = "attn" if key.endswith("self_attn") else "mlp"
+        opts = options_of(kind)
+        out = []
+        for j, _, acc in rows:
+            opt = Option(tuple(_opt_layers(opts[j], _linears(spec, kind))))  # only the linears the block has
+            bits = 0
+            for n, qp in opt.layers:
+                N, K = spec.linear_shape(n)
+                bits += qp.total_bits(K, N, spec.has_bias(n))
+            out.append((opt, bits, acc))
+        rows_by_key[key] = out
+    write_measurement(path, rows_by_key, exllamav2_last_module_idx(spec.num_layers))
 
 
 def _release_memory() -> None:
@@ -502,7 +519,7 @@ def _optimize(spec, src, measured, options_of, o: QuantOptions, report) -> dict:
         for j, _, acc in rows:
             opt = opts[j]
             c = 0
-            for n, qp in opt.layers:
+            for n, qp in _opt_layers(opt, _linears(spec, kind)):
                 N, K = spec.linear_shape(n)
                 c += qp.total_bits(K, N, spec.has_bias(n))
             costs.append((c, 1.0 - acc))
@@ -572,7 +589,6 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
     h, h_ref = h.to(device), h_ref.to(device)
     rows, T = h.shape[0], h.shape[1]
     batches = _batches(rows, T, o.batch_tokens)
-    cs = F.rope(spec, T, device)
     damp = EXL2_PERCDAMP if o.target == "exl2" else GPTQ_PERCDAMP
 
     def quant_layer(i, n, w, b, prep):
@@ -593,16 +609,17 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
 
     for bi in range(start, len(blocks)):
         i, kind = blocks[bi]
-        blk = _Block(spec, src, i, kind, cs, batches)
+        blk = spec.block(i, kind, batches, device)
         W = blk.weights(device)
         lin = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
-        first, second = (("q_proj", "k_proj", "v_proj"), ("o_proj",)) if kind == "attn" else \
-            (("gate_proj", "up_proj"), ("down_proj",))
-        for group in (first, second):
-            owner = _OWNER[group[0]]
+        for group in spec.groups(kind):      # linears sharing an input, in the order the forward runs them
+            owner = group[0]
             acc = HessianAccumulator(W[owner][0].shape[1], device)
             blk.sweep(h, lin, {owner: acc})
-            prep = prepare(acc.take(), percdamp=damp, act_order=o.act_order)   # one factorization per group
+            gs = _gptq_groups(o, W[owner][0].shape[1])
+            prep = prepare(acc.take(), percdamp=damp, act_order=o.act_order,   # one factorization per group
+                           within_groups=gs if o.order == "group" else None,
+                           fixed_groups=gs if o.order == "static" else None)
             del acc
             for n in group:
                 w, b = W[n]
@@ -613,7 +630,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
                                                                          r.error))
                 if progress:
                     progress("quantize", bi * 10 + 1 + _linears(spec, kind).index(n), len(blocks) * 10, lk)
-        y_q = blk.sweep(h, lin)
+        y_q = blk.sweep(h, lin, record=True)     # the MLP half replays this (quantized) attention result
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         y_d = blk.sweep(h, dense)
         key = measurement_key(spec.layer_prefix(i), kind)
@@ -625,23 +642,24 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
             if k not in work.job["quantized"]:
                 work.job["quantized"].append(k)
         work.save()
-        h = y_q
-        del y_d
-        h_ref = blk.sweep(h_ref, dense)
+        h = blk.next_input(h, y_q)
+        del y_d, y_q
+        h_ref = blk.advance_reference(h_ref)
         del W, lin, dense
         _release_memory()
-        work.snapshot("quant", bi + 1, {"h": h, "h_ref": h_ref})
+        if kind == "mlp":
+            work.snapshot("quant", bi + 1, {"h": h, "h_ref": h_ref})
         if progress:
             progress("quantize", (bi + 1) * 10, len(blocks) * 10, key)
 
     # the head (EXL2 only; GPTQ keeps a dense head, as GPTQ tools do)
     if progress:
         progress("head", 0, 1, "lm_head and calibration perplexity")
-    norm_w = src.get("model.norm.weight", torch.float32, device)
+    spec.release()
     ids = ids.to(device)
     # the effective head: the embedding table when the model ties them (or stores no lm_head)
-    head_name = "model.embed_tokens.weight" if F._tied(spec, src) else "lm_head.weight"
-    b = src.get("lm_head.bias", torch.float32, device) if src.has("lm_head.bias") else None
+    head_name = spec.head_name
+    b = spec.head_bias(device)
     dense_head = F.dense_linear(src.get(head_name, torch.float32, device), b)
     report.calibration_ppl_fp16 = _calibration_ppl(spec, src, h_ref, ids, dense_head)
     del h_ref
@@ -655,7 +673,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         w = src.get(head_name, src.stored_dtype(head_name), device)
         acc = HessianAccumulator(w.shape[1], device)
         for sl in batches:
-            acc.add(F.rms_norm(h[sl], norm_w, spec.rms_norm_eps))
+            acc.add(spec.final_norm(h[sl]))
         prep = prepare(acc.take(), percdamp=EXL2_PERCDAMP, act_order=o.act_order)
         r = quantize_exl2(w, prep, head_qparams(o.head_bits).bits_rows(w.shape[1]), bool(o.refine_scales))
         packed = r.tensors(None if b is None else b.cpu().numpy())
@@ -680,6 +698,13 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
                                "text closer to the model's use")
 
 
+def _gptq_groups(o: QuantOptions, K: int) -> int | None:
+    """The GPTQ group size for ``prepare`` (one group of K rows for -1); None for EXL2."""
+    if o.target != "gptq":
+        return None
+    return K if o.group_size == -1 else int(o.group_size)
+
+
 def _calibration_ppl(spec, src, h, ids, head, max_logit_bytes: int = 64 << 20) -> float:
     """Perplexity of next-token prediction over the calibration rows, from the last hidden state ``h`` float
     [rows, T, hidden] and the token ids int64 [rows, T].  The logits are made a few thousand tokens at a time
@@ -693,7 +718,7 @@ def _calibration_ppl(spec, src, h, ids, head, max_logit_bytes: int = 64 << 20) -
     for r in range(rows):
         for a in range(0, T - 1, chunk):
             b = min(T - 1, a + chunk)
-            logits = F.final_logits(spec, h[r, a:b], src, head)
+            logits = spec.logits(h[r, a:b], head)
             nll += float(torch.nn.functional.cross_entropy(logits, ids[r, a + 1:b + 1], reduction="sum"))
             count += b - a
     return math.exp(nll / max(count, 1))
@@ -799,7 +824,8 @@ def _compile(spec, src, src_dir: Path, tmp: Path, work: _Work, o: QuantOptions, 
     from ..modelcard import copy_model_files
 
     keys = layer_keys + (["lm_head"] if o.target == "exl2" else [])
-    skip = {f"{k}.{s}" for k in keys for s in ("weight", "bias")}
+    replaced = keys + [k for i in range(spec.num_layers) for k in spec.source_keys(i)]   # fused sources too
+    skip = {f"{k}.{s}" for k in replaced for s in ("weight", "bias")}
     _write_output(tmp, src, [(k, work.layer_path(k)) for k in keys], skip, o, report)
     # the model's own files only (tokenizer, generation config, license...): not a training log; the source's
     # README.md becomes a marked section of the output's own card (written after verification)
@@ -814,20 +840,21 @@ def _write_metadata(tmp: Path, config: dict, o: QuantOptions, report: QuantRepor
     cfg = dict(config)
     cfg.pop("quantization_config", None)
     if o.target == "exl2":
-        qc = {"quant_method": "exl2", "version": f"exl2fmt {__version__}", "bits": o.bits,
-              "head_bits": None if weight_only else o.head_bits,
-              "calibration": None if weight_only else {
-                  "rows": o.rows, "length": o.length,
-                  "dataset": os.path.basename(o.calibration) if o.calibration else "(default)"},
-              "producer": {"name": "exl2fmt", "version": __version__}, "manifest": "exl2fmt-manifest.json"}
-        if weight_only:
-            qc["weight_only"] = True
+        from ..arch import exl2_quantization_config
+
+        qc = exl2_quantization_config(o.bits, None if weight_only else o.head_bits, None if weight_only else {
+            "rows": o.rows, "length": o.length,
+            "dataset": os.path.basename(o.calibration) if o.calibration else "(default)"}, __version__,
+            manifest="exl2fmt-manifest.json", **({"weight_only": True} if weight_only else {}))
     else:
-        qc = {"quant_method": "gptq", "bits": o.bits, "group_size": o.group_size,
-              "desc_act": o.act_order and not weight_only, "sym": o.sym, "checkpoint_format": "gptq",
-              "damp_percent": 0.01, "static_groups": False, "true_sequential": True, "model_name_or_path": None,
-              "model_file_base_name": "model", "meta": {"quantizer": [f"exl2fmt:{__version__}"]}}
-        (tmp / "quantize_config.json").write_text(json.dumps(qc, indent=2) + "\n", encoding="utf-8")
+        from ..arch import autogptq_quantize_config, gptq_quantization_config
+        from .gptq import GPTQ_PERCDAMP
+
+        qc = gptq_quantization_config(o.bits, o.group_size, o.sym, o.order == "act" and not weight_only, __version__,
+                                      act_group_aware=o.order == "group" and not weight_only,
+                                      damp_percent=GPTQ_PERCDAMP, exl2fmt_order=None if weight_only else o.order)
+        (tmp / "quantize_config.json").write_text(json.dumps(autogptq_quantize_config(qc), indent=2) + "\n",
+                                                  encoding="utf-8")
     cfg["quantization_config"] = qc
     cfg["torch_dtype"] = "float16"
     (tmp / "config.json").write_text(json.dumps(cfg, indent=4) + "\n", encoding="utf-8")
@@ -890,6 +917,7 @@ def _measured_decoder_bpw(path: Path) -> float:
 
 
 _NUMBERED = re.compile(r"(?:^|\.)(\d+)\.")
+_ROUTER = re.compile(r"\.(gate|router|shared_expert_gate)$")
 
 
 def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, progress, config: dict,
@@ -898,7 +926,9 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
     (and N % 32 == 0 for GPTQ) is quantized with an identity Hessian (round-to-nearest with the scale search,
     no act-order); the budget is spread by the relative weight error of each candidate setting, one layer per
     slot.  Everything else is written as fp16."""
-    from ..converters.base import _remove, check_paths, make_partial_dir, publish
+    from ..converters.base import (_remove, check_paths, lower_shield, make_partial_dir,
+                                   name_unnamed_os_error, publish, stale_note)
+    from ..converters.partials import fault_point
     from . import forward as F
     from .gptq import prepare, quantize_exl2, quantize_gptq
     from .qparams import QParams, block_options
@@ -915,6 +945,8 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
         shape = src.shape(name)
         if not name.endswith(".weight") or len(shape) != 2 or not _NUMBERED.search(name):
             continue
+        if _ROUTER.search(name[: -len(".weight")]):
+            continue                     # MoE routers stay 16-bit (as in ExLlamaV2)
         N, K = shape
         if K % 32 or (o.target == "gptq" and N % 32):
             report.warnings.append(f"{name}: K={K}, N={N} cannot be quantized; kept as fp16")
@@ -963,8 +995,10 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
     report.seconds["measure"] = time.monotonic() - t
     t = time.monotonic()
     check_paths(src_p, dst_p, force)
-    tmp = make_partial_dir(dst_p)
-    layer_dir = Path(tempfile.mkdtemp(prefix=f".{dst_p.name[:100]}.exl2fmt-layers-", dir=tmp.parent))
+    removed: list[str] = []
+    tmp = make_partial_dir(dst_p, removed)
+    layer_dir = make_partial_dir(dst_p)  # marked too: a killed run's leftovers are removed by the next run
+    report.warnings.extend(stale_note(removed))
     try:
         # each packed layer goes to a file as it is made; the output is then written tensor by tensor
         layers = []
@@ -992,12 +1026,15 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
         _validate_or_raise(tmp)
         write_quant_card(tmp, src_p, config, o, report, (report.files_copied, report.files_left_out),
                          weight_only=True)
+        fault_point("verified")
         publish(tmp, dst_p, force)
-    except BaseException:
+        fault_point("published")
+    except BaseException as e:
         _remove(tmp)
-        raise
+        raise name_unnamed_os_error(e, tmp)
     finally:
         shutil.rmtree(layer_dir, ignore_errors=True)
+        report.warnings.extend(lower_shield())
     report.seconds["quantize+compile+verify"] = time.monotonic() - t
     report.seconds["total"] = time.monotonic() - t0
     return report
@@ -1010,10 +1047,13 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                    progress: Progress | None = None) -> QuantReport:
     """Quantize the dense Hugging Face model at ``src`` into a new EXL2 or GPTQ model directory ``dst``."""
     from ..container import open_model
-    from ..converters.base import _remove, check_paths, make_partial_dir, publish
+    from ..converters.base import (_remove, check_paths, lower_shield, make_partial_dir, name_unnamed_os_error,
+                                   publish, stale_note)
+    from ..converters.partials import fault_point
     from . import forward as F
     from .calib import load_calibration
-    from .qparams import block_options, measurement_key, read_measurement, write_measurement
+    from .hf_engine import EXL2_ARCHS, HFModel
+    from .qparams import Option, block_options, measurement_key, read_measurement
 
     t0 = time.monotonic()
     o = options.resolved()
@@ -1027,13 +1067,18 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         if config is None:
             raise Exl2Error(ErrorCode.CONFIG_MISSING, "the quantizer needs config.json", file=str(src_p))
         try:
-            spec = F.ModelSpec.from_config(config)
+            srcw = F.WeightSource(model)
+            spec = HFModel(config, srcw, o.device, split_fused=o.target == "exl2")
         except Exl2Error as e:
             if e.code is not ErrorCode.ARCH_UNSUPPORTED:
                 raise
             return _weight_only(model, src_p, dst_p, o, force, progress, config, str(e.message), t0)
-        srcw = F.WeightSource(model)
-        F.check_weights(spec, srcw)
+        spec.check_weights()
+        if o.target == "exl2" and o.measurement:       # a file for another model is refused before any work
+            names = {measurement_key(spec.layer_prefix(i), k): _linears(spec, k) for i, k in _blocks(spec)}
+            shapes = {n: (*spec.linear_shape(n)[::-1], spec.has_bias(n)) for k in ("attn", "mlp")
+                      for n in _linears(spec, k)}
+            loaded = read_measurement(o.measurement, names, shapes=shapes, num_layers=spec.num_layers)
         tok = src_p / "tokenizer.json"
         if o.calibration is None and not tok.exists():
             raise Exl2Error(ErrorCode.CALIBRATION_INVALID, "the built-in calibration set is text and the model has "
@@ -1054,25 +1099,33 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         fp = dict(o.fingerprint(), calibration_sha256=tok_hash, source_config=config)
         work = _Work(work_root, fp, o.resume)
         report = QuantReport(source=str(src_p), destination=str(dst_p), target=o.target, options=o.fingerprint())
+        if o.target == "exl2" and spec.arch not in EXL2_ARCHS:
+            report.warnings.append(f"model type {spec.arch!r} is calibrated through transformers, but ExLlamaV2 may "
+                                   "not load its EXL2 output (supported there: " + ", ".join(EXL2_ARCHS) + ")")
 
         def ids_h():
-            return F.embed(spec, srcw, ids, device=o.device)
+            return spec.embed(ids, device=o.device)
 
         options_of = (lambda kind: block_options(kind, extended=o.extended))
         strategy = None
         if o.target == "exl2":
             t = time.monotonic()
             if o.measurement:
-                names = {measurement_key(spec.layer_prefix(i), k): _linears(spec, k) for i, k in _blocks(spec)}
-                loaded = read_measurement(o.measurement, names)
                 # map the file's options onto our option list by their settings (ExLlamaV2's files have
-                # upstream's 19/17 rows; ours may have more)
+                # upstream's 19/17 rows in upstream's order; ours are sorted by cost), in our table's order, so
+                # the solver sees what a fresh measurement gives it
                 measured = {}
                 for key, rows in loaded.items():
                     kind = "attn" if key.endswith("self_attn") else "mlp"
                     opts = options_of(kind)
-                    index = {opt: j for j, opt in enumerate(opts)}
-                    measured[key] = [[index[opt], tb, acc] for opt, tb, acc in rows if opt in index]
+                    index: dict = {}         # by the settings of the linears the block has (first option wins)
+                    for j, opt in enumerate(opts):
+                        index.setdefault(Option(tuple(_opt_layers(opt, _linears(spec, kind)))), j)
+                    seen = {}
+                    for opt, tb, acc in rows:
+                        if opt in index and index[opt] not in seen:
+                            seen[index[opt]] = [index[opt], tb, acc]
+                    measured[key] = [seen[j] for j in sorted(seen)]
                     if not measured[key]:
                         raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{key}: none of the file's options is a "
                                         "candidate of this quantizer", file=o.measurement)
@@ -1083,9 +1136,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                     measured = work.job["measured"]
             report.seconds["measure"] = time.monotonic() - t
             if o.save_measurement:
-                rows_by_key = {k: [(options_of("attn" if k.endswith("self_attn") else "mlp")[j], tb, acc)
-                                   for j, tb, acc in v] for k, v in measured.items()}
-                write_measurement(o.save_measurement, rows_by_key, 2 * spec.num_layers)
+                _write_measurement_file(Path(o.save_measurement), spec, measured, options_of)
             if work.job.get("strategy") is None:
                 work.job["strategy"] = _optimize(spec, srcw, measured, options_of, o, report)
                 work.job["decoder_bpw"] = report.decoder_bpw
@@ -1099,26 +1150,35 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         report.seconds["quantize"] = time.monotonic() - t
         t = time.monotonic()
         layer_keys = [spec.linear_key(i, n) for i, k in _blocks(spec) for n in _linears(spec, k)]
-        tmp = make_partial_dir(dst_p)
+        removed: list[str] = []
+        tmp = make_partial_dir(dst_p, removed)
+        report.warnings.extend(stale_note(removed))
         try:
+            fault_point("partial")
             if progress:
                 progress("compile", 0, 1, "writing the output")
             _compile(spec, srcw, src_p if src_p.is_dir() else src_p.parent, tmp, work, o, report, config, layer_keys)
+            if o.target == "exl2":     # next to the model, as ExLlamaV2 leaves it: publishers reuse it
+                _write_measurement_file(tmp / "measurement.json", spec, measured, options_of)
             if progress:
                 progress("verify", 0, 1, "validating the output")
             _verify(tmp, work, layer_keys, o, report)
             from ..modelcard import write_quant_card
 
             write_quant_card(tmp, src_p, config, o, report, (report.files_copied, report.files_left_out))
+            fault_point("verified")
             publish(tmp, dst_p, force)
+            fault_point("published")
             if progress:
                 progress("done", 1, 1, str(dst_p))
-        except BaseException:
+        except BaseException as e:
             _remove(tmp)
-            raise
+            lower_shield()
+            raise name_unnamed_os_error(e, tmp)
         report.seconds["compile+verify"] = time.monotonic() - t
         shutil.rmtree(work.root, ignore_errors=True)
         report.seconds["total"] = time.monotonic() - t0
+        report.warnings.extend(lower_shield())
         return report
     finally:
         model.close()

@@ -16,13 +16,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 
 from ..errors import ErrorCode, Exl2Error
 from ..layout import BIT_WIDTHS, Tier, exl2_total_bits, pad32, plan_desc, plan_rows
 
 __all__ = ["QParams", "Option", "ATTN_OPTIONS", "MLP_OPTIONS", "HEAD_OPTIONS", "block_options", "head_qparams",
-           "read_measurement", "write_measurement", "measurement_key", "promote"]
+           "read_measurement", "write_measurement", "measurement_key", "promote", "pareto_rows",
+           "exllamav2_last_module_idx"]
 
 
 @dataclass(frozen=True)
@@ -72,14 +74,15 @@ class QParams:
                 sizes = [int(gsd)] * len(bits)
             if int(d.get("scale_bits", 4)) != 4:
                 raise ValueError("scale_bits must be 4")
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # int(Infinity) overflows
             raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{where}: not a QParams dict ({e})") from None
         if not bits or len(bits) != len(props) or len(sizes) != len(bits):
             raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{where}: bits, bits_prop and group_size disagree")
         for b, p, g in zip(bits, props, sizes):
-            if b not in BIT_WIDTHS or not (0 <= p <= 1) or g <= 0 or g % 32:
+            if b not in BIT_WIDTHS or not (0 <= p <= 1) or g <= 0 or g % 32 or g > 32768:
                 raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{where}: tier {p}x{b}b/{g}g is not a valid "
-                                "EXL2 tier (bits 2/3/4/5/6/8, proportion 0..1, group size a multiple of 32)")
+                                "EXL2 tier (bits 2/3/4/5/6/8, proportion 0..1, group size a multiple of 32 up to "
+                                "32768)")
         return QParams(tuple(zip(props, bits, sizes)))
 
 
@@ -245,14 +248,44 @@ def measurement_key(layer_prefix: str, kind: str) -> str:
     return f"{layer_prefix}.{'self_attn' if kind == 'attn' else 'mlp'}"
 
 
+def exllamav2_last_module_idx(num_layers: int) -> int:
+    """``last_module_idx`` of a complete measurement, counted the way ExLlamaV2 counts a decoder's modules:
+    the embedding (0), then every attention and every MLP module (two per layer), the final norm and the head;
+    a finished measurement names the last of them, the head: ``2 * num_layers + 2``."""
+    return 2 * int(num_layers) + 2
+
+
+def pareto_rows(rows: list[tuple[Option, int, float]]) -> list[tuple[Option, int, float]]:
+    """``rows`` [(option, total_bits, accuracy)] in ascending cost (a stable sort: equal costs keep their order),
+    without the rows that another row beats: one that costs the same or less and is at least as accurate.
+
+    What is left is strictly ascending in cost *and* in accuracy, the order ExLlamaV2's optimizer assumes: after
+    its annealing it spends the leftover budget by stepping blocks to the next option index, so with this order
+    every such step buys accuracy.  No optimizer gains from a dominated row (the row that beats it is cheaper
+    or equal and no worse), so dropping them loses nothing."""
+    out: list[tuple[Option, int, float]] = []
+    for row in sorted(rows, key=lambda r: r[1]):
+        if out and row[2] <= out[-1][2]:
+            continue                      # costs at least as much as a kept row and is not more accurate
+        if out and row[1] == out[-1][1]:
+            out[-1] = row                 # same cost, more accurate: it beats the kept one
+            continue
+        out.append(row)
+    return out
+
+
 def write_measurement(path: str | os.PathLike, measured: dict[str, list[tuple[Option, int, float]]],
                       last_module_idx: int) -> None:
     """Write ExLlamaV2's ``measurement.json``: ``measured`` maps block key -> [(option, total_bits, accuracy)].
-    Written atomically (temporary file + rename)."""
+
+    Each block's options are written by ``pareto_rows``: ascending cost, each more accurate than the last (the
+    order ExLlamaV2's optimizer relies on), whatever order the caller's candidate table has.  ``last_module_idx``
+    should be ``exllamav2_last_module_idx(num_layers)`` for a complete measurement.  Written atomically
+    (temporary file + rename)."""
     doc = {"measurement": {}, "last_module_idx": int(last_module_idx)}
     for key, rows in measured.items():
         opts = []
-        for opt, total_bits, accuracy in rows:
+        for opt, total_bits, accuracy in pareto_rows(list(rows)):
             d = {"accuracy": float(accuracy), "total_bits": int(total_bits)}
             for name, qp in opt.layers:
                 d[name] = qp.to_json()
@@ -266,11 +299,26 @@ def write_measurement(path: str | os.PathLike, measured: dict[str, list[tuple[Op
     os.replace(tmp, path)
 
 
-def read_measurement(path: str | os.PathLike, layer_names: dict[str, tuple[str, ...]]
+_BLOCK_KEY = re.compile(r"^(.*)\.(\d+)\.(self_attn|mlp)$")
+
+#: A measured row's ``total_bits`` may differ from this model's cost of the same setting by this fraction
+#: (ExLlamaV2 and exl2fmt count the same bits; the margin covers a bias counted once more or less).  A file
+#: measured on other shapes is off by far more: a different hidden size, head count or MLP width changes the
+#: cost of every option by tens of percent.
+MEASUREMENT_COST_TOLERANCE = 0.02
+
+
+def read_measurement(path: str | os.PathLike, layer_names: dict[str, tuple[str, ...]], *,
+                     shapes: dict[str, tuple[int, int, bool]] | None = None, num_layers: int | None = None
                      ) -> dict[str, list[tuple[Option, int, float]]]:
-    """Read ``measurement.json`` (ours or ExLlamaV2's).  ``layer_names`` maps each expected block key to the
-    names of its linear layers; every expected block must be present with at least one option, and every
-    option must name exactly those layers.  Other keys (norms, head: ``null``) are ignored."""
+    """Read ``measurement.json`` (ours or ExLlamaV2's, options in any order).  ``layer_names`` maps each
+    expected block key to the names of its linear layers; every expected block must be present with at least
+    one option, and every option must name exactly those layers.  Other keys (norms, head: ``null``) are
+    ignored.  Rows come back in the file's order.
+
+    With ``num_layers`` and ``shapes`` (linear name -> (K in, N out, has_bias) of this model), a file measured on
+    another model is refused with ``MEASUREMENT_MODEL_MISMATCH`` before any work: blocks of layers this model
+    does not have, or ``total_bits`` that are not this model's cost of the row's setting (other shapes)."""
     p = os.fspath(path)
     try:
         if os.path.getsize(p) > 256 << 20:
@@ -284,6 +332,12 @@ def read_measurement(path: str | os.PathLike, layer_names: dict[str, tuple[str, 
     meas = doc.get("measurement") if isinstance(doc, dict) else None
     if not isinstance(meas, dict):
         raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, "no 'measurement' object", file=p)
+    if num_layers is not None:
+        layers_in_file = {int(m.group(2)) for k in meas if (m := _BLOCK_KEY.match(str(k)))}
+        if layers_in_file and max(layers_in_file) + 1 != num_layers:
+            raise Exl2Error(ErrorCode.MEASUREMENT_MODEL_MISMATCH, f"the file measures {max(layers_in_file) + 1} "
+                            f"decoder layers, this model has {num_layers}: it was measured on another model",
+                            file=p)
     out = {}
     for key, names in layer_names.items():
         rows = meas.get(key)
@@ -301,7 +355,16 @@ def read_measurement(path: str | os.PathLike, layer_names: dict[str, tuple[str, 
                 raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{where}: accuracy must be a finite number", file=p)
             opt = Option(tuple((n, QParams.from_json(d[n], f"{where} {n}")) for n in names))
             tb = d.get("total_bits")
-            parsed.append((opt, int(tb) if isinstance(tb, (int, float)) else -1, float(acc)))
+            tb_ok = (isinstance(tb, (int, float)) and not isinstance(tb, bool) and math.isfinite(tb)
+                     and 0 <= tb < 2 ** 63)
+            tb = int(tb) if tb_ok else -1
+            if shapes is not None and tb > 0:
+                ours = sum(qp.total_bits(*shapes[n]) for n, qp in opt.layers)
+                if abs(tb - ours) > MEASUREMENT_COST_TOLERANCE * ours:
+                    raise Exl2Error(ErrorCode.MEASUREMENT_MODEL_MISMATCH, f"{where}: total_bits {tb} but this "
+                                    f"model's layers cost {ours} bits with that setting: the file was measured "
+                                    "on a model with other layer shapes", file=p)
+            parsed.append((opt, tb, float(acc)))
         out[key] = parsed
     return out
 

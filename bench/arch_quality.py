@@ -1,0 +1,158 @@
+"""Calibrated quantization per architecture (issue 14): EXL2 4.0 bpw and GPTQ 4-bit g128 through the
+transformers-driven engine, against round-to-nearest 4-bit g128 of the same weights.
+
+For every architecture of ``tests/tiny_models.py`` that the engine calibrates, a seeded random fp16 model (2 layers,
+hidden 128) is quantized by the CLI (``exl2fmt convert SRC --to exl2 --bits 4.0`` and ``--to gptq --bits 4``) in
+a child process (its peak RSS from ``wait4``); the output must pass ``validate --deep``; it is dequantized back to
+fp16 by ``convert --to fp16``, loaded in transformers, and its KL divergence to the FP16 model on held-out token
+ids is compared with that of RTN 4-bit g128 (no calibration) applied to every decoder linear.
+
+    flock /work/heavy.lock nice -n 5 python bench/arch_quality.py [--arch llama gemma2 ...] [--record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from tiny_models import DENSE, make_tiny  # noqa: E402
+
+DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            vocab_size=512)
+CLI = [sys.executable, "-m", "exl2fmt.cli.app"]
+
+
+def run_child(args) -> tuple[int, float, int, str]:
+    """Like ``cli`` but with the child's own peak RSS (ru_maxrss of a fork that execs the CLI)."""
+    t = time.monotonic()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                   # child: exec the CLI with stdout/stderr into the pipe
+        os.close(r)
+        os.dup2(w, 1)
+        os.dup2(w, 2)
+        os.execv(sys.executable, [*CLI, *map(str, args)])
+    os.close(w)
+    chunks = []
+    while True:
+        b = os.read(r, 65536)
+        if not b:
+            break
+        chunks.append(b)
+    os.close(r)
+    _, status, ru = os.wait4(pid, 0)
+    return os.waitstatus_to_exitcode(status), time.monotonic() - t, ru.ru_maxrss * 1024, \
+        b"".join(chunks).decode(errors="replace")[-2000:]
+
+
+def load_dense(d: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+
+
+def kl(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> float:
+    """Mean over tokens of KL(P_ref || P_test), float64."""
+    lp = torch.log_softmax(ref_logits.double(), -1)
+    lq = torch.log_softmax(test_logits.double(), -1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
+def rtn_model(d: Path, bits: int = 4, group_size: int = 128):
+    from converters.gptq_quant import reconstruct, rtn_quantize
+
+    m = load_dense(d)
+    with torch.no_grad():
+        for name, mod in m.model.layers.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                w = mod.weight.numpy()
+                codes, scales, zeros, g_idx = rtn_quantize(w, bits, group_size, sym=False)
+                wq = np.empty_like(w.T)
+                for g in range(scales.shape[0]):
+                    rows = np.nonzero(g_idx == g)[0]
+                    wq[rows] = reconstruct(codes[rows], scales[g], zeros[g])
+                mod.weight.copy_(torch.from_numpy(np.ascontiguousarray(wq.T)))
+    return m
+
+
+def one(arch: str, work: Path, rows: int, length: int) -> dict:
+    src = make_tiny(arch, work / arch / "src", **DIMS)
+    rng = np.random.default_rng(0)
+    cal = work / arch / "cal.npy"
+    np.save(cal, rng.integers(0, DIMS["vocab_size"], (rows, length)))
+    held = torch.as_tensor(np.random.default_rng(1).integers(0, DIMS["vocab_size"], (8, length)))
+    ref = load_dense(src)
+    with torch.no_grad():
+        ref_logits = ref(held).logits
+    row = {"arch": arch}
+    for tgt, bits in (("exl2", "4.0"), ("gptq", "4")):
+        q = work / arch / tgt
+        rc, secs, rss, tail = run_child(["convert", src, q, "--to", tgt, "--bits", bits, "--calibration", cal,
+                                         "--rows", rows, "--length", length, "--json"])
+        if rc != 0:
+            row[tgt] = {"error": tail}
+            continue
+        weight_only = "weight-only" in tail
+        val = subprocess.run([*CLI, "validate", str(q), "--deep", "--json"], capture_output=True, text=True)
+        vdoc = json.loads(val.stdout) if val.stdout.strip().startswith("{") else {}
+        from exl2fmt.inspect import inspect_model
+
+        bpw = inspect_model(q, layers=False)["summary"]["bpw"]["decoder"]
+        fp = work / arch / f"{tgt}-fp16"
+        rc2, _, _, tail2 = run_child(["convert", q, fp, "--to", "fp16"])
+        if rc2 != 0:
+            row[tgt] = {"error": tail2}
+            continue
+        with torch.no_grad():
+            k = kl(ref_logits, load_dense(fp)(held).logits)
+        row[tgt] = {"bpw": bpw, "validate": "PASS" if val.returncode == 0 else f"FAIL {vdoc.get('counts')}",
+                    "kl": k, "seconds": secs, "peak_rss_mb": rss / 2**20, "calibrated": not weight_only}
+    with torch.no_grad():
+        row["rtn_kl"] = kl(ref_logits, rtn_model(src)(held).logits)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", nargs="*", default=list(DENSE))
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--length", type=int, default=64)
+    ap.add_argument("--record", action="store_true")
+    a = ap.parse_args()
+    lines = ["| arch | EXL2 4.0: decoder bpw | validate | KL | s | peak RSS MB | GPTQ 4 g128: bpw | validate | KL | "
+             "s | peak RSS MB | RTN 4 g128 KL |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory(prefix="arch-quality-") as t:
+        for arch in a.arch:
+            r = one(arch, Path(t), a.rows, a.length)
+            cells = [arch]
+            for tgt in ("exl2", "gptq"):
+                x = r[tgt]
+                if "error" in x:
+                    cells += ["ERROR " + x["error"].splitlines()[-1][:60]] + [""] * 4
+                else:
+                    cells += [f"{x['bpw']:.4f}" + ("" if x["calibrated"] else " (weight-only)"), x["validate"],
+                              f"{x['kl']:.5f}", f"{x['seconds']:.0f}", f"{x['peak_rss_mb']:.0f}"]
+            cells.append(f"{r['rtn_kl']:.5f}")
+            lines.append("| " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+    text = "\n".join(lines)
+    print(text)
+    if a.record:
+        with open(ROOT / "bench" / "RESULTS.md", "a", encoding="utf-8") as f:
+            f.write(f"\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()

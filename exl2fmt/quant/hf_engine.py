@@ -1,0 +1,676 @@
+"""The quantizer's forward: transformers' own modeling code, driven one decoder layer at a time.
+
+Instead of a forward written by hand per architecture, the engine builds the ``*ForCausalLM`` skeleton that
+transformers implements for the model's ``config.json`` (no remote code) with every parameter on the ``meta``
+device (buffers such as RoPE frequency tables are real: they are computed from the config), and then:
+
+* **captures the decoder layers' inputs generically**: the base model is run once per batch shape with every
+  decoder layer's ``forward`` replaced by a recorder, so the positional and keyword arguments that this
+  architecture passes (position embeddings, per-layer attention masks for sliding/full layers, cache flags) are
+  exactly what transformers computes; the first layer's hidden state is captured the same way from the real
+  embedding path (Gemma's embedding scale, ...);
+* **materializes one decoder layer at a time** from the safetensors shards (``WeightSource``: pread, not the map),
+  float32 on the compute device, and frees it afterwards: peak memory is one layer + activations + Hessians;
+* **discovers the linear layers from the module tree** (every ``nn.Linear`` inside the decoder layer), and the
+  structure of the layer by a probe run of layer 0 (which linears share an input, in which order they run, and
+  where the residual stream between the attention and the MLP half can be observed);
+* runs the layer with **substitute linears** (candidates, quantized reconstructions) swapped into the modules and
+  **captures the inputs** of any linear (for the GPTQ Hessians).
+
+EXL2 measures attention and MLP halves separately (``model.layers.i.self_attn`` and ``.mlp``).  The attention
+half's output is the residual stream entering the norm in front of the MLP (observed by a pre-hook on that norm,
+and the layer's remaining computation is skipped); the MLP half is the whole layer with the attention module's
+result replayed from a cache.  For parallel-residual layers (Cohere: attention and MLP read the same normed
+input) the attention half's output is the whole layer's output.
+
+Linear names within a block are EXL2 setting names (``q_proj`` ... ``down_proj``): the module's own name where it
+is one of them, else a small per-architecture map (Starcoder2 ``c_fc``/``c_proj`` are ``up_proj``/``down_proj``).
+``linear_key(i, name)`` gives the checkpoint key of the module (``model.layers.3.mlp.c_fc``).  Fused projections
+(Phi-3 ``qkv_proj``, ``gate_up_proj``) are split into q/k/v and gate/up for EXL2, as ExLlamaV2 stores them
+(``split_fused``), and kept fused for GPTQ, the layout transformers and GPTQ loaders expect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import ErrorCode, Exl2Error
+from .forward import WeightSource, dense_linear
+
+__all__ = ["HFModel", "LayerBlock", "EXL2_ARCHS"]
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+#: model_type values whose EXL2 output ExLlamaV2 loads (others are calibrated too, with a warning).
+EXL2_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite", "starcoder2", "phi3")
+
+# module leaf name -> EXL2 setting name (the option tables name q/k/v/o and gate/up/down)
+_ROLE = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "o_proj",
+         "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
+         "c_fc": "up_proj", "c_proj": "down_proj"}
+_ATTN_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj")
+_FUSED = ("qkv_proj", "gate_up_proj")      # kept fused (GPTQ output: the layout transformers loads)
+_MLP_ROLES = ("gate_proj", "up_proj", "down_proj")
+
+
+class _Stop(Exception):
+    """Raised inside a forward to end it once what was wanted has been recorded."""
+
+
+@contextlib.contextmanager
+def _params_on_meta():
+    """Every parameter registered inside the block lives on the meta device (no memory); buffers are real."""
+    orig = nn.Module.register_parameter
+
+    def register(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=False)
+        orig(self, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = orig
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(_to_device(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [_to_device(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _cfg_error(msg: str, code: ErrorCode = ErrorCode.ARCH_UNSUPPORTED) -> Exl2Error:
+    return Exl2Error(code, msg, file="config.json")
+
+
+@dataclass
+class _Structure:
+    """What the probe of layer 0 found."""
+
+    groups: dict            # kind -> [tuple of names sharing one input], in call order
+    mid_norm: str | None    # child of the layer whose input is the residual stream between attention and MLP
+    attn_child: str         # child module holding the attention linears
+    mlp_child: str
+
+
+class HFModel:
+    """A decoder-only causal LM described by ``config`` (a config.json dict), weights from ``src``.
+
+    Raises ``Exl2Error`` ``ARCH_UNSUPPORTED`` when transformers has no such model class (callers fall back to
+    weight-only quantization) and ``CONFIG_INVALID`` when transformers rejects the config.
+    """
+
+    def __init__(self, config: Mapping[str, Any], src: WeightSource, device: "str | torch.device" = "cpu",
+                 split_fused: bool = True):
+        try:
+            import transformers
+            from transformers import AutoConfig, AutoModelForCausalLM
+        except ImportError:  # pragma: no cover - the quant extra depends on transformers
+            raise _cfg_error("the calibrated quantizer needs transformers (pip install exl2fmt[quant])") from None
+        if not isinstance(config, Mapping):
+            raise _cfg_error(f"expected a JSON object, found {type(config).__name__}", ErrorCode.CONFIG_INVALID)
+        d = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
+        mtype = d.pop("model_type", None)
+        if not isinstance(mtype, str):
+            raise _cfg_error("config.json names no model_type")
+        self.src, self.device = src, torch.device(device)
+        self.split_fused = bool(split_fused)
+        self.config_dict = dict(config)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                hf_cfg = AutoConfig.for_model(mtype, **d)
+        except ValueError as e:
+            raise _cfg_error(f"transformers {transformers.__version__} does not know model type {mtype!r} ({e})"
+                             ) from None
+        except (TypeError, KeyError, AttributeError) as e:
+            raise _cfg_error(f"transformers rejects the config: {e}", ErrorCode.CONFIG_INVALID) from None
+        if getattr(hf_cfg, "is_encoder_decoder", False):
+            raise _cfg_error(f"{mtype} is an encoder-decoder model; the quantizer handles decoder-only models")
+        hf_cfg.use_cache = False
+        self.hf_config = hf_cfg
+        try:
+            with _params_on_meta(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa",
+                                                             dtype=torch.float32)
+                except (ValueError, ImportError):
+                    model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager",
+                                                             dtype=torch.float32)
+        except ValueError as e:
+            raise _cfg_error(f"transformers has no causal-LM class for {mtype!r} ({e})") from None
+        model.eval()
+        for name, buf in list(model.named_buffers()):
+            if buf.device.type != "meta":
+                owner, _, leaf = name.rpartition(".")
+                model.get_submodule(owner)._buffers[leaf] = buf.to(self.device)
+        self.model, self.arch = model, mtype
+        self.base = model.base_model
+        self.num_layers = int(hf_cfg.num_hidden_layers)
+        self.hidden_size = int(hf_cfg.hidden_size)
+        self.vocab_size = int(hf_cfg.vocab_size)
+        paths = {id(m): n for n, m in model.named_modules()}
+        layers = [m for m in self.base.children() if isinstance(m, nn.ModuleList) and len(m) == self.num_layers]
+        if len(layers) != 1:
+            raise _cfg_error(f"{type(model).__name__}: cannot find the list of {self.num_layers} decoder layers")
+        self.layers = layers[0]
+        self.layers_path = paths[id(self.layers)]
+        self.embed_module = model.get_input_embeddings()
+        self.embed_name = paths[id(self.embed_module)] + ".weight"
+        self.head_module = model.get_output_embeddings()
+        if self.head_module is None or not isinstance(self.head_module, nn.Linear):
+            raise _cfg_error(f"{type(model).__name__} has no linear LM head")
+        norm = next((getattr(self.base, n) for n in ("norm", "final_layernorm", "ln_f", "final_norm")
+                     if isinstance(getattr(self.base, n, None), nn.Module)), None)
+        if norm is None:
+            raise _cfg_error(f"{type(model).__name__}: cannot find the final norm")
+        self.norm_module, self.norm_path = norm, paths[id(norm)]
+        self.tied = bool(getattr(hf_cfg, "tie_word_embeddings", False)) or not src.has("lm_head.weight")
+        self.head_name = self.embed_name if self.tied else "lm_head.weight"
+        self._discover()
+        self._kw_cache: dict = {}
+        self._runner: _LayerRunner | None = None
+        self.structure = self._probe()
+
+    # --- names ----------------------------------------------------------------------------------------
+    def _discover(self) -> None:
+        layer = self.layers[0]
+        self.path_of: dict[str, str] = {}          # name -> module path inside the layer
+        self.kind_of: dict[str, str] = {}
+        self.child_of: dict[str, str] = {}
+        self.key_of: dict[str, str] = {}           # name -> checkpoint key suffix of the (split) layer
+        self.part_of: dict[str, tuple[int, int]] = {}   # name -> output rows [a, b) of a fused module
+        c = self.hf_config
+        for path, mod in layer.named_modules():
+            if not isinstance(mod, nn.Linear):
+                continue
+            child = path.split(".")[0]
+            parent, _, leaf = path.rpartition(".")
+            kind = "attn" if ("attn" in child or "attention" in child) else "mlp"
+            parts = self._split(leaf, mod, c) if self.split_fused else None
+            if parts is None:
+                role = _ROLE.get(leaf) or (leaf if leaf in _FUSED and not self.split_fused else None)
+                parts = [(role, None)]
+            for role, rows in parts:
+                if role is None or role in self.path_of or (role in _ROLE.values() and role not in (
+                        _ATTN_ROLES if kind == "attn" else _MLP_ROLES)):
+                    raise _cfg_error(f"{self.arch}: linear layer {path!r} of the decoder layer has no EXL2 role")
+                self.path_of[role], self.kind_of[role], self.child_of[role] = path, kind, child
+                self.key_of[role] = f"{parent}.{role}" if rows is not None else path
+                if rows is not None:
+                    self.part_of[role] = rows
+        others = [n for n, p in layer.named_parameters() if p.dim() >= 3]
+        if others:
+            raise _cfg_error(f"{self.arch}: the decoder layer holds fused expert parameters ({others[0]}); mixture-"
+                             "of-experts blocks are not calibrated yet")
+        order = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
+        self.names = {k: tuple(r for r in order if r in self.path_of and self.kind_of[r] == k)
+                      for k in ("attn", "mlp")}
+        if not self.names["attn"] or not self.names["mlp"]:
+            raise _cfg_error(f"{self.arch}: expected attention and MLP linears in the decoder layer")
+
+    @staticmethod
+    def _split(leaf: str, mod: nn.Linear, c) -> list | None:
+        """Phi-3's fused projections as EXL2 stores them, split: ``qkv_proj`` -> q/k/v rows, ``gate_up_proj`` ->
+        gate (first half) and up (second half)."""
+        if leaf == "qkv_proj":
+            heads, kv = int(c.num_attention_heads), int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+            hd = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+            q, k = heads * hd, kv * hd
+            if q + 2 * k != mod.out_features:
+                return None
+            return [("q_proj", (0, q)), ("k_proj", (q, q + k)), ("v_proj", (q + k, q + 2 * k))]
+        if leaf == "gate_up_proj" and mod.out_features % 2 == 0:
+            half = mod.out_features // 2
+            return [("gate_proj", (0, half)), ("up_proj", (half, 2 * half))]
+        return None
+
+    def source_keys(self, i: int) -> list[str]:
+        """Checkpoint keys (without ``.weight``/``.bias``) of the source modules that layer ``i``'s quantized
+        linears replace (the fused module itself when it is written split)."""
+        return sorted({f"{self.layer_prefix(i)}.{self.path_of[n]}" for n in self.path_of})
+
+    def layer_prefix(self, i: int) -> str:
+        return f"{self.layers_path}.{i}"
+
+    def linear_key(self, i: int, name: str) -> str:
+        return f"{self.layer_prefix(i)}.{self.key_of[name]}"
+
+    def linear_names(self, kind: str) -> tuple[str, ...]:
+        return self.names[kind]
+
+    def linear_shape(self, name: str) -> tuple[int, int]:
+        """(N out_features, K in_features) of the linear ``name`` (layer 0's; layers are uniform)."""
+        m = self.layers[0].get_submodule(self.path_of[name])
+        a, b = self.part_of.get(name, (0, m.out_features))
+        return int(b - a), int(m.in_features)
+
+    def has_bias(self, name: str) -> bool:
+        return self.layers[0].get_submodule(self.path_of[name]).bias is not None
+
+    def groups(self, kind: str) -> list[tuple[str, ...]]:
+        """The linears of a block grouped by shared input, in the order the forward runs them."""
+        return self.structure.groups[kind]
+
+    def owner(self, name: str) -> str:
+        for g in self.structure.groups[self.kind_of[name]]:
+            if name in g:
+                return g[0]
+        raise KeyError(name)
+
+    # --- weights --------------------------------------------------------------------------------------
+    def check_weights(self) -> None:
+        """Every parameter of every decoder layer, the embeddings, final norm and head exist with the shapes
+        transformers builds from the config (``TENSOR_NOT_FOUND`` / ``CONFIG_MISMATCH`` naming the tensor)."""
+        want: dict[str, tuple] = {}
+        for i, layer in enumerate(self.layers):
+            for n, p in layer.named_parameters():
+                want[f"{self.layer_prefix(i)}.{n}"] = tuple(p.shape)
+        for n, p in self.norm_module.named_parameters():
+            want[f"{self.norm_path}.{n}"] = tuple(p.shape)
+        want[self.embed_name] = tuple(self.embed_module.weight.shape)
+        if not self.tied:
+            want["lm_head.weight"] = tuple(self.head_module.weight.shape)
+        for name, shape in want.items():
+            if not self.src.has(name):
+                raise Exl2Error(ErrorCode.TENSOR_NOT_FOUND, f"the {self.arch} model needs this tensor, found none",
+                                file=self.src.where, tensor=name)
+            found = self.src.shape(name)
+            if found != shape:
+                raise Exl2Error(ErrorCode.CONFIG_MISMATCH, f"config.json implies shape {list(shape)}, found "
+                                f"{list(found)}", file=self.src.where, tensor=name)
+
+    def _materialize(self, module: nn.Module, prefix: str, device: torch.device) -> list:
+        """Load ``module``'s parameters from the checkpoint (float32 on ``device``); returns what ``_free``
+        needs to put the meta parameters back."""
+        saved = []
+        for n, p in list(module.named_parameters()):
+            owner, _, leaf = n.rpartition(".")
+            sub = module.get_submodule(owner) if owner else module
+            t = self.src.get(f"{prefix}.{n}", torch.float32, device)
+            saved.append((sub, leaf, sub._parameters[leaf]))
+            sub._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+        return saved
+
+    @staticmethod
+    def _free(saved: list) -> None:
+        for sub, leaf, meta in saved:
+            sub._parameters[leaf] = meta
+
+    # --- inputs of the decoder layers -----------------------------------------------------------------
+    def _layer_kwargs(self, B: int, T: int, device: torch.device) -> list[tuple[tuple, dict]]:
+        """Per decoder layer, the extra (args, kwargs) transformers passes it for a [B, T] batch."""
+        key = (B, T, str(device))
+        hit = self._kw_cache.get(key)
+        if hit is not None:
+            return hit
+        records: list = []
+        n = self.num_layers
+
+        def make(i):
+            def stub(*args, **kwargs):
+                kwargs.pop("hidden_states", None)
+                records.append((tuple(args[1:]), dict(kwargs)))
+                if i == n - 1:
+                    raise _Stop
+                return args[0] if args else torch.zeros(B, T, self.hidden_size)
+            return stub
+
+        for i, layer in enumerate(self.layers):
+            layer.forward = make(i)
+        try:
+            with torch.no_grad():
+                self.base(inputs_embeds=torch.zeros(B, T, self.hidden_size, device=device), use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            for layer in self.layers:
+                del layer.forward
+        if len(records) != n:
+            raise _cfg_error(f"{self.arch}: the base model called {len(records)} of {n} decoder layers")
+        out = [(a, {k: v for k, v in kw.items() if k not in ("past_key_values", "cache", "past_key_value")})
+               for a, kw in records]
+        out = [( _to_device(a, device), _to_device(kw, device)) for a, kw in out]
+        if len(self._kw_cache) >= 2:          # a full batch and the smaller last one
+            self._kw_cache.pop(next(iter(self._kw_cache)))
+        self._kw_cache[key] = out
+        return out
+
+    def embed(self, ids: torch.Tensor, device: "torch.device | str | None" = None) -> torch.Tensor:
+        """The first decoder layer's input for token ids int64 [B, T]: float32 [B, T, hidden], computed by the
+        model's own embedding path.  Ids outside 0..vocab-1 read row 0 (as ExLlamaV2's quantizer does)."""
+        ids = torch.as_tensor(ids)
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise Exl2Error(ErrorCode.USAGE, f"expected token ids int [rows, length], found {ids.dtype} "
+                            f"{list(ids.shape)}")
+        dev = torch.device(device) if device is not None else self.device
+        ids = ids.to(dtype=torch.int64)
+        ids = torch.where((ids >= 0) & (ids < self.vocab_size), ids, torch.zeros_like(ids))
+        # only the rows that occur are widened to float32 (a 128k x 8192 table is 4 GiB in float32)
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        table = self.src.get(self.embed_name, self.src.stored_dtype(self.embed_name))
+        rows = table[uniq].to(device=dev, dtype=torch.float32)
+        del table
+        emb = self.embed_module
+        saved_w, saved_pad = emb._parameters["weight"], emb.padding_idx
+        emb._parameters["weight"] = nn.Parameter(rows, requires_grad=False)
+        emb.padding_idx = None
+        got: list = []
+        first = self.layers[0]
+
+        def stub(*args, **kwargs):
+            got.append(args[0] if args else kwargs["hidden_states"])
+            raise _Stop
+
+        first.forward = stub
+        try:
+            with torch.no_grad():
+                self.base(input_ids=inv.view_as(ids).to(dev), use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            del first.forward
+            emb._parameters["weight"], emb.padding_idx = saved_w, saved_pad
+        return got[0].float()
+
+    # --- layers ---------------------------------------------------------------------------------------
+    def runner(self, i: int, device: "torch.device | str | None" = None) -> "_LayerRunner":
+        """Decoder layer ``i`` with its weights materialized (the previous layer's are freed)."""
+        dev = torch.device(device) if device is not None else self.device
+        if self._runner is not None and self._runner.i == i and self._runner.device == dev:
+            return self._runner
+        self.release()
+        self._runner = _LayerRunner(self, i, dev)
+        return self._runner
+
+    def release(self) -> None:
+        if self._runner is not None:
+            self._runner.free()
+            self._runner = None
+
+    def block(self, i: int, kind: str, batches: list[slice], device=None) -> "LayerBlock":
+        return LayerBlock(self.runner(i, device), kind, batches)
+
+    def _probe(self) -> _Structure:
+        """Run layer 0 on a few random tokens and record its structure."""
+        r = _LayerRunner(self, 0, self.device)
+        try:
+            g = torch.Generator().manual_seed(0)
+            T = 4
+            h = torch.randn(1, T, self.hidden_size, generator=g).to(self.device)
+            args, kw = self._layer_kwargs(1, T, self.device)[0]
+            calls: list = []          # (name, input tensor) in call order
+            child_out: dict = {}
+            child_order: list = []
+            hooks = []
+            for name in self.path_of:
+                mod = r.layer.get_submodule(self.path_of[name])
+                def pre(m, a, _n=name):
+                    calls.append((_n, a[0]))
+                hooks.append(mod.register_forward_pre_hook(pre))
+            for cname, child in r.layer.named_children():
+                def before(m, a, kw_, _c=cname):
+                    child_order.append(("in", _c, a[0] if a else kw_.get("hidden_states")))
+                hooks.append(child.register_forward_pre_hook(before, with_kwargs=True))
+
+                def after(m, a, o, _c=cname):
+                    child_order.append(("out", _c, None))
+                    child_out[_c] = _first(o)
+                hooks.append(child.register_forward_hook(after))
+            try:
+                with torch.no_grad():
+                    r.layer(h, *args, **kw)
+            finally:
+                for hk in hooks:
+                    hk.remove()
+        finally:
+            r.free()
+        # group by input identity: linears fed the same tensor share one Hessian
+        groups = {"attn": [], "mlp": []}
+        reps: list = []       # (input tensor, kind, group index)
+        for name, x in calls:
+            kind = self.kind_of[name]
+            if any(name in grp for grp in groups[kind]):
+                continue
+            for y, kd, gi in reps:
+                if y is x and kd == kind:
+                    groups[kind][gi] = groups[kind][gi] + (name,)
+                    break
+            else:
+                reps.append((x, kind, len(groups[kind])))
+                groups[kind].append((name,))
+        missing = [n for n in self.path_of if not any(n in grp for k in groups for grp in groups[k])]
+        if missing:
+            raise _cfg_error(f"{self.arch}: the probe forward never ran {missing[0]}")
+        attn_child = self.child_of[self.names["attn"][0]]
+        mlp_child = self.child_of[self.names["mlp"][0]]
+        # the norm in front of the MLP: the child whose output the MLP receives, run after attention finished
+        mlp_in = next((x for ev, c, x in child_order if ev == "in" and c == mlp_child), None)
+        attn_done = next((k for k, (ev, c, _) in enumerate(child_order) if ev == "out" and c == attn_child), None)
+        mid = None
+        for k, (ev, c, _) in enumerate(child_order):
+            if ev == "in" and c not in (attn_child, mlp_child) and child_out.get(c) is mlp_in and mlp_in is not None:
+                if attn_done is not None and k > attn_done:
+                    mid = c
+                break
+        return _Structure(groups=groups, mid_norm=mid, attn_child=attn_child, mlp_child=mlp_child)
+
+    # --- head -----------------------------------------------------------------------------------------
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm: h float [..., hidden] -> float [..., hidden] (the head's input)."""
+        if not hasattr(self, "_norm_saved"):
+            self._norm_saved = self._materialize(self.norm_module, self.norm_path, h.device)
+            self._norm_device = h.device
+        elif self._norm_device != h.device:
+            self._free(self._norm_saved)
+            self._norm_saved = self._materialize(self.norm_module, self.norm_path, h.device)
+            self._norm_device = h.device
+        with torch.no_grad():
+            return self.norm_module(h)
+
+    def dense_head(self, device) -> Linear:
+        b = self.src.get("lm_head.bias", torch.float32, device) if self.src.has("lm_head.bias") else None
+        return dense_linear(self.src.get(self.head_name, torch.float32, device), b)
+
+    def head_bias(self, device):
+        return self.src.get("lm_head.bias", torch.float32, device) if self.src.has("lm_head.bias") else None
+
+    def postprocess_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The scaling that the causal-LM class applies after its head (Cohere's logit_scale, Granite's
+        logits_scaling, Gemma 2/3's final soft-capping)."""
+        c = self.hf_config
+        if getattr(c, "logit_scale", None) is not None and self.arch.startswith("cohere"):
+            logits = logits * c.logit_scale
+        if getattr(c, "logits_scaling", None) is not None and self.arch.startswith("granite"):
+            logits = logits / c.logits_scaling
+        cap = getattr(c, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def logits(self, h: torch.Tensor, head: Linear | None = None) -> torch.Tensor:
+        """h float [..., hidden] (the last layer's output) -> logits float32 [..., vocab]."""
+        x = self.final_norm(h)
+        head = head or self.dense_head(h.device)
+        return self.postprocess_logits(head(x)).float()
+
+    def forward(self, ids: torch.Tensor, linears_for_layer: Callable[[str], Linear | None] | None = None,
+                device: "torch.device | str | None" = None) -> torch.Tensor:
+        """The whole model: ids int64 [B, T] -> logits float32 [B, T, vocab], one layer's weights at a time.
+        ``linears_for_layer(key)`` may supply a substitute for any linear by its checkpoint key
+        (``model.layers.{i}.self_attn.q_proj``, ..., ``lm_head``)."""
+        dev = torch.device(device) if device is not None else self.device
+        h = self.embed(ids, dev)
+        get = linears_for_layer or (lambda key: None)
+        B, T = h.shape[:2]
+        for i in range(self.num_layers):
+            r = self.runner(i, dev)
+            subs = {n: f for n in self.path_of if (f := get(self.linear_key(i, n))) is not None}
+            h = r.forward(h, subs, B_T=(B, T))
+        self.release()
+        return self.logits(h, get("lm_head"))
+
+
+class _LayerRunner:
+    """One decoder layer with real weights on ``device``."""
+
+    def __init__(self, eng: HFModel, i: int, device: torch.device):
+        self.eng, self.i, self.device = eng, i, device
+        self.layer = eng.layers[i]
+        self.saved = eng._materialize(self.layer, eng.layer_prefix(i), device)
+        self.attn_cache: list | None = None
+
+    def free(self) -> None:
+        self.eng._free(self.saved)
+        self.saved = []
+        self.attn_cache = None
+
+    def module(self, name: str) -> nn.Linear:
+        return self.layer.get_submodule(self.eng.path_of[name])
+
+    def weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        out = {}
+        for n in self.eng.path_of:
+            m = self.module(n)
+            w, b = m.weight.data, None if m.bias is None else m.bias.data
+            if n in self.eng.part_of:
+                a, e = self.eng.part_of[n]
+                w, b = w[a:e].clone(), None if b is None else b[a:e].clone()
+            out[n] = (w, b)
+        return out
+
+    def forward(self, h: torch.Tensor, subs: Mapping[str, Linear] | None = None, capture: dict | None = None,
+                stop_mid: bool = False, replay_attn: Any = None, record_attn: list | None = None,
+                B_T: tuple | None = None) -> torch.Tensor:
+        """Run the layer on h float [B, T, hidden] with ``subs`` (name -> Linear) swapped in; ``capture`` receives
+        the inputs of the linears (name -> float [B, T, K]); ``stop_mid`` returns the residual stream between
+        attention and MLP instead of the layer's output; ``replay_attn`` is a recorded result of the attention
+        module to use instead of running it; ``record_attn`` (a list) receives the attention module's result."""
+        eng = self.eng
+        B, T = h.shape[:2]
+        args, kw = eng._layer_kwargs(B, T, h.device)[self.i]
+        patched: list = []
+        hooks: list = []
+        by_module: dict = {}
+        for n in eng.path_of:
+            by_module.setdefault(eng.path_of[n], []).append(n)
+        for path, names in by_module.items():
+            mod = self.layer.get_submodule(path)
+            fns = [(subs or {}).get(n) for n in names]
+            if all(f is None for f in fns) and capture is None:
+                continue
+            parts = [eng.part_of.get(n) for n in names]
+
+            def fwd(x, _fns=fns, _names=names, _mod=mod, _parts=parts):
+                ys = []
+                for f, n, rows in zip(_fns, _names, _parts):
+                    if capture is not None:
+                        capture[n] = x
+                    if f is not None:
+                        ys.append(f(x))
+                    elif rows is None:
+                        ys.append(F.linear(x, _mod.weight, _mod.bias))
+                    else:
+                        a, e = rows
+                        ys.append(F.linear(x, _mod.weight[a:e], None if _mod.bias is None else _mod.bias[a:e]))
+                return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+            mod.forward = fwd
+            patched.append(mod)
+        attn = self.layer.get_submodule(eng.structure.attn_child)
+        if replay_attn is not None:
+            attn.forward = lambda *a, **k: replay_attn
+            patched.append(attn)
+        elif record_attn is not None:
+            def rec(m, a, o):
+                record_attn.append(o)
+            hooks.append(attn.register_forward_hook(rec))
+        got: list = []
+        if stop_mid and eng.structure.mid_norm is not None:
+            def stop(m, a, kw_):
+                got.append(a[0] if a else kw_["hidden_states"])
+                raise _Stop
+            hooks.append(self.layer.get_submodule(eng.structure.mid_norm).register_forward_pre_hook(
+                stop, with_kwargs=True))
+        try:
+            with torch.no_grad():
+                out = _first(self.layer(h, *args, **kw))
+        except _Stop:
+            out = got[0]
+        finally:
+            for m in patched:
+                del m.forward
+            for hk in hooks:
+                hk.remove()
+        return out
+
+
+class LayerBlock:
+    """The attention or MLP half of a decoder layer over all calibration rows in batches.
+
+    ``sweep(h, linears, hessians, out)`` takes the *layer's* input h float [rows, T, hidden] for both halves: the
+    attention half returns the residual stream after attention (the whole layer's output for parallel-residual
+    layers); the MLP half returns the layer's output with the attention result replayed from what the last
+    ``sweep(..., record=True)`` of the attention half recorded."""
+
+    def __init__(self, runner: _LayerRunner, kind: str, batches: list[slice]):
+        self.r, self.kind, self.batches = runner, kind, batches
+        self.names = runner.eng.linear_names(kind)
+
+    def owner(self, name: str) -> str:
+        """The linear whose input Hessian ``name`` shares (the first of its group)."""
+        return self.r.eng.owner(name)
+
+    def weights(self, device=None) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        w = self.r.weights()
+        return {n: w[n] for n in self.names}
+
+    def sweep(self, h: torch.Tensor, linears: Mapping[str, Linear] | None, hessians: dict | None = None,
+              out: torch.Tensor | None = None, record: bool = False) -> torch.Tensor:
+        y = out if out is not None else torch.empty_like(h)
+        if self.kind == "attn" and record:
+            self.r.attn_cache = []
+        for bi, sl in enumerate(self.batches):
+            cap = {} if hessians else None
+            if self.kind == "attn":
+                y[sl] = self.r.forward(h[sl], linears, cap, stop_mid=True,
+                                       record_attn=self.r.attn_cache if record else None)
+            else:
+                if self.r.attn_cache is None:
+                    raise RuntimeError("the MLP half needs a recorded attention sweep of the same layer first")
+                y[sl] = self.r.forward(h[sl], linears, cap, replay_attn=self.r.attn_cache[bi])
+            if hessians:
+                for owner, acc in hessians.items():
+                    acc.add(cap[owner])
+        return y
+
+    def next_input(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The input of the next block: the same layer input after the attention half, y after the MLP half."""
+        return h if self.kind == "attn" else y
+
+    def advance_reference(self, h: torch.Tensor) -> torch.Tensor:
+        """The FP16 model's hidden state through this block (whole dense layer at the MLP half)."""
+        if self.kind == "attn":
+            return h
+        y = torch.empty_like(h)
+        for sl in self.batches:
+            y[sl] = self.r.forward(h[sl])
+        return y

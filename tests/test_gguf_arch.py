@@ -1,0 +1,258 @@
+"""The GGUF bridge per architecture (issue 15) against llama.cpp's own converter, and GGUF -> HF (issue 12.11).
+
+Oracles:
+* the golden GGUF files in spec/vectors/gguf/, written by llama.cpp's ``convert_hf_to_gguf.py`` (commit and
+  command in MANIFEST.json / README.md there) from ``tiny_hf.make_tiny`` models; ours must have the same
+  metadata keys, value types and values (except our two provenance keys), the same tensors in the same order,
+  the same ggml types, shapes and data bytes (``gguf_diff``, read with ``gguf.GGUFReader`` only);
+* transformers' tokenizer on the source directory for the rebuilt tokenizer's ids (BOS/EOS included);
+* the source safetensors for the f16 round trip HF -> GGUF -> HF (bit for bit).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+from gguf_diff import gguf_diff  # noqa: E402
+from tiny_hf import make_tiny  # noqa: E402
+
+from exl2fmt.converters import convert  # noqa: E402
+
+GOLD = Path(__file__).resolve().parents[1] / "spec" / "vectors" / "gguf"
+MANIFEST = json.loads((GOLD / "MANIFEST.json").read_text())
+#: keys only exl2fmt writes (provenance); everything else must equal llama.cpp's
+OURS_ONLY = ("general.quantized_by", "general.source.format")
+#: documented deliberate differences per architecture (spec/vectors/gguf/README.md)
+DELIBERATE = {"gemma": ("tokenizer.ggml.prefix_token_id", "tokenizer.ggml.suffix_token_id",
+                        "tokenizer.ggml.middle_token_id", "tokenizer.ggml.fsep_token_id",
+                        "tokenizer.ggml.eot_token_id")}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    cache: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in cache:
+            tok = next(v["tokenizer"] for v in MANIFEST.values() if v["arch"] == arch)
+            cache[arch] = make_tiny(arch, root / f"tiny-{arch}", tokenizer=tok)
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("golden", sorted(MANIFEST))
+def test_matches_llama_cpp_converter(golden, tiny, tmp_path):
+    m = MANIFEST[golden]
+    src = tiny(m["arch"])
+    out = tmp_path / golden
+    convert(src, out, to="gguf", gguf_type=m["type"])
+    diffs = gguf_diff(GOLD / golden, out, ignore=OURS_ONLY + DELIBERATE.get(m["arch"], ()))
+    assert diffs == [], "\n".join(diffs)
+
+
+def test_golden_differs_when_a_byte_differs(tiny, tmp_path):
+    """The comparison can fail: one flipped data byte and one changed metadata value are both reported."""
+    name = "llama-f16.gguf"
+    blob = bytearray((GOLD / name).read_bytes())
+    r = gguf.GGUFReader(str(GOLD / name))
+    t = r.tensors[0]
+    blob[int(t.data_offset) + 3] ^= 1
+    p = tmp_path / "x.gguf"
+    p.write_bytes(bytes(blob))
+    diffs = gguf_diff(GOLD / name, p)
+    assert any(t.name in d and "bytes differ" in d for d in diffs)
+
+
+#: round trips run in the default suite for these (one per kind of quirk); the others are marked slow
+_ROUND_TRIP_FAST = ("llama", "gemma3_text", "mixtral", "qwen2_moe", "starcoder2")
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=() if a in _ROUND_TRIP_FAST else pytest.mark.slow)
+                                  for a in sorted({v["arch"] for v in MANIFEST.values()})])
+def test_f16_round_trip_is_bit_exact(arch, tiny, tmp_path):
+    from safetensors.numpy import load_file
+
+    src = tiny(arch)
+    g = tmp_path / "m.gguf"
+    convert(src, g, to="gguf", gguf_type="f16")
+    back = tmp_path / "back"
+    convert(g, back, to="fp16")
+    a = load_file(str(src / "model.safetensors"))
+    b = {}
+    for f in sorted(back.glob("*.safetensors")):
+        b.update(load_file(str(f)))
+    cfg_src = json.loads((src / "config.json").read_text())
+    if cfg_src.get("tie_word_embeddings"):
+        b.pop("lm_head.weight", None)
+    assert sorted(a) == sorted(b)
+    from exl2fmt.converters.gguf_arch import SPECS
+
+    offset = SPECS[arch].norm_offset
+    moved = {}
+    for k in a:
+        want = a[k]
+        if offset and k.endswith("norm.weight"):
+            # llama.cpp's Gemma norms hold fp16(w + 1) (rounded in the source dtype); back is that minus 1
+            want = moved[k] = ((want.astype(np.float32) + offset).astype(np.float16).astype(np.float32) - offset
+                               ).astype(np.float16)
+        assert np.array_equal(want.view(np.uint16), b[k].view(np.uint16)), k
+    cfg = json.loads((back / "config.json").read_text())
+    # GGUF records the llama.cpp architecture only: a Mistral comes back as the Llama it computes like
+    assert cfg["model_type"] == {"mistral": "llama"}.get(arch, arch)
+    import transformers
+
+    # the rebuilt directory loads in transformers as the source architecture and gives the source's logits
+    ids = np.array([[1, 5, 9, 200, 17, 3]])
+    import torch
+
+    m_src = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    m_back = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
+    if moved:  # the reference is the source with exactly those norm values: the config must do the rest
+        params = dict(m_src.named_parameters())
+        with torch.no_grad():
+            for k, v in moved.items():
+                params[k].copy_(torch.from_numpy(v.astype(np.float32)))
+    with torch.no_grad():
+        la = m_src(torch.from_numpy(ids)).logits
+        lb = m_back(torch.from_numpy(ids)).logits
+    assert torch.equal(la, lb)
+
+
+@pytest.mark.parametrize("arch,style,adds_bos", [("llama", "llama3", True), ("qwen2", "bpe", False)])
+def test_rebuilt_tokenizer_gives_the_source_ids(arch, style, adds_bos, tmp_path):
+    """Issue 12.11: GGUF -> HF keeps BOS handling (Llama 3 adds <|begin_of_text|>, Qwen adds nothing)."""
+    from transformers import AutoTokenizer
+
+    src = make_tiny(arch, tmp_path / "src", tokenizer=style)
+    g = tmp_path / "m.gguf"
+    convert(src, g, to="gguf", gguf_type="f16")
+    r = gguf.GGUFReader(str(g))
+    assert r.get_field("tokenizer.ggml.add_bos_token") is not None or not adds_bos
+    back = tmp_path / "back"
+    convert(g, back, to="fp16")
+    a, b = AutoTokenizer.from_pretrained(src), AutoTokenizer.from_pretrained(back)
+    texts = ["Hello world, the quick brown fox.", " two  spaces\nand a newline 0123 ", "router gate expert"]
+    for t in texts:
+        ia, ib = a(t)["input_ids"], b(t)["input_ids"]
+        assert ia == ib, t
+        assert (ia[0] == a.bos_token_id) is adds_bos
+        assert a(t, add_special_tokens=False)["input_ids"] == b(t, add_special_tokens=False)["input_ids"]
+        assert a(t, "second part")["input_ids"] == b(t, "second part")["input_ids"]
+        assert b.decode(ib, skip_special_tokens=True) == a.decode(ia, skip_special_tokens=True)
+    assert (a.bos_token, a.eos_token) == (b.bos_token, b.eos_token)
+    assert json.loads((back / "special_tokens_map.json").read_text()).get("eos_token") == a.eos_token
+
+
+#: architectures whose GGUF files transformers' own loader (transformers.integrations.ggml, 5.x) rebuilds
+#: completely.  It also lists qwen3, qwen2_moe, qwen3_moe, gemma2, gemma3 and starcoder2, but its config mapping
+#: drops keys those need (qwen3/qwen3_moe: attention.key_length -> head_dim, so the default 128 is used;
+#: gemma2/3: query_pre_attn_scalar and the sliding-window layout), so it cannot load these tiny models (nor
+#: llama.cpp's own goldens of them, which our files equal byte for byte) as the source model.
+TRANSFORMERS_GGUF = ("llama", "qwen2")
+
+
+@pytest.mark.parametrize("arch", [a for a in TRANSFORMERS_GGUF if any(v["arch"] == a for v in MANIFEST.values())])
+def test_transformers_gguf_loader_gives_the_source_logits(arch, tiny, tmp_path):
+    """transformers' GGUF loader (its own name table, reverse permutation, expert split and norm shift) on our
+    F16 file gives the logits of the FP16 source (for Gemma: of the source with the fp16(w + 1) - 1 norms
+    the format holds)."""
+    import torch
+    import transformers
+    from safetensors.numpy import load_file
+
+    from exl2fmt.converters.gguf_arch import SPECS
+
+    src = tiny(arch)
+    d = tmp_path / "g"
+    d.mkdir()
+    convert(src, d / "m.gguf", to="gguf", gguf_type="f16")
+    m_g = transformers.AutoModelForCausalLM.from_pretrained(str(d), gguf_file="m.gguf", dtype=torch.float32).eval()
+    m_s = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    off = SPECS[arch].norm_offset
+    if off:
+        a = load_file(str(src / "model.safetensors"))
+        params = dict(m_s.named_parameters())
+        with torch.no_grad():
+            for k, v in a.items():
+                if k.endswith("norm.weight"):
+                    moved = (v.astype(np.float32) + off).astype(np.float16).astype(np.float32) - off
+                    params[k].copy_(torch.from_numpy(moved.astype(np.float16).astype(np.float32)))
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3]])
+    with torch.no_grad():
+        lg, ls = m_g(ids).logits, m_s(ids).logits
+    assert lg.shape == ls.shape
+    assert torch.allclose(lg, ls, rtol=0, atol=1e-5 * float(ls.abs().max())), float((lg - ls).abs().max())
+
+
+@pytest.mark.parametrize("golden", ["llama-f16.gguf", "llama-q8_0.gguf"])
+def test_chunked_streaming_writes_the_same_bytes(golden, tiny, tmp_path, monkeypatch):
+    """Plain tensors are converted and written a few rows at a time (peak memory: a chunk, not the tensor);
+    with chunks of 1 KiB every 2-D tensor is split into many pieces and the file still equals llama.cpp's."""
+    from exl2fmt.converters import gguf_write
+
+    monkeypatch.setattr(gguf_write, "_CHUNK_BYTES", 1024)
+    m = MANIFEST[golden]
+    out = tmp_path / golden
+    convert(tiny(m["arch"]), out, to="gguf", gguf_type=m["type"])
+    assert gguf_diff(GOLD / golden, out, ignore=OURS_ONLY) == []
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gemma2"])
+def test_gptq_source_equals_its_fp16_reconstruction(arch, tiny, tmp_path):
+    """GPTQ -> GGUF writes what GPTQ -> FP16 -> GGUF writes (experts reconstructed and stacked, Gemma's norm
+    offset applied to the unquantized norms): every tensor byte and every metadata key but the source format."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from exl2fmt.converters.gptq_quant import gptq_layer_tensors, rtn_quantize
+
+    src = tiny(arch)
+    q = tmp_path / f"tiny-{arch}"  # same directory name: general.name is derived from it
+    shutil.copytree(src, q)
+    t = load_file(str(src / "model.safetensors"))
+    out = {}
+    for n, a in t.items():
+        if n.endswith("_proj.weight") or n.endswith((".w1.weight", ".w2.weight", ".w3.weight")):
+            c, s, z, g = rtn_quantize(a.astype(np.float16), 4, 32, sym=True)
+            for slot, arr in gptq_layer_tensors(c, s, z, g, 4).items():
+                out[f"{n[:-7]}.{slot}"] = arr
+        else:
+            out[n] = a
+    save_file(out, str(q / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True,
+                                  "desc_act": False}
+    (q / "config.json").write_text(json.dumps(cfg))
+    direct = tmp_path / "direct.gguf"
+    convert(q, direct, to="gguf", gguf_type="f16")
+    dense = tmp_path / "dense" / f"tiny-{arch}"
+    convert(q, dense, to="fp16")
+    for f in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (q / f).is_file() and not (dense / f).is_file():
+            shutil.copy(q / f, dense / f)
+    via = tmp_path / "via.gguf"
+    convert(dense, via, to="gguf", gguf_type="f16")
+    assert gguf_diff(via, direct, ignore=OURS_ONLY) == []
+
+
+def test_goldens_are_small_and_listed():
+    """Every golden is in MANIFEST.json with its sha256 and the llama.cpp commit; the set stays a few MB."""
+    import hashlib
+
+    files = sorted(p.name for p in GOLD.glob("*.gguf"))
+    assert files == sorted(MANIFEST)
+    for name in files:
+        m = MANIFEST[name]
+        assert hashlib.sha256((GOLD / name).read_bytes()).hexdigest() == m["sha256"], name
+        assert len(m["llama_cpp_commit"]) == 40 and m["command"].startswith("python convert_hf_to_gguf.py")
+    assert sum((GOLD / n).stat().st_size for n in files) < 5_000_000

@@ -1,0 +1,73 @@
+"""Tiny random decoder models per architecture, made with transformers' own config classes (no hub).
+
+``make_tiny(arch, directory)`` saves a seeded random fp16 model (2 layers, hidden 64) with ``save_pretrained`` and
+returns the directory; ``ARCHS`` lists the architectures and the config overrides that exercise what is special
+about each (sliding windows, Gemma 2's soft-capping and extra norms, Granite's multipliers, Cohere's parallel
+block, Starcoder2's biased non-gated MLP).  Shared by the quantizer's and the validator's tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=160, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+
+#: model_type -> (config class name in transformers, overrides of BASE)
+ARCHS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 8}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {}),
+    "gemma": ("GemmaConfig", {}),
+    "gemma2": ("Gemma2Config", {"sliding_window": 8, "query_pre_attn_scalar": 16, "final_logit_softcapping": 5.0,
+                                "attn_logit_softcapping": 20.0}),
+    "cohere": ("CohereConfig", {"logit_scale": 0.5}),
+    "granite": ("GraniteConfig", {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 2.0,
+                                  "attention_multiplier": 0.2}),
+    "starcoder2": ("Starcoder2Config", {"sliding_window": 8}),
+    "phi3": ("Phi3Config", {}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "decoder_sparse_step": 1}),
+    # decoder-only architectures outside ExLlamaV2's list, calibrated with a warning (Olmo2: post-norms only)
+    "olmo2": ("Olmo2Config", {}),
+    "stablelm": ("StableLmConfig", {}),
+}
+
+#: architectures ExLlamaV2 does not load whose layers the engine drives all the same
+OTHER = ("olmo2", "stablelm")
+
+#: the architectures the calibrated quantizer handles today (dense decoder layers of nn.Linear; Phi-3 fused)
+DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite", "starcoder2", "phi3")
+
+
+def make_config(arch: str, **overrides):
+    import transformers
+
+    cls_name, extra = ARCHS[arch]
+    return getattr(transformers, cls_name)(**{**BASE, **extra, **overrides})
+
+
+def make_tiny(arch: str, directory: "str | Path", seed: int = 0, std: float = 0.05, **overrides) -> Path:
+    """Save a seeded random fp16 ``arch`` model in ``directory`` (created) and return it.  Weights are drawn
+    N(0, std) (norm weights around their neutral value), so activations are not vanishingly small."""
+    import torch
+    import transformers
+
+    cfg = make_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                neutral = 0.0 if arch.startswith("gemma") or name.endswith("bias") else 1.0
+                p.copy_(neutral + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float16).save_pretrained(d)
+    return d
