@@ -470,10 +470,12 @@ def _write_measurement_file(path: Path, spec, measured: dict, options_of) -> Non
     """ExLlamaV2's ``measurement.json`` from ``measured`` {block key: [[option index, bits, accuracy]]}: each
     row's ``total_bits`` is this model's exact cost of the setting, the rows in ascending cost
     (``qparams.write_measurement``), ``last_module_idx`` counted as ExLlamaV2 counts modules."""
-    from .qparams import Option, exllamav2_last_module_idx, write_measurement
+    from .qparams import Option, exllamav2_last_module_idx, measurement_key, write_measurement
 
     rows_by_key = {}
-    for key, rows in measured.items():
+    order = [measurement_key(spec.layer_prefix(i), k) for i, k in _blocks(spec)]  # block order, however the
+    for key in [k for k in order if k in measured] + [k for k in measured if k not in order]:  # run was resumed
+        rows = measured[key]
         kind = "attn" if key.endswith("self_attn") else "mlp"
         opts = options_of(kind)
         out = []
