@@ -695,14 +695,25 @@ def _metadata(w, arch, hp, cfg, layer_t, model, items, report) -> None:
     from .. import __version__
 
     w.add_string("general.quantized_by", f"exl2fmt {__version__}")
-    _card_metadata(w, cfg, model, layer_t, report)
+    if report.source_format != "dense":
+        # A dense source gets exactly the general.* block llama.cpp's converter derives from its card (above), so
+        # the file stays byte-identical with llama.cpp's (spec/vectors/gguf/).  A quantized EXL2/GPTQ source has
+        # no such counterpart: its card's facts are added where the card did not already give them.
+        _card_metadata(w, cfg, model, layer_t, report, meta)
 
 
-def _card_metadata(w, cfg, model, layer_t, report) -> None:
-    """The model card of a GGUF output, as general.* metadata (``exl2fmt.modelcard.gguf_card_metadata``)."""
+def _card_metadata(w, cfg, model, layer_t, report, meta) -> None:
+    """The model card of a GGUF output, as general.* metadata (``exl2fmt.modelcard.gguf_card_metadata``), for the
+    keys ``meta`` (gguf.Metadata from the source's card) left unset."""
     from ..modelcard import gguf_card_metadata
 
+    given = {"general.base_model": bool(getattr(meta, "base_models", None)),
+             "general.license": bool(getattr(meta, "license", None)),
+             "general.tags": bool(getattr(meta, "tags", None)),
+             "general.description": bool(getattr(meta, "description", None))}
     for key, kind, value in gguf_card_metadata(model.root, cfg, report.source_format, layer_t):
+        if any(key.startswith(k) and v for k, v in given.items()):
+            continue
         if kind == "u32":
             w.add_uint32(key, value)
         elif kind == "strs":

@@ -509,15 +509,25 @@ def test_repacked_output_gets_its_own_card_and_only_model_files(sample, tmp_path
     assert (tmp_path / "f" / "README.md").read_text() == "---\nlicense: mit\n---\n# the EXL2 card\n"
 
 
-def test_gguf_output_carries_its_card_as_general_metadata(mini, tmp_path):
+def test_gguf_output_carries_its_card_as_general_metadata(sample, mini, tmp_path):
+    import shutil
+
     gguf = pytest.importorskip("gguf")
     from exl2fmt.converters import convert
 
-    src, _ = mini
+    src = tmp_path / "src"                       # a quantized (EXL2) source: its card goes into general.*
+    shutil.copytree(sample, src)
+    (src / "README.md").write_text("---\nlicense: apache-2.0\n---\n# the EXL2 card\n")
     rep = convert(src, tmp_path / "m.gguf", "gguf")
-    assert rep.summary_lines()[0].startswith("dense -> gguf: 15 linear layers")      # as inspect counts them
+    assert rep.summary_lines()[0].startswith("exl2 -> gguf:")
     f = gguf.GGUFReader(str(tmp_path / "m.gguf")).fields
     assert f["general.base_model.count"].contents() == 1
-    assert f["general.base_model.0.name"].contents() == "mini"
     assert f["general.license"].contents() == "apache-2.0"                           # from the source card
     assert "exl2fmt" in f["general.tags"].contents() and "exl2fmt" in f["general.quantized_by"].contents()
+    # a dense source gets llama.cpp's own general.* block (byte-identical files): no keys of ours but provenance
+    dense, _ = mini
+    rep = convert(dense, tmp_path / "d.gguf", "gguf")
+    assert rep.summary_lines()[0].startswith("dense -> gguf: 15 linear layers")      # as inspect counts them
+    f = gguf.GGUFReader(str(tmp_path / "d.gguf")).fields
+    assert "general.tags" not in f and "general.description" not in f
+    assert f["general.license"].contents() == "apache-2.0"                           # llama.cpp reads the card too
