@@ -45,7 +45,7 @@ def open_gguf(path: str | os.PathLike):
     ``get_field(k).contents()``, ``tensors`` with ``data`` memory-mapped); metadata arrays are decoded only when
     asked for, so a long array costs nothing unless the tokenizer needs it."""
     from ..gguf_scan import open_gguf_file
-    from ..inspect import _scan_dict
+    from ..inspect import gguf_scan_summary
 
     p = str(path)
     try:
@@ -56,17 +56,17 @@ def open_gguf(path: str | os.PathLike):
     if not os.path.isfile(p):
         raise Exl2Error(ErrorCode.PATH_NOT_FOUND, "no such file", file=p)
     reader = open_gguf_file(p)
-    return reader, _scan_dict(reader)
+    return reader, gguf_scan_summary(reader)
 
 
 def prescan_gguf(path: str | os.PathLike) -> dict:
     """The bounded pre-scan of ``open_gguf`` alone (tensor table, counts, alignment; no ``gguf.GGUFReader``)."""
-    from ..inspect import _gguf_prescan
+    from ..inspect import gguf_prescan
 
     p = str(path)
     if not os.path.isfile(p):
         raise Exl2Error(ErrorCode.PATH_NOT_FOUND, "no such file", file=p)
-    return _gguf_prescan(p)
+    return gguf_prescan(p)
 
 
 def _field(reader, key):

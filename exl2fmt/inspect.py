@@ -27,16 +27,14 @@ bounded structural pre-scan of our own (the package trusts its input's counts an
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import re
-import struct
 from pathlib import Path
 from typing import Any
 
 from .errors import Category, ErrorCode, Exl2Error, Issue
 
-__all__ = ["inspect_model", "inspect_gguf", "is_gguf", "SCHEMA_VERSION", "block_of", "natural_key", "layer_order_key",
+__all__ = ["inspect_model", "inspect_gguf", "is_gguf", "gguf_prescan", "gguf_scan_summary", "SCHEMA_VERSION", "block_of", "natural_key", "layer_order_key",
            "has_control_chars"]
 
 #: Version of the JSON report shape (spec/inspect.schema.json).  Additive changes keep it; a removed or
@@ -409,7 +407,7 @@ def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
 _GGUF_ARRAY = 9
 
 
-def _gguf_prescan(path: str) -> dict:
+def gguf_prescan(path: str) -> dict:
     """The bounded walk of ``exl2fmt.gguf_scan`` (see there for the checks), as a summary dict:
     ``{"version", "byte_order", "n_kv", "n_tensors", "header_end", "size", "alignment", "data_start",
     "tensors"}``; ``tensors`` lists ``(name, ne, ggml_type, offset, numel, nbytes)`` per tensor (``ne`` in GGUF
@@ -417,10 +415,10 @@ def _gguf_prescan(path: str) -> dict:
     from .gguf_scan import open_gguf_file
 
     with open_gguf_file(path) as g:
-        return _scan_dict(g)
+        return gguf_scan_summary(g)
 
 
-def _scan_dict(g) -> dict:
+def gguf_scan_summary(g) -> dict:
     return {"version": g.version, "byte_order": g.byte_order, "n_kv": g.n_kv, "n_tensors": g.n_tensors,
             "header_end": g.header_end, "size": g.size, "alignment": g.alignment, "data_start": g.data_start,
             "tensors": [(t.name, [int(x) for x in t.shape.tolist()], int(t.tensor_type), t.data_offset - g.data_start,
@@ -435,7 +433,7 @@ def inspect_gguf(path: str | os.PathLike, *, layers: bool = True) -> dict:
     except ImportError:
         raise Exl2Error(ErrorCode.UNSUPPORTED_INPUT, "this is a GGUF file; reading it needs the optional gguf "
                         "package: pip install 'exl2fmt[gguf]'", file=p) from None
-    from .gguf_scan import gguf_hparam_issues, open_gguf_file
+    from .gguf_scan import open_gguf_file
 
     with open_gguf_file(p) as reader:  # bounded walk; arrays stay lazy (only their lengths are reported)
         return _inspect_gguf(p, reader, layers)
@@ -444,7 +442,7 @@ def inspect_gguf(path: str | os.PathLike, *, layers: bool = True) -> dict:
 def _inspect_gguf(p: str, reader, layers: bool) -> dict:
     from .gguf_scan import gguf_hparam_issues
 
-    scan = _scan_dict(reader)
+    scan = gguf_scan_summary(reader)
     size = scan["size"]
     issues: list[Issue] = []
     meta: dict[str, Any] = {}
