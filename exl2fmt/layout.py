@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 __all__ = [
-    "Format", "SlotStatus", "TensorSlot", "BitWidth", "BIT_WIDTHS", "EXL2_BITS", "GPTQ_BITS",
+    "Format", "SlotStatus", "TensorSlot", "SlotName", "Exl2Slot", "GptqSlot", "DenseSlot",
+    "AwqSlot", "Exl3Slot", "BitWidth", "BIT_WIDTHS", "EXL2_BITS", "GPTQ_BITS",
     "Exl2Geometry", "GptqGeometry", "DenseGeometry", "LAYOUTS", "Tier", "plan_rows", "plan_desc",
     "stored_bits", "bpw", "exl2_total_bits", "pad32", "scale_ratio", "SCALE_DIVISOR",
     "ROW_MULTIPLE", "N_PAD_MULTIPLE", "MAX_K", "MAX_INT16", "FORMAT_VERSION", "layout_document",
@@ -161,7 +162,7 @@ class TensorSlot:
     ``shape``   shape as a function of the layer geometry.
     """
 
-    name: str
+    name: SlotName
     dtypes: tuple[str, ...]
     shape: Callable[[object], tuple[int, ...]]
     status: SlotStatus
@@ -173,41 +174,97 @@ class TensorSlot:
         return self.dtypes[0]
 
 
+class SlotName(str, enum.Enum):
+    """Base of the per-format slot-name enums: a member *is* its tensor suffix (``str``, ``format`` and
+    ``==`` all give the plain name), so ``f"{key}.{Exl2Slot.Q_WEIGHT}"`` is the tensor's full name.
+    Every other module names a slot through these members, never by a string literal."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    __hash__ = str.__hash__
+
+
+class Exl2Slot(SlotName):
+    Q_WEIGHT = "q_weight"
+    Q_SCALE = "q_scale"
+    Q_SCALE_MAX = "q_scale_max"
+    Q_GROUPS = "q_groups"
+    Q_INVPERM = "q_invperm"
+    Q_PERM = "q_perm"
+    BIAS = "bias"
+    Q_GROUP_MAP = "q_group_map"
+
+
+class GptqSlot(SlotName):
+    QWEIGHT = "qweight"
+    QZEROS = "qzeros"
+    SCALES = "scales"
+    G_IDX = "g_idx"
+    BIAS = "bias"
+
+
+class DenseSlot(SlotName):
+    WEIGHT = "weight"
+    BIAS = "bias"
+
+
+class AwqSlot(SlotName):
+    QWEIGHT = "qweight"
+    QZEROS = "qzeros"
+    SCALES = "scales"
+    BIAS = "bias"
+
+
+class Exl3Slot(SlotName):
+    TRELLIS = "trellis"
+    SUH = "suh"
+    SVH = "svh"
+    SU = "su"
+    SV = "sv"
+    MCG = "mcg"
+    MUL1 = "mul1"
+    BIAS = "bias"
+
+
 _R, _O, _D = SlotStatus.REQUIRED, SlotStatus.OPTIONAL, SlotStatus.DERIVED
 
 EXL2_SLOTS: tuple[TensorSlot, ...] = (
-    TensorSlot("q_weight", ("I32",), lambda g: (g.Q, g.N_pad), _R,
+    TensorSlot(Exl2Slot.Q_WEIGHT, ("I32",), lambda g: (g.Q, g.N_pad), _R,
                "packed codes, per-column little-endian bit string per unit, stored (permuted) row order, tiers by "
                "descending bits", "(Q, N_pad)"),
-    TensorSlot("q_scale", ("I32",), lambda g: (g.G, g.N_pad // 8), _R,
+    TensorSlot(Exl2Slot.Q_SCALE, ("I32",), lambda g: (g.G, g.N_pad // 8), _R,
                "4-bit scale codes c = qscale - 1, column 8m+i in bits [4i, 4i+4) of word m", "(G, N_pad/8)"),
-    TensorSlot("q_scale_max", ("F16",), lambda g: (g.G,), _R,
+    TensorSlot(Exl2Slot.Q_SCALE_MAX, ("F16",), lambda g: (g.G,), _R,
                "per-group maximum scale; s = (c + 1)^2 * q_scale_max / 256", "(G,)"),
-    TensorSlot("q_groups", ("I16",), lambda g: (2 * g.G,), _R,
+    TensorSlot(Exl2Slot.Q_GROUPS, ("I16",), lambda g: (2 * g.G,), _R,
                "pairs (bits_g, first q_weight row of group g)", "(2G,)"),
-    TensorSlot("q_invperm", ("I32", "I16"), lambda g: (g.K,), _R,
+    TensorSlot(Exl2Slot.Q_INVPERM, ("I32", "I16"), lambda g: (g.K,), _R,
                "q_invperm[j] = stored row holding original input feature j", "(K,)"),
-    TensorSlot("q_perm", ("I32", "I16"), lambda g: (g.K,), _O,
+    TensorSlot(Exl2Slot.Q_PERM, ("I32", "I16"), lambda g: (g.K,), _O,
                "argsort(q_invperm); never written by ExLlamaV2 and ignored by its loader", "(K,)"),
-    TensorSlot("bias", ("F16",), lambda g: (g.N_pad,), _O, "bias, zero-padded to N_pad", "(N_pad,)"),
-    TensorSlot("q_group_map", ("I16",), lambda g: (2 * g.K,), _D,
+    TensorSlot(Exl2Slot.BIAS, ("F16",), lambda g: (g.N_pad,), _O, "bias, zero-padded to N_pad", "(N_pad,)"),
+    TensorSlot(Exl2Slot.Q_GROUP_MAP, ("I16",), lambda g: (2 * g.K,), _D,
                "load-time (group, rows left) per stored row; never stored", "(2K,)"),
 )
 
 GPTQ_SLOTS: tuple[TensorSlot, ...] = (
-    TensorSlot("qweight", ("I32",), lambda g: (g.K * g.bits // 32, g.N), _R,
+    TensorSlot(GptqSlot.QWEIGHT, ("I32",), lambda g: (g.K * g.bits // 32, g.N), _R,
                "codes packed along K: 32 consecutive rows -> `bits` words, little-endian bit string", "(K*b/32, N)"),
-    TensorSlot("qzeros", ("I32",), lambda g: (g.G, g.N * g.bits // 32), _R,
+    TensorSlot(GptqSlot.QZEROS, ("I32",), lambda g: (g.G, g.N * g.bits // 32), _R,
                "zero points packed along N like qweight; v1 ('gptq') stores z-1, v2 ('gptq_v2') stores z",
                "(G, N*b/32)"),
-    TensorSlot("scales", ("F16", "BF16", "F32"), lambda g: (g.G, g.N), _R, "per-group, per-column scales", "(G, N)"),
-    TensorSlot("g_idx", ("I32",), lambda g: (g.K,), _O, "group of each input row (original order)", "(K,)"),
-    TensorSlot("bias", ("F16", "BF16", "F32"), lambda g: (g.N,), _O, "bias", "(N,)"),
+    TensorSlot(GptqSlot.SCALES, ("F16", "BF16", "F32"), lambda g: (g.G, g.N), _R, "per-group, per-column scales", "(G, N)"),
+    TensorSlot(GptqSlot.G_IDX, ("I32",), lambda g: (g.K,), _O, "group of each input row (original order)", "(K,)"),
+    TensorSlot(GptqSlot.BIAS, ("F16", "BF16", "F32"), lambda g: (g.N,), _O, "bias", "(N,)"),
 )
 
 DENSE_SLOTS: tuple[TensorSlot, ...] = (
-    TensorSlot("weight", ("F16", "BF16", "F32"), lambda g: (g.N, g.K), _R, "nn.Linear weight", "(N, K)"),
-    TensorSlot("bias", ("F16", "BF16", "F32"), lambda g: (g.N,), _O, "bias", "(N,)"),
+    TensorSlot(DenseSlot.WEIGHT, ("F16", "BF16", "F32"), lambda g: (g.N, g.K), _R, "nn.Linear weight", "(N, K)"),
+    TensorSlot(DenseSlot.BIAS, ("F16", "BF16", "F32"), lambda g: (g.N,), _O, "bias", "(N,)"),
 )
 
 #: The layout table: format -> slots.  The first REQUIRED slot is the one that identifies the format.
@@ -249,26 +306,26 @@ class Exl3Geometry:
 #: order 0,2,4,6,1,3,5,7 within a 4-bit word), qzeros stores z (no -1) and there is no g_idx.  Told apart from
 #: GPTQ by shapes: AWQ qweight has K rows and N*b/32 columns, GPTQ qweight has K*b/32 rows and N columns.
 AWQ_SLOTS: tuple[TensorSlot, ...] = (
-    TensorSlot("qweight", ("I32",), lambda g: (g.K, g.N * g.bits // 32), _R,
+    TensorSlot(AwqSlot.QWEIGHT, ("I32",), lambda g: (g.K, g.N * g.bits // 32), _R,
                "codes packed along N, interleaved column order within a word", "(K, N*b/32)"),
-    TensorSlot("qzeros", ("I32",), lambda g: (g.G, g.N * g.bits // 32), _R,
+    TensorSlot(AwqSlot.QZEROS, ("I32",), lambda g: (g.G, g.N * g.bits // 32), _R,
                "zero points z packed along N like qweight", "(G, N*b/32)"),
-    TensorSlot("scales", ("F16", "BF16", "F32"), lambda g: (g.G, g.N), _R, "per-group, per-column scales", "(G, N)"),
-    TensorSlot("bias", ("F16", "BF16", "F32"), lambda g: (g.N,), _O, "bias", "(N,)"),
+    TensorSlot(AwqSlot.SCALES, ("F16", "BF16", "F32"), lambda g: (g.G, g.N), _R, "per-group, per-column scales", "(G, N)"),
+    TensorSlot(AwqSlot.BIAS, ("F16", "BF16", "F32"), lambda g: (g.N,), _O, "bias", "(N,)"),
 )
 
 #: EXL3 (ExLlamaV3, QTIP-style trellis codes with Hadamard rotations).  Only ``trellis`` identifies it; the
 #: sign vectors come either as ``suh``/``svh`` or packed as ``su``/``sv``.
 EXL3_SLOTS: tuple[TensorSlot, ...] = (
-    TensorSlot("trellis", ("I16",), lambda g: (g.K // 16, g.N // 16, 16 * g.bits), _R,
+    TensorSlot(Exl3Slot.TRELLIS, ("I16",), lambda g: (g.K // 16, g.N // 16, 16 * g.bits), _R,
                "trellis-coded 16x16 tiles", "(K/16, N/16, 16*bits)"),
-    TensorSlot("suh", ("F16",), lambda g: (g.K,), _O, "input-side signs / scales", "(K,)"),
-    TensorSlot("svh", ("F16",), lambda g: (g.N,), _O, "output-side signs / scales", "(N,)"),
-    TensorSlot("su", ("I16",), lambda g: (g.K // 16,), _O, "input-side signs, bit-packed", "(K/16,)"),
-    TensorSlot("sv", ("I16",), lambda g: (g.N // 16,), _O, "output-side signs, bit-packed", "(N/16,)"),
-    TensorSlot("mcg", ("I32",), lambda g: (), _O, "codebook multiplier (mcg variant)", "()"),
-    TensorSlot("mul1", ("I32",), lambda g: (), _O, "codebook multiplier (mul1 variant)", "()"),
-    TensorSlot("bias", ("F16",), lambda g: (g.N,), _O, "bias", "(N,)"),
+    TensorSlot(Exl3Slot.SUH, ("F16",), lambda g: (g.K,), _O, "input-side signs / scales", "(K,)"),
+    TensorSlot(Exl3Slot.SVH, ("F16",), lambda g: (g.N,), _O, "output-side signs / scales", "(N,)"),
+    TensorSlot(Exl3Slot.SU, ("I16",), lambda g: (g.K // 16,), _O, "input-side signs, bit-packed", "(K/16,)"),
+    TensorSlot(Exl3Slot.SV, ("I16",), lambda g: (g.N // 16,), _O, "output-side signs, bit-packed", "(N/16,)"),
+    TensorSlot(Exl3Slot.MCG, ("I32",), lambda g: (), _O, "codebook multiplier (mcg variant)", "()"),
+    TensorSlot(Exl3Slot.MUL1, ("I32",), lambda g: (), _O, "codebook multiplier (mul1 variant)", "()"),
+    TensorSlot(Exl3Slot.BIAS, ("F16",), lambda g: (g.N,), _O, "bias", "(N,)"),
 )
 
 #: Layouts exl2fmt recognises and names but does not decode or fully validate, keyed by the stable format
