@@ -35,27 +35,16 @@ appears only complete (temporary sibling + rename), an existing DST is replaced 
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import ErrorCode, Exl2Error
+from .registry import lookup, register, registered_pairs
+
+if TYPE_CHECKING:  # annotations only: importing base here would load numpy and the codecs
+    from .base import ConversionReport, Progress
 
 __all__ = ["register", "get", "registered", "convert", "ConversionReport", "LayerReport", "TARGETS",
-           "DEFAULT_SHARD_SIZE"]
-
-_REGISTRY: dict[tuple[str, str], Callable] = {}
-
-
-def register(source: str, target: str) -> Callable[[Callable], Callable]:
-    """Class/function decorator: make ``fn`` the converter from ``source`` to ``target`` (format strings)."""
-
-    def deco(fn: Callable) -> Callable:
-        key = (source, target)
-        if key in _REGISTRY:
-            raise RuntimeError(f"converter {source} -> {target} registered twice")
-        _REGISTRY[key] = fn
-        return fn
-
-    return deco
+           "DEFAULT_SHARD_SIZE", "VERIFY_MODES"]
 
 
 def _load() -> None:
@@ -66,17 +55,19 @@ def _load() -> None:
 
 
 def registered() -> list[tuple[str, str]]:
+    """Every (source, target) pair with a registered converter (the driver paths are in ``DRIVER_PATHS``)."""
     _load()
-    return sorted(_REGISTRY)
+    return registered_pairs()
 
 
 def get(source: str, target: str) -> Callable:
+    """The converter of (``source``, ``target``), or ``Exl2Error(USAGE)`` listing the pairs that exist."""
     _load()
-    try:
-        return _REGISTRY[(source, target)]
-    except KeyError:
+    fn = lookup(source, target)
+    if fn is None:
         have = ", ".join(f"{s}->{t}" for s, t in sorted(set(registered()) | set(DRIVER_PATHS))) or "none yet"
-        raise Exl2Error(ErrorCode.USAGE, f"no converter from {source} to {target}; available: {have}") from None
+        raise Exl2Error(ErrorCode.USAGE, f"no converter from {source} to {target}; available: {have}")
+    return fn
 
 
 #: the paths with their own driver, not in the registry: the quantizer (dense -> exl2 / gptq), and the GGUF bridge
@@ -100,14 +91,18 @@ def __getattr__(name: str):
 
 
 _ALIASES = {"float16": "fp16", "half": "fp16", "f16": "fp16", "bfloat16": "bf16"}
+#: ``convert(verify=...)``: ``auto`` (the default checks) or ``full`` (every unit decoded again from SRC)
+VERIFY_MODES = ("auto", "full")
+#: Test seam, not an option: with ``EXL2FMT_TEST_FAIL_AFTER=N`` in the environment a conversion raises
+#: ``RuntimeError("injected ...")`` after writing N units (tests of the no-partial-output promise).
+FAIL_AFTER_ENV = "EXL2FMT_TEST_FAIL_AFTER"
 _DEFAULT_SHARD_SIZE = 5_000_000_000  # = base.DEFAULT_SHARD_SIZE (kept here so the signature needs no import)
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: bool = False,
             shard_size: int | str = _DEFAULT_SHARD_SIZE, dtype: str | None = None, bits: int | None = None,
             group_size: int | None = None, sym: bool | None = None, progress: Progress | None = None,
-            verify: str = "auto", gguf_type: str = "auto", quant: dict | None = None,
-            _fail_after: int | None = None) -> "ConversionReport":
+            verify: str = "auto", gguf_type: str = "auto", quant: dict | None = None) -> "ConversionReport":
     """Convert the model at ``src`` (a model directory or one ``.safetensors`` file) into a new model
     directory ``dst`` in format ``to`` (``fp16``, ``bf16``, ``gptq``, ``exl2``).
 
@@ -138,10 +133,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
     from .base import ConversionReport as Report
     from .base import check_paths, parse_size, run_conversion
 
-    from .base import TARGETS, VERIFY_MODES, Options
+    from .base import TARGETS, Options
 
     if verify not in VERIFY_MODES:
         raise Exl2Error(ErrorCode.USAGE, f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+    _fail_after = _test_fail_after()
     target = str(to).strip().lower()
     target = _ALIASES.get(target, target)
     if target not in TARGETS:
@@ -327,3 +323,14 @@ def _path(p):
     from pathlib import Path
 
     return Path(os.fspath(p))
+
+
+def _test_fail_after() -> int | None:
+    """``FAIL_AFTER_ENV`` as an int (None when unset); one environment lookup per conversion."""
+    v = os.environ.get(FAIL_AFTER_ENV)
+    if not v:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise Exl2Error(ErrorCode.USAGE, f"{FAIL_AFTER_ENV} must be an integer, got {v!r}") from None
