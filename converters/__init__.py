@@ -41,9 +41,10 @@ from ..errors import ErrorCode, Exl2Error
 from .registry import lookup, register, registered_pairs
 
 if TYPE_CHECKING:  # annotations only: importing base here would load numpy and the codecs
+    from ..quant.pipeline import QuantReport
     from .base import ConversionReport, Progress
 
-__all__ = ["register", "get", "registered", "convert", "ConversionReport", "LayerReport", "TARGETS",
+__all__ = ["register", "get", "registered", "convert", "quantize", "ConversionReport", "LayerReport", "TARGETS",
            "DEFAULT_SHARD_SIZE", "VERIFY_MODES"]
 
 
@@ -126,6 +127,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
     Returns a ``ConversionReport``; raises ``Exl2Error`` (USAGE for an unknown pair, listing what exists;
     OUTPUT_EXISTS; the reader's and validator's codes; REFERENCE_MISMATCH if the verify pass finds a claimed
     exact layer that is not).
+
+    Example (the bundled sample model, EXL2 -> FP16, bit-exact)::
+
+        >>> import pathlib, tempfile
+        >>> from exl2fmt.converters import convert
+        >>> from exl2fmt.sample import write_sample
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = write_sample(d / "exl2")
+        >>> report = convert(d / "exl2", d / "fp16", "fp16")
+        >>> report.source_format, report.target, report.verified
+        ('exl2', 'fp16', True)
     """
     from ..container import open_model
     from ..detect import ModelFormat, detect_model
@@ -210,6 +222,52 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
         report.warnings.append(f"detect: [{i.code.value}] {i.message}")
     return run_conversion(cls, src, dst, opts, force=force, progress=progress, model=model, detection=det,
                           report=report, verify=verify, _fail_after=_fail_after)
+
+
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, to: str = "exl2", *, bits: float | None = None,
+             group_size: int | None = None, sym: bool | None = None, force: bool = False,
+             shard_size: int | str = _DEFAULT_SHARD_SIZE, progress: Progress | None = None,
+             **options) -> "QuantReport":
+    """Quantize the FP16/BF16 Hugging Face model at ``src`` into a new EXL2 or GPTQ model directory ``dst``
+    (``exl2fmt convert --to exl2|gptq``): calibration, measurement, the bit budget, sequential GPTQ.
+
+    ``to``          ``exl2`` (default) or ``gptq``
+    ``bits``        EXL2: average bits per weight of the decoder linears (default 4.125); GPTQ: 2/3/4/8 (default 4)
+    ``group_size``  GPTQ group size (default 128; -1 = one group); ``sym``: GPTQ symmetric (default True)
+    ``options``     the quantizer's other options (``QUANT_FLAGS``: ``head_bits``, ``calibration``, ``rows``,
+                    ``length``, ``measurement``, ``save_measurement``, ``device``, ``seed``, ``resume``,
+                    ``act_order``, ``work_dir``, ``extended``, ``refine_scales``)
+
+    Needs the ``quant`` extra (torch, tokenizers).  The same as ``convert(src, dst, to, ..., quant=options)``
+    with ``src`` required to be a dense model (or a ``.gguf`` file, decoded through FP16 first).  Returns the
+    quantizer's ``QuantReport``; raises ``Exl2Error`` (USAGE for a quantized source or a bad option).
+
+    Example (the trained tiny fixture of the test suite; a couple of minutes on a CPU, so not run as a
+    doctest)::
+
+        >>> from exl2fmt import quantize
+        >>> rep = quantize("tests/fixtures/tiny-llama", "/tmp/tiny-exl2", "exl2", bits=4.0, rows=8,
+        ...                length=128, device="cpu")  # doctest: +SKIP
+        >>> rep.verified  # doctest: +SKIP
+        True
+    """
+    target = str(to).strip().lower()
+    if target not in ("exl2", "gptq"):
+        raise Exl2Error(ErrorCode.USAGE, f"quantize writes exl2 or gptq, not {to!r} (convert changes formats)")
+    if not (os.path.isfile(src) and str(src).lower().endswith(".gguf")):
+        from ..container import open_model
+        from ..detect import ModelFormat, detect_model
+
+        model = open_model(src)
+        try:
+            fmt = detect_model(model.tensors, model.config, root=model.root).format
+        finally:
+            model.close()
+        if fmt is not ModelFormat.DENSE:
+            raise Exl2Error(ErrorCode.USAGE, f"quantize needs an FP16/BF16 model; the source is {fmt.value} "
+                            f"(convert re-packs quantized models)", file=str(src))
+    return convert(src, dst, target, force=force, shard_size=shard_size, bits=bits, group_size=group_size,
+                   sym=sym, progress=progress, quant=options or None)
 
 
 #: the quantizer's options (``quant=``) by the command-line flag that sets them, for messages
