@@ -38,7 +38,6 @@ import os
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import ErrorCode, Exl2Error
-from .registry import lookup, register, registered_pairs
 
 if TYPE_CHECKING:  # annotations only: importing base here would load numpy and the codecs
     from ..quant.pipeline import QuantReport
@@ -57,12 +56,16 @@ def _load() -> None:
 
 def registered() -> list[tuple[str, str]]:
     """Every (source, target) pair with a registered converter (the driver paths are in ``DRIVER_PATHS``)."""
+    from .registry import registered_pairs
+
     _load()
     return registered_pairs()
 
 
 def get(source: str, target: str) -> Callable:
     """The converter of (``source``, ``target``), or ``Exl2Error(USAGE)`` listing the pairs that exist."""
+    from .registry import lookup
+
     _load()
     fn = lookup(source, target)
     if fn is None:
@@ -78,7 +81,7 @@ DRIVER_PATHS = [("dense", "exl2"), ("dense", "gptq"), ("exl2", "gguf"), ("gptq",
 
 
 _LAZY = {"ConversionReport": "base", "LayerReport": "base", "TARGETS": "base", "DEFAULT_SHARD_SIZE": "base",
-         "Options": "base"}
+         "Options": "base", "register": "registry"}
 
 
 def __getattr__(name: str):
