@@ -172,7 +172,7 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
                     i.severity is Severity.ERROR for i in issues) and gc.group_size is not None:
                 want_g = 1 if gc.group_size == -1 else math.ceil(layer.K / gc.group_size)
                 if layer.G != want_g:
-                    issues.append(Issue(ErrorCode.SLOT_SHAPE, f"{layer.G} groups in qzeros/scales but config "
+                    issues.append(Issue(ErrorCode.SLOT_SHAPE, f"{layer.G} groups in {GptqSlot.QZEROS}/{GptqSlot.SCALES} but config "
                                         f"group_size {gc.group_size} with K = {layer.K} gives {want_g}",
                                         tensor=f"{key}.{GptqSlot.SCALES}", file=layer.file))
             if layer is not None and not any(i.severity is Severity.ERROR for i in issues):
@@ -185,11 +185,11 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
         what = ", ".join(f"{n} {f}" for f, n in sorted(passed.items()))
         rules = "slots, dtypes, shapes"
         if "exl2" in passed:
-            rules += ", q_groups bits/order/qrow/rows/limits, K"
+            rules += f", {Exl2Slot.Q_GROUPS} bits/order/qrow/rows/limits, K"
             if deep:
-                rules += ", q_invperm permutation, q_scale_max finite and >= 0"
+                rules += f", {Exl2Slot.Q_INVPERM} permutation, {Exl2Slot.Q_SCALE_MAX} finite and >= 0"
         if "gptq" in passed:
-            rules += ", GPTQ bits and groups" + (", g_idx range, v1 zeros" if deep else "")
+            rules += ", GPTQ bits and groups" + (f", {GptqSlot.G_IDX} range, v1 zeros" if deep else "")
         rep.ok(CheckId.LAYERS, PassCode.LAYERS_OK, f"{what} layer(s) valid ({rules})", count=sum(passed.values()))
     if (not deep and det.format is ModelFormat.GPTQ and det.variant.get("sym") is False
             and det.variant.get("version") == 1):
