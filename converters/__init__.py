@@ -35,27 +35,16 @@ appears only complete (temporary sibling + rename), an existing DST is replaced 
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import ErrorCode, Exl2Error
 
-__all__ = ["register", "get", "registered", "convert", "ConversionReport", "LayerReport", "TARGETS",
-           "DEFAULT_SHARD_SIZE"]
+if TYPE_CHECKING:  # annotations only: importing base here would load numpy and the codecs
+    from ..quant.pipeline import QuantReport
+    from .base import ConversionReport, Progress
 
-_REGISTRY: dict[tuple[str, str], Callable] = {}
-
-
-def register(source: str, target: str) -> Callable[[Callable], Callable]:
-    """Class/function decorator: make ``fn`` the converter from ``source`` to ``target`` (format strings)."""
-
-    def deco(fn: Callable) -> Callable:
-        key = (source, target)
-        if key in _REGISTRY:
-            raise RuntimeError(f"converter {source} -> {target} registered twice")
-        _REGISTRY[key] = fn
-        return fn
-
-    return deco
+__all__ = ["register", "get", "registered", "convert", "quantize", "ConversionReport", "LayerReport", "TARGETS",
+           "DEFAULT_SHARD_SIZE", "VERIFY_MODES"]
 
 
 def _load() -> None:
@@ -66,17 +55,23 @@ def _load() -> None:
 
 
 def registered() -> list[tuple[str, str]]:
+    """Every (source, target) pair with a registered converter (the driver paths are in ``DRIVER_PATHS``)."""
+    from .registry import registered_pairs
+
     _load()
-    return sorted(_REGISTRY)
+    return registered_pairs()
 
 
 def get(source: str, target: str) -> Callable:
+    """The converter of (``source``, ``target``), or ``Exl2Error(USAGE)`` listing the pairs that exist."""
+    from .registry import lookup
+
     _load()
-    try:
-        return _REGISTRY[(source, target)]
-    except KeyError:
+    fn = lookup(source, target)
+    if fn is None:
         have = ", ".join(f"{s}->{t}" for s, t in sorted(set(registered()) | set(DRIVER_PATHS))) or "none yet"
-        raise Exl2Error(ErrorCode.USAGE, f"no converter from {source} to {target}; available: {have}") from None
+        raise Exl2Error(ErrorCode.USAGE, f"no converter from {source} to {target}; available: {have}")
+    return fn
 
 
 #: the paths with their own driver, not in the registry: the quantizer (dense -> exl2 / gptq), and the GGUF bridge
@@ -86,7 +81,7 @@ DRIVER_PATHS = [("dense", "exl2"), ("dense", "gptq"), ("exl2", "gguf"), ("gptq",
 
 
 _LAZY = {"ConversionReport": "base", "LayerReport": "base", "TARGETS": "base", "DEFAULT_SHARD_SIZE": "base",
-         "Options": "base"}
+         "Options": "base", "register": "registry"}
 
 
 def __getattr__(name: str):
@@ -100,14 +95,18 @@ def __getattr__(name: str):
 
 
 _ALIASES = {"float16": "fp16", "half": "fp16", "f16": "fp16", "bfloat16": "bf16"}
+#: ``convert(verify=...)``: ``auto`` (the default checks) or ``full`` (every unit decoded again from SRC)
+VERIFY_MODES = ("auto", "full")
+#: Test seam, not an option: with ``EXL2FMT_TEST_FAIL_AFTER=N`` in the environment a conversion raises
+#: ``RuntimeError("injected ...")`` after writing N units (tests of the no-partial-output promise).
+FAIL_AFTER_ENV = "EXL2FMT_TEST_FAIL_AFTER"
 _DEFAULT_SHARD_SIZE = 5_000_000_000  # = base.DEFAULT_SHARD_SIZE (kept here so the signature needs no import)
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: bool = False,
             shard_size: int | str = _DEFAULT_SHARD_SIZE, dtype: str | None = None, bits: int | None = None,
             group_size: int | None = None, sym: bool | None = None, progress: Progress | None = None,
-            verify: str = "auto", gguf_type: str = "auto", quant: dict | None = None,
-            _fail_after: int | None = None) -> "ConversionReport":
+            verify: str = "auto", gguf_type: str = "auto", quant: dict | None = None) -> "ConversionReport":
     """Convert the model at ``src`` (a model directory or one ``.safetensors`` file) into a new model
     directory ``dst`` in format ``to`` (``fp16``, ``bf16``, ``gptq``, ``exl2``).
 
@@ -131,6 +130,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
     Returns a ``ConversionReport``; raises ``Exl2Error`` (USAGE for an unknown pair, listing what exists;
     OUTPUT_EXISTS; the reader's and validator's codes; REFERENCE_MISMATCH if the verify pass finds a claimed
     exact layer that is not).
+
+    Example (the bundled sample model, EXL2 -> FP16, bit-exact)::
+
+        >>> import pathlib, tempfile
+        >>> from exl2fmt.converters import convert
+        >>> from exl2fmt.sample import write_sample
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = write_sample(d / "exl2")
+        >>> report = convert(d / "exl2", d / "fp16", "fp16")
+        >>> report.source_format, report.target, report.verified
+        ('exl2', 'fp16', True)
     """
     from ..container import open_model
     from ..detect import ModelFormat, detect_model
@@ -138,10 +148,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
     from .base import ConversionReport as Report
     from .base import check_paths, parse_size, run_conversion
 
-    from .base import TARGETS, VERIFY_MODES, Options
+    from .base import TARGETS, Options
 
     if verify not in VERIFY_MODES:
         raise Exl2Error(ErrorCode.USAGE, f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+    _fail_after = _test_fail_after()
     target = str(to).strip().lower()
     target = _ALIASES.get(target, target)
     if target not in TARGETS:
@@ -214,6 +225,52 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
         report.warnings.append(f"detect: [{i.code.value}] {i.message}")
     return run_conversion(cls, src, dst, opts, force=force, progress=progress, model=model, detection=det,
                           report=report, verify=verify, _fail_after=_fail_after)
+
+
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, to: str = "exl2", *, bits: float | None = None,
+             group_size: int | None = None, sym: bool | None = None, force: bool = False,
+             shard_size: int | str = _DEFAULT_SHARD_SIZE, progress: Progress | None = None,
+             **options) -> "QuantReport":
+    """Quantize the FP16/BF16 Hugging Face model at ``src`` into a new EXL2 or GPTQ model directory ``dst``
+    (``exl2fmt convert --to exl2|gptq``): calibration, measurement, the bit budget, sequential GPTQ.
+
+    ``to``          ``exl2`` (default) or ``gptq``
+    ``bits``        EXL2: average bits per weight of the decoder linears (default 4.125); GPTQ: 2/3/4/8 (default 4)
+    ``group_size``  GPTQ group size (default 128; -1 = one group); ``sym``: GPTQ symmetric (default True)
+    ``options``     the quantizer's other options (``QUANT_FLAGS``: ``head_bits``, ``calibration``, ``rows``,
+                    ``length``, ``measurement``, ``save_measurement``, ``device``, ``seed``, ``resume``,
+                    ``act_order``, ``work_dir``, ``extended``, ``refine_scales``)
+
+    Needs the ``quant`` extra (torch, tokenizers).  The same as ``convert(src, dst, to, ..., quant=options)``
+    with ``src`` required to be a dense model (or a ``.gguf`` file, decoded through FP16 first).  Returns the
+    quantizer's ``QuantReport``; raises ``Exl2Error`` (USAGE for a quantized source or a bad option).
+
+    Example (the trained tiny fixture of the test suite; a couple of minutes on a CPU, so not run as a
+    doctest)::
+
+        >>> from exl2fmt import quantize
+        >>> rep = quantize("tests/fixtures/tiny-llama", "/tmp/tiny-exl2", "exl2", bits=4.0, rows=8,
+        ...                length=128, device="cpu")  # doctest: +SKIP
+        >>> rep.verified  # doctest: +SKIP
+        True
+    """
+    target = str(to).strip().lower()
+    if target not in ("exl2", "gptq"):
+        raise Exl2Error(ErrorCode.USAGE, f"quantize writes exl2 or gptq, not {to!r} (convert changes formats)")
+    if not (os.path.isfile(src) and str(src).lower().endswith(".gguf")):
+        from ..container import open_model
+        from ..detect import ModelFormat, detect_model
+
+        model = open_model(src)
+        try:
+            fmt = detect_model(model.tensors, model.config, root=model.root).format
+        finally:
+            model.close()
+        if fmt is not ModelFormat.DENSE:
+            raise Exl2Error(ErrorCode.USAGE, f"quantize needs an FP16/BF16 model; the source is {fmt.value} "
+                            f"(convert re-packs quantized models)", file=str(src))
+    return convert(src, dst, target, force=force, shard_size=shard_size, bits=bits, group_size=group_size,
+                   sym=sym, progress=progress, quant=options or None)
 
 
 #: the quantizer's options (``quant=``) by the command-line flag that sets them, for messages
@@ -327,3 +384,14 @@ def _path(p):
     from pathlib import Path
 
     return Path(os.fspath(p))
+
+
+def _test_fail_after() -> int | None:
+    """``FAIL_AFTER_ENV`` as an int (None when unset); one environment lookup per conversion."""
+    v = os.environ.get(FAIL_AFTER_ENV)
+    if not v:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise Exl2Error(ErrorCode.USAGE, f"{FAIL_AFTER_ENV} must be an integer, got {v!r}") from None

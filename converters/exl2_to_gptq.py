@@ -35,7 +35,7 @@ import numpy as np
 from .. import __version__
 from ..detect import ModelFormat
 from ..errors import ErrorCode, Exl2Error
-from . import register
+from .registry import register
 from .base import (Converter, LayerReport, OutSpec, SourceReader, Unit, build_layer, error_stats,
                    layer_issues_or_raise, natural_key)
 from .gptq_quant import fit_group, gptq_layer_tensors

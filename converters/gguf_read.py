@@ -1,6 +1,6 @@
-"""GGUF (Llama family) -> a Hugging Face FP16/BF16 model directory, and the bounded GGUF opener both directions use.
+"""GGUF (Llama family) -> a Hugging Face FP16/BF16 model directory.
 
-``open_gguf(path)`` opens the file with exl2fmt's own bounded, lazy reader (``exl2fmt.gguf_scan``: counts,
+``gguf_io.open_gguf(path)`` (shared with ``gguf_write``'s verify pass) opens the file with exl2fmt's own bounded, lazy reader (``exl2fmt.gguf_scan``: counts,
 string and array lengths, alignment, types, offsets and data extents checked against the file before anything
 is allocated; hyper-parameters bounded by ``gguf_hparam_issues`` before any loop uses them).  Every problem
 is ``Exl2Error(GGUF_INVALID)`` naming the file (and tensor).
@@ -32,41 +32,10 @@ import numpy as np
 from ..errors import ErrorCode, Exl2Error
 from .base import Converter, LayerReport, OutSpec, TensorReport, Unit, f32_to_bf16_bits, natural_key
 from .gguf_arch import spec_for_gguf_arch
+from .gguf_io import decode, open_gguf
 from .gguf_map import HF_ARCHITECTURES, hf_name_map, qk_heads, unpermute_qk
 
-__all__ = ["open_gguf", "prescan_gguf", "convert_from_gguf"]
-
-
-def open_gguf(path: str | os.PathLike):
-    """``(reader, prescan dict)`` for a GGUF file; ``Exl2Error`` on any problem (UNSUPPORTED_INPUT without the
-    ``gguf`` package, GGUF_INVALID for a bad file).  ``reader`` is ``exl2fmt.gguf_scan.GgufFile``: the bounded
-    walk of the whole header (counts, string and array lengths, alignment, types, offsets, data extents checked
-    before anything is allocated) with the part of ``gguf.GGUFReader``'s interface used here (``fields``,
-    ``get_field(k).contents()``, ``tensors`` with ``data`` memory-mapped); metadata arrays are decoded only when
-    asked for, so a long array costs nothing unless the tokenizer needs it."""
-    from ..gguf_scan import open_gguf_file
-    from ..inspect import gguf_scan_summary
-
-    p = str(path)
-    try:
-        import gguf  # noqa: F401  (the ggml type table and block decoders)
-    except ImportError:
-        raise Exl2Error(ErrorCode.UNSUPPORTED_INPUT, "reading GGUF needs the optional gguf package: pip install "
-                        "'exl2fmt[gguf]'", file=p) from None
-    if not os.path.isfile(p):
-        raise Exl2Error(ErrorCode.PATH_NOT_FOUND, "no such file", file=p)
-    reader = open_gguf_file(p)
-    return reader, gguf_scan_summary(reader)
-
-
-def prescan_gguf(path: str | os.PathLike) -> dict:
-    """The bounded pre-scan of ``open_gguf`` alone (tensor table, counts, alignment; no ``gguf.GGUFReader``)."""
-    from ..inspect import gguf_prescan
-
-    p = str(path)
-    if not os.path.isfile(p):
-        raise Exl2Error(ErrorCode.PATH_NOT_FOUND, "no such file", file=p)
-    return gguf_prescan(p)
+__all__ = ["convert_from_gguf"]
 
 
 def _field(reader, key):
@@ -206,8 +175,6 @@ class GgufToDense(Converter):
         return units
 
     def _unit(self, t, hf: str, heads: int | None, offset: float = 0.0) -> Unit:
-        from .gguf_write import decode
-
         gtype = t.tensor_type.name
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         st = self.st

@@ -55,6 +55,7 @@ from .base import (ConversionReport, LayerReport, SourceReader, TensorReport, bf
                    stale_note, _remove)
 from .partials import fault_point
 from .gguf_map import DROPPED_SUFFIXES, arch_of, gguf_name_map, permute_qk, qk_heads
+from .gguf_io import decode, ggml_type
 from .slots import G_IDX, Q_INVPERM, Q_SCALE_MAX, QWEIGHT, QZEROS, SCALES
 
 __all__ = ["convert_to_gguf", "GGUF_TYPES", "repack_blocks", "layer_integers"]
@@ -62,12 +63,6 @@ __all__ = ["convert_to_gguf", "GGUF_TYPES", "repack_blocks", "layer_integers"]
 #: --gguf-type values
 GGUF_TYPES = ("auto", "f32", "f16", "bf16", "q8_0", "q4_0")
 _QRANGE = {"Q8_0": (-128, 127), "Q4_0": (-8, 7)}
-
-
-def _qtype(name: str):
-    import gguf
-
-    return gguf.GGMLQuantizationType[name]
 
 
 # ------------------------------------------------------------------------------------------------ numerics
@@ -153,7 +148,7 @@ def repack_blocks(w16: np.ndarray, q: np.ndarray | None, d: np.ndarray | None, q
     if exact.all():
         out = np.empty((N, nb), dtype=bdt)
     else:
-        base = quants.quantize(w16.astype(np.float32), _qtype(qname))
+        base = quants.quantize(w16.astype(np.float32), ggml_type(qname))
         out = np.ascontiguousarray(base).view(bdt).reshape(N, nb).copy()
     if exact.any():
         qb = q.reshape(N, nb, 32)
@@ -164,19 +159,6 @@ def repack_blocks(w16: np.ndarray, q: np.ndarray | None, d: np.ndarray | None, q
             nib = (qb[exact] + 8).astype(np.uint8)
             out["qs"][exact] = nib[:, :16] | (nib[:, 16:] << 4)
     return out.view(np.uint8).reshape(N, nb * bdt.itemsize), exact
-
-
-def decode(data: np.ndarray, gtype: str) -> np.ndarray:
-    """float32 values of GGUF data (numpy order) of type ``gtype`` (``F32``/``F16``/``BF16`` or a block type)."""
-    from gguf import quants
-
-    if gtype == "F32":
-        return np.asarray(data, dtype=np.float32)
-    if gtype == "F16":
-        return np.asarray(data).view(np.float16).astype(np.float32)
-    if gtype == "BF16":
-        return bf16_bits_to_f32(np.asarray(data).view(np.uint16))
-    return quants.dequantize(np.asarray(data), _qtype(gtype))
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -199,7 +181,7 @@ class _Item:
     def nbytes(self) -> int:
         import gguf
 
-        bs, ts = gguf.GGML_QUANT_SIZES[_qtype(self.gtype)]
+        bs, ts = gguf.GGML_QUANT_SIZES[ggml_type(self.gtype)]
         n = int(np.prod(self.shape, dtype=np.int64))
         return n // bs * ts
 
@@ -207,7 +189,7 @@ class _Item:
     def byte_shape(self) -> tuple[int, ...]:
         import gguf
 
-        bs, ts = gguf.GGML_QUANT_SIZES[_qtype(self.gtype)]
+        bs, ts = gguf.GGML_QUANT_SIZES[ggml_type(self.gtype)]
         if self.gtype in ("F32", "F16"):
             return self.shape
         return (*self.shape[:-1], self.shape[-1] // bs * ts)
@@ -492,7 +474,7 @@ def _to_gtype(w32: np.ndarray, gtype: str) -> np.ndarray:
             return np.ascontiguousarray(w32.astype(np.float16))
     if gtype == "BF16":
         return f32_to_bf16_bits(w32)
-    return np.ascontiguousarray(quants.quantize(np.ascontiguousarray(w32, dtype=np.float32), _qtype(gtype)))
+    return np.ascontiguousarray(quants.quantize(np.ascontiguousarray(w32, dtype=np.float32), ggml_type(gtype)))
 
 
 def _offset_in_dtype(x: np.ndarray, offset: float, dtype: str) -> np.ndarray:
@@ -830,7 +812,7 @@ def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, fo
             bshape = it.byte_shape
             dt = {"F32": np.float32, "F16": np.float16}.get(it.gtype, np.uint8)
             w.add_tensor_info(it.gguf_name, bshape, np.dtype(dt), it.nbytes,
-                              raw_dtype=None if it.gtype in ("F32", "F16") else _qtype(it.gtype))
+                              raw_dtype=None if it.gtype in ("F32", "F16") else ggml_type(it.gtype))
         _metadata(w, arch, hp, model.config, layer_t, model, items, report)
         n_vocab = next((it.shape[0] for it in items if it.gguf_name == "token_embd.weight"), hp["vocab"])
         from .gguf_vocab import add_tokenizer
@@ -905,7 +887,7 @@ def _verify(path: Path, items, hp, arch, report, progress, total, mode) -> None:
     key hyper-parameters (``scalar_kvs``), every tensor's bytes against the digest of what was produced; with
     ``mode == "full"`` also ``gguf.GGUFReader`` and a decode of every tensor.  (``GGUFReader`` builds a Python
     object per vocabulary string, seconds for a 32k vocabulary, so the default pass does without it.)"""
-    from .gguf_read import open_gguf, prescan_gguf
+    from .gguf_io import open_gguf, prescan_gguf
 
     reader = None
     if mode == "full":

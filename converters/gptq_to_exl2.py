@@ -32,7 +32,7 @@ from .. import __version__
 from ..codec._f16 import f16_bits_to_f32, f32_to_f16_bits
 from ..detect import ModelFormat
 from ..errors import ErrorCode, Exl2Error
-from . import register
+from .registry import register
 from .base import (Converter, LayerReport, OutSpec, SourceReader, Unit, build_layer, error_stats,
                    layer_issues_or_raise, natural_key)
 from .slots import EXL2_BIAS, G_IDX, Q_GROUPS, Q_INVPERM, Q_SCALE, Q_SCALE_MAX, Q_WEIGHT
@@ -126,7 +126,7 @@ def gptq_layer_to_exl2(layer, bits: int, group_size: int):
     ref = layer.dequantize()                                          # [N, K] fp16: the GPTQ reconstruction
     codes_g = unpack_qweight(np.asarray(t[QWEIGHT]), b_src)           # [K, N] original order
     zeros = zeros_from_fields(unpack_qzeros(np.asarray(t[QZEROS]), b_src), layer.v2)[:, :N]   # [G, N]
-    scales = ref_scales = _scales_f16(layer)                          # [G, N] fp16
+    scales = ref_scales = layer.scales_f16()                          # [G, N] fp16
     if G_IDX in t:
         g_idx = np.asarray(t[G_IDX]).astype(np.int64)
     else:
@@ -170,15 +170,6 @@ def gptq_layer_to_exl2(layer, bits: int, group_size: int):
     b = layer.bias()
     tensors = exl2_tensors(codes, scale_codes, qsm, bits_rows, invperm, None if b is None else b[:N])
     return tensors, ref, bits_rows
-
-
-def _scales_f16(layer) -> np.ndarray:
-    from ..layers import _as_float32
-    from .slots import SCALES
-
-    s = layer.tensors[SCALES]
-    dt = layer.dtypes[SCALES]
-    return np.asarray(s) if dt == "F16" else _as_float32(s, dt).astype(np.float16)
 
 
 class GptqToExl2(Converter):

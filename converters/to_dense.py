@@ -31,7 +31,7 @@ import numpy as np
 
 from ..detect import ModelFormat
 from ..errors import ErrorCode, Exl2Error
-from . import register
+from .registry import register
 from .slots import BIAS, WEIGHT
 from .base import (Converter, LayerReport, OutSpec, SourceReader, Unit, build_layer, error_stats, f16_to_bf16_bits,
                    layer_issues_or_raise, natural_key)

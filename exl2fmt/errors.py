@@ -108,7 +108,7 @@ class ErrorCode(str, enum.Enum):
     GPTQ_ZEROS_AMBIGUOUS = ("GPTQ_ZEROS_AMBIGUOUS", Category.INVALID,
                             "a v1 (gptq) zero field equal to 2**bits-1 is read differently by different tools")
 
-    # --- model-level checks of inspect / validate (appended; see exl2fmt/validate.py) -----------------
+    # --- model-level checks of inspect / validate (appended; see exl2fmt/validate/) ------------------
     FORMAT_MISMATCH = ("FORMAT_MISMATCH", Category.INVALID,
                        "config.json quantization_config.quant_method must name the format the tensors are in")
     FORMAT_UNKNOWN = ("FORMAT_UNKNOWN", Category.INVALID, "the tensors should form linear layers of a known format")
@@ -126,7 +126,7 @@ class ErrorCode(str, enum.Enum):
     GGUF_INVALID = ("GGUF_INVALID", Category.INVALID,
                     "a .gguf file must be well-formed GGUF v2/v3 with bounded counts, strings and arrays")
 
-    # --- validate --kernel (appended; see exl2fmt/validate.py) ------------------------------------------
+    # --- validate --kernel (appended; see exl2fmt/validate/) -------------------------------------------
     KERNEL_MISMATCH = ("KERNEL_MISMATCH", Category.INVALID,
                        "the Triton kernel must dequantize a layer bit for bit like the reference and keep every "
                        "output of x @ W within the documented fp32-accumulation bound")
@@ -152,7 +152,7 @@ class ErrorCode(str, enum.Enum):
     CHECKPOINT_INVALID = ("CHECKPOINT_INVALID", Category.UNREADABLE,
                           "a resume checkpoint must come from the same source, options and version")
 
-    # --- validate --run (appended; see exl2fmt/run_check.py) -----------------------------------------
+    # --- validate --run (appended; see exl2fmt/validate/run.py) ------------------------------------
     RUN_MISMATCH = ("RUN_MISMATCH", Category.INVALID,
                     "a forward pass through the Triton kernel must give the logits of the forward over the "
                     "dequantized weights within the documented tolerance")

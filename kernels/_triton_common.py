@@ -15,7 +15,7 @@ _REF_CHUNK_ELEMS = 1 << 24
 
 
 @triton.jit
-def _round_out(acc, OUT_BF16: tl.constexpr):
+def round_out(acc, OUT_BF16: tl.constexpr):
     """fp32 -> fp16 or bf16, round to nearest even.  The bf16 rounding is spelled out on the bits so that the
     interpreter (whose bf16 cast truncates) rounds exactly like the GPU."""
     if OUT_BF16:

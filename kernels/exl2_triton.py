@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from ..groups import GroupTable, decode_q_groups
-from ._triton_common import _round_out, check_outputs
+from ._triton_common import round_out, check_outputs
 from ..layout import BIT_WIDTHS, EXL2_BITS, MAX_K, N_PAD_MULTIPLE, ROW_MULTIPLE, SCALE_CODE_BITS, SCALE_DIVISOR
 
 __all__ = [
@@ -334,7 +334,7 @@ def _dequant_slot(qw_ptr, stride_qw, qs_ptr, stride_qs, qsm_ptr, blk_qrow_ptr, b
                 rows = k
             optr = out_ptr + rows.to(tl.int64) * stride_ok + n_off
             if OUT_BF16:
-                tl.store(optr, _round_out(w.to(tl.float32), True), mask=n_ok)
+                tl.store(optr, round_out(w.to(tl.float32), True), mask=n_ok)
             else:
                 tl.store(optr, w, mask=n_ok)
 
@@ -349,7 +349,7 @@ def _epilogue(acc, offs_m, m_mask, offs_n, n_mask, bias_ptr, out_ptr, stride_om,
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0).to(tl.float32)[None, :]
         optr = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-        tl.store(optr, _round_out(acc, OUT_BF16), mask=mask)
+        tl.store(optr, round_out(acc, OUT_BF16), mask=mask)
     else:
         tl.atomic_add(ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
 
@@ -529,7 +529,7 @@ def _finalize_kernel(
     acc = tl.load(ws_ptr + offs, mask=mask, other=0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=mask, other=0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + n * stride_on, _round_out(acc, OUT_BF16), mask=mask)
+    tl.store(out_ptr + m * stride_om + n * stride_on, round_out(acc, OUT_BF16), mask=mask)
 
 
 _INTERPRETED = type(_matmul_kernel).__name__ == "InterpretedFunction"

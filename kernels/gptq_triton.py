@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..layout import GPTQ_BITS
-from ._triton_common import _round_out, check_outputs
+from ._triton_common import round_out, check_outputs
 
 __all__ = ["gptq_dequantize", "gptq_matmul", "check_gptq_layer", "GPTQ_KERNEL_BITS", "FUSED_MAX_M"]
 
@@ -73,7 +73,7 @@ def _dequant_kernel(qw_ptr, stride_qw, qz_ptr, stride_qz, sc_ptr, stride_sc, gi_
     w = _decode_tile(qw_ptr, stride_qw, qz_ptr, stride_qz, sc_ptr, stride_sc, gi_ptr, offs_k, k_mask, offs_n,
                      n_mask, BITS, ZERO_ADD)
     if OUT_BF16:
-        w = _round_out(w.to(tl.float32), True)
+        w = round_out(w.to(tl.float32), True)
     tl.store(out_ptr + offs_k[:, None] * stride_ok + offs_n[None, :], w, mask=k_mask[:, None] & n_mask[None, :])
 
 
@@ -101,7 +101,7 @@ def _matmul_kernel(x_ptr, stride_xm, qw_ptr, stride_qw, qz_ptr, stride_qz, sc_pt
             acc += tl.dot(x, w)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out = _round_out(acc, X_BF16)
+    out = round_out(acc, X_BF16)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=m_mask[:, None] & n_mask[None, :])
 
 

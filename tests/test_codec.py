@@ -1,7 +1,7 @@
 """Codecs of exl2fmt.codec.exl2 / gptq against golden hex from the references and the NumPy twins.
 
-Golden values come from /work/shared/reference/exl2-format.md (section 2.2 worked examples, 3.1, 3.2) and
-gptq-gguf-formats.md (A2, A3); they are literals here, never computed by the code under test.  The
+Golden values come from the project's format references, exl2-format.md (section 2.2 worked examples, 3.1, 3.2)
+and gptq-gguf-formats.md (A2, A3); they are literals here, never computed by the code under test.  The
 property tests compare the Numba codecs with ``exl2fmt.codec.oracle`` bit for bit (fp16 via ``.view(uint16)``).
 """
 

@@ -472,10 +472,12 @@ def test_destination_inside_or_equal_to_source_is_refused(sample, tmp_path):
     assert open_model(tmp_path / "from-file").info("lm_head.weight").shape == (1000, 256)
 
 
-def test_an_interrupted_conversion_leaves_no_destination(sample, tmp_path):
+def test_an_interrupted_conversion_leaves_no_destination(sample, tmp_path, monkeypatch):
     dst = tmp_path / "out"
+    monkeypatch.setenv("EXL2FMT_TEST_FAIL_AFTER", "5")  # the test seam (not in convert's signature)
     with pytest.raises(RuntimeError, match="injected"):
-        convert(sample, dst, "fp16", _fail_after=5)
+        convert(sample, dst, "fp16")
+    monkeypatch.delenv("EXL2FMT_TEST_FAIL_AFTER")
     assert not dst.exists() and list(tmp_path.iterdir()) == []
 
     def stop(done, total, what):
@@ -491,8 +493,9 @@ def test_an_interrupted_conversion_leaves_no_destination(sample, tmp_path):
     (dst / "marker").write_text("old")
     (dst / "config.json").write_text("{}")
     (dst / "model.safetensors").write_bytes(b"old")
+    monkeypatch.setenv("EXL2FMT_TEST_FAIL_AFTER", "3")
     with pytest.raises(RuntimeError):
-        convert(sample, dst, "gptq", force=True, _fail_after=3)
+        convert(sample, dst, "gptq", force=True)
     assert (dst / "marker").read_text() == "old" and len(list(tmp_path.iterdir())) == 1
 
 

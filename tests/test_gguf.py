@@ -365,9 +365,10 @@ def test_existing_output_needs_force_and_source_is_untouched(dense, tmp_path):
     assert e.value.code is ErrorCode.USAGE
 
 
-def test_interrupted_write_leaves_nothing(dense, tmp_path):
+def test_interrupted_write_leaves_nothing(dense, tmp_path, monkeypatch):
+    monkeypatch.setenv("EXL2FMT_TEST_FAIL_AFTER", "3")  # the test seam (not in convert's signature)
     with pytest.raises(RuntimeError):
-        convert(dense, tmp_path / "o.gguf", "gguf", _fail_after=3)
+        convert(dense, tmp_path / "o.gguf", "gguf")
     assert list(tmp_path.iterdir()) == []
 
 

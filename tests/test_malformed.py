@@ -196,7 +196,7 @@ def test_generator_base_layers_are_valid():
 
 
 # ------------------------------------------------------------------------------------------------
-# samples the CLI checks (validate.py): the library still reads them
+# samples the CLI checks (exl2fmt/validate/): the library still reads them
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("entry", CLI_ONLY, ids=_ids(CLI_ONLY))

@@ -63,7 +63,7 @@ def sample_dir(tmp_path_factory):
 
 @needs_kernels
 def test_sample_run_passes(sample_dir):
-    from exl2fmt.run_check import RUN_MARGIN, U16, default_ids
+    from exl2fmt.validate.run import RUN_MARGIN, U16, default_ids
 
     p = cli("validate", sample_dir, "--run", "--device", "cpu", "--json")
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
@@ -118,7 +118,7 @@ def test_reference_pass_matches_transformers(sample_dir, tmp_path):
     from exl2fmt.detect import detect_layers
     from exl2fmt.model import load_layer
     from exl2fmt.quant import forward as fw
-    from exl2fmt.run_check import run_forward
+    from exl2fmt.validate.run import run_forward
 
     fp16 = _convert_fp16(sample_dir, tmp_path / "fp16")
     m = open_model(sample_dir)
@@ -193,7 +193,7 @@ def test_corrupted_kernel_input_fails(sample_dir):
 def _fake_result(ref, io, ker):
     import torch
 
-    from exl2fmt.run_check import RunResult
+    from exl2fmt.validate.run import RunResult
 
     t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
     return RunResult(ids=list(range(len(ref))), reference=t(ref), fp16io=t(io),
@@ -203,7 +203,7 @@ def _fake_result(ref, io, ker):
 def test_verdict_rules_on_hand_made_logits():
     pytest.importorskip("torch")
     from exl2fmt.errors import ErrorCode
-    from exl2fmt.run_check import run_metrics, verdict
+    from exl2fmt.validate.run import run_metrics, verdict
 
     ref = [[4.0, 1.0, 0.0], [2.0, 1.99, -1.0]]        # position 1: margin 0.01, a near-tie
     io = [[4.0, 1.0, 0.01], [2.0, 1.99, -1.0]]        # fp16 I/O noise D = 0.01 -> T = 4 max(0.01, 4/2048) = 0.04

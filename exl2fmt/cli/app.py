@@ -309,10 +309,10 @@ def _validate_out(out, ci, doc: dict) -> None:
 def _load_kernels(out, device, kernel_m, what="--kernel"):
     """validate --kernel / --run: load the Triton kernels (exit 3 with a one-line reason when torch, triton or the
     device is missing) and say when they run in the CPU interpreter."""
-    from ..validate import _check_ms, load_kernels
+    from ..validate import check_ms, load_kernels
 
     if kernel_m:
-        _check_ms(tuple(kernel_m))
+        check_ms(tuple(kernel_m))
     ks = load_kernels(device, what)
     if ks.interpreted and out.mode != "json":
         out.info(f"note: {what} on cpu runs the Triton kernels in Triton's CPU interpreter: slow (seconds per "

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ErrorCode, Exl2Error
-from ..layout import BIT_WIDTHS, Tier, exl2_total_bits, pad32, plan_desc, plan_rows
+from ..layout import BIT_WIDTHS, Tier, exl2_total_bits, pad32, plan_rows
 
 __all__ = ["QParams", "Option", "ATTN_OPTIONS", "MLP_OPTIONS", "HEAD_OPTIONS", "block_options", "head_qparams",
            "read_measurement", "write_measurement", "measurement_key", "promote", "pareto_rows",
@@ -368,6 +368,3 @@ def read_measurement(path: str | os.PathLike, layer_names: dict[str, tuple[str, 
         out[key] = parsed
     return out
 
-
-def describe_plan(bits_rows: list[tuple[int, int]]) -> str:
-    return plan_desc(bits_rows)

@@ -530,7 +530,7 @@ A JSON list; one object per sample:
 | `deep` | (optional) true: found only by `--deep` (reads tensor data); header-only validation passes |
 | `severity` | (optional) `"warning"`: reported as a warning, a failure only with `--strict` |
 | `strict` | (optional) true: fails only with `--strict`; `exit_without_strict` gives the status without it |
-| `checked_by` | (optional) `"cli"`: the check lives in the model-level validator (`exl2fmt/validate.py`), not in a library function the library test calls |
+| `checked_by` | (optional) `"cli"`: the check lives in the model-level validator (`exl2fmt/validate/`), not in a library function the library test calls |
 | `oversize_reason` | (optional) why the sample is over the 64 KiB size budget |
 
 ## Samples

@@ -57,11 +57,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .errors import ErrorCode, Exl2Error
-from .quant import forward as fw
+from ..errors import ErrorCode, Exl2Error, Severity
+from ..quant import forward as fw
+from .kernel import KernelSetup
+from .report import CheckId, PassCode, Report, Status
 
 __all__ = ["RUN_DEFAULT_LENGTH", "RUN_SEED", "RUN_MARGIN", "RUN_MAX_IDS", "default_ids", "check_ids", "RunResult",
-           "run_forward", "run_metrics", "verdict", "U16"]
+           "run_forward", "run_metrics", "verdict", "U16", "KernelCallError", "run_preflight", "run_pass"]
 
 #: Ids in the default sequence (M = 16 rows of x: the kernel's tensor-core "dot" path).
 RUN_DEFAULT_LENGTH = 16
@@ -408,3 +410,133 @@ def verdict(m: dict) -> list[tuple[ErrorCode, str, str | None]]:
         bad.append((ErrorCode.RUN_MISMATCH, f"top-1 token differs at {k['top1_disagree_clear']} position(s) whose "
                     f"reference margin exceeds {th['top1_margin']:.4g}", None))
     return bad
+
+
+# ------------------------------------------------------------------------------------------------ the check
+
+
+def run_preflight(model, prompt_ids) -> dict:
+    """validate --run before any data is read: the architecture has a forward (else ``ARCH_UNSUPPORTED`` is
+    raised) and the ids lie in the vocabulary (else ``USAGE``).  A config that cannot be read or is invalid is
+    not raised here: it becomes a failed ``run`` check (the structural checks report it as well)."""
+    where = str(model.config_path)
+    try:
+        config = model.config
+    except Exl2Error as e:
+        return {"spec": None, "ids": None, "error": e}
+    if not isinstance(config, dict):
+        return {"spec": None, "ids": None, "error": Exl2Error(
+            ErrorCode.CONFIG_MISSING, "--run needs config.json (architecture and sizes)", file=where)}
+    try:
+        spec = fw.ModelSpec.from_config(config)
+    except Exl2Error as e:
+        if e.code is ErrorCode.ARCH_UNSUPPORTED:
+            raise Exl2Error(ErrorCode.ARCH_UNSUPPORTED, f"--run has no forward for this model: {e.message}",
+                            file=e.file if e.file and e.file != "config.json" else where) from None
+        return {"spec": None, "ids": None, "error": Exl2Error(e.code, e.message, file=where, tensor=e.tensor)}
+    ids = default_ids(spec.vocab_size) if prompt_ids is None else check_ids(list(prompt_ids), spec)
+    return {"spec": spec, "ids": ids, "source": "default" if prompt_ids is None else "prompt-ids", "error": None}
+
+
+def _run_inputs(rep: Report, model, det, loaded: dict, deep: bool, spec) -> dict | None:
+    """The layer objects the forward substitutes (EXL2 and GPTQ), after checking that every tensor it reads is
+    present with the shape config.json implies; None (and FAIL checks) when the forward cannot run."""
+    from ..detect import ModelFormat
+    from ..layout import Format, marker_slot
+
+    linear_keys = {spec.linear_key(i, n) for i in range(spec.num_layers)
+                   for n in spec.attn_linears + spec.mlp_linears} | {"lm_head"}
+    quant: dict = {}
+    problems: list[tuple[ErrorCode, str, str]] = []
+    wsuf = "." + marker_slot(Format.DENSE)
+    for name, shape in spec.expected_tensors(None).items():
+        key = name[: -len(wsuf)] if name.endswith(wsuf) else None
+        if key in linear_keys and key in det.layers:
+            info = det.layers[key]
+            if info.format in (ModelFormat.EXL2, ModelFormat.GPTQ):
+                layer = loaded.get(key)
+                if layer is None:
+                    problems.append((ErrorCode.LAYER_NOT_FOUND, "the forward needs this layer and it failed the "
+                                     "structural checks (see the layers check)", key))
+                    continue
+                if (int(layer.out_features), int(layer.in_features)) != tuple(shape):
+                    problems.append((ErrorCode.CONFIG_MISMATCH, f"config.json implies [out, in] = {list(shape)}, the "
+                                     f"layer is [{layer.out_features}, {layer.in_features}]", key))
+                    continue
+                quant[key] = layer
+                continue
+            if info.format is not ModelFormat.DENSE:
+                problems.append((ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot run in the "
+                                 "forward (exl2fmt decodes EXL2, GPTQ and dense layers)", key))
+                continue
+        if name not in model:
+            problems.append((ErrorCode.TENSOR_NOT_FOUND, f"the {spec.arch} forward needs this tensor", name))
+        elif tuple(model.info(name).shape) != tuple(shape):
+            problems.append((ErrorCode.CONFIG_MISMATCH, f"config.json implies shape {list(shape)}, found "
+                             f"{list(model.info(name).shape)}", name))
+    head = loaded.get("lm_head")
+    if "lm_head" not in quant and head is not None and det.layers["lm_head"].format in (
+            ModelFormat.EXL2, ModelFormat.GPTQ) and (int(head.out_features), int(head.in_features)) == (
+            spec.vocab_size, spec.hidden_size):
+        quant["lm_head"] = head  # tied embeddings but a quantized head stored: run the head that ships
+    for key, layer in quant.items():
+        if deep:
+            continue  # the data invariants (permutation, finite scales, g_idx) were checked by the deep pass
+        for i in layer.validate(deep=True):
+            if i.severity is Severity.ERROR:
+                problems.append((i.code, i.message, i.tensor or key))
+    for code, msg, tensor in problems:
+        rep.add(CheckId.RUN, Status.FAIL, code, f"forward not run: {msg}", tensor=tensor, file=model.root)
+    return None if problems else quant
+
+
+def run_pass(rep: Report, model, det, loaded: dict, deep: bool, ks: KernelSetup, pre: dict, progress) -> None:
+    """validate --run (rules in the module docstring)."""
+    where = f"{ks.device}" + (" (Triton interpreter)" if ks.interpreted else "")
+    rep.run = {"device": ks.device, "interpreter": ks.interpreted, "activation_dtype": "float16",
+               "ids_source": pre.get("source"), "arch": None}
+    if pre["error"] is not None:
+        e = pre["error"]
+        rep.add(CheckId.RUN, Status.FAIL, e.code, f"forward not run: {e.message}", tensor=e.tensor, file=e.file)
+        return
+    spec = pre["spec"]
+    rep.run["arch"] = spec.arch
+    quant = _run_inputs(rep, model, det, loaded, deep, spec)
+    if quant is None:
+        return
+    total = sum(det.layers[k].stored_bytes for k in quant) or 1
+    cb = None if progress is None else (lambda done, n, what: progress(int(total * done / n), total, what))
+    if progress is not None:
+        progress(0, total, "")
+    try:
+        res = run_forward(spec, fw.WeightSource(model), quant, pre["ids"], kernels=ks.module, device=ks.device,
+                             progress=cb)
+    except KernelCallError as e:
+        rep.add(CheckId.RUN, Status.FAIL, ErrorCode.KERNEL_MISMATCH, f"the kernel failed on this layer during the "
+                f"forward ({where}): {e}", tensor=e.key, file=model.root)
+        return
+    except Exl2Error as e:
+        rep.add(CheckId.RUN, Status.FAIL, e.code, f"forward not run: {e.message}", tensor=e.tensor, file=e.file)
+        return
+    m = run_metrics(res)
+    rep.run.update(m)
+    n = m["linears"]
+    if n["gptq"]:
+        rep.add(CheckId.RUN, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED, f"{n['gptq']} GPTQ layer(s) ran over their "
+                "dequantized weights in both passes: the Triton kernel covers EXL2 only", file=model.root)
+    if not n["exl2"]:
+        rep.add(CheckId.RUN, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED, "no EXL2 linear in the forward: the kernel "
+                "was not exercised", file=model.root)
+    bad = verdict(m)
+    for code, msg, key in bad:
+        rep.add(CheckId.RUN, Status.FAIL, code, f"{msg} ({where}, {m['length']} ids)", tensor=key, file=model.root)
+    k = m["kernel"]
+    if not bad and n["exl2"] and k is not None:
+        th = m["thresholds"]
+        paths = sorted({c["path"] for c in m["calls"]})
+        rep.ok(CheckId.RUN, PassCode.RUN_OK, f"{spec.arch} forward on {m['length']} ids, {n['exl2']} EXL2 linear(s) "
+               f"through the Triton kernel ({'/'.join(paths)} path, {where}) vs the dequantized weights in float32: "
+               f"max |logit diff| {k['max_abs_logit_diff']:.3g} (tolerance {th['max_abs_logit_diff']:.3g}; float16 "
+               f"activations alone {m['fp16io']['max_abs_logit_diff']:.3g}), mean KL {k['mean_kl']:.3g} nats, "
+               f"top-1 agreement {k['top1_agree']:.4g}; every kernel call within the fp32-accumulation bound",
+               count=n["exl2"], file=model.root)
