@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ErrorCode, Issue
-from .layout import DETECTION_ORDER, AwqSlot, Exl2Slot, Exl3Slot, Format, GptqSlot, marker_slot, slot_names
+from .layout import (DETECTION_ORDER, SLOT_NAMES, AwqSlot, Exl2Slot, Exl3Slot, Format, GptqSlot, marker_slot,
+                     slot_names)
 
 __all__ = ["Verdict", "ModelFormat", "LayerInfo", "Detection", "detect_layers", "detect_model",
            "config_quant_method", "FORMAT_TITLES", "quantization_config", "layer_candidates", "NOT_LINEAR",
@@ -51,9 +52,9 @@ class Verdict(str, enum.Enum):
 
 
 class ModelFormat:
-    """The members a model's format can take, ``Format`` and ``Verdict`` under one name (``ModelFormat.EXL2
-    is Format.EXL2``).  Kept so exl2fmt.validate reads unchanged while it is being split; new code uses
-    ``Format`` / ``Verdict``."""
+    """Not an enum: the members a model's format can take, ``Format``'s and ``Verdict``'s, under the old name
+    (``ModelFormat.EXL2 is Format.EXL2``).  Kept while validate.py, hub.py and the converters, being rewritten
+    in parallel, still name it; new code uses ``Format`` / ``Verdict``."""
 
     EXL2, GPTQ, AWQ, EXL3, DENSE = Format.EXL2, Format.GPTQ, Format.AWQ, Format.EXL3, Format.DENSE
     GGUF, MIXED, UNKNOWN = Verdict.GGUF, Verdict.MIXED, Verdict.UNKNOWN
@@ -105,7 +106,7 @@ class LayerInfo:
 
     @property
     def has_bias(self) -> bool:
-        return Exl2Slot.BIAS in self.slots
+        return SLOT_NAMES[self.format].BIAS in self.slots
 
     @property
     def stored_bytes(self) -> int:

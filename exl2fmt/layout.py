@@ -68,11 +68,6 @@ class Format(str, enum.Enum):
 
     __hash__ = str.__hash__
 
-    @property
-    def decoded(self) -> bool:
-        """True for the formats exl2fmt reads, writes and validates fully (the keys of ``LAYOUTS``)."""
-        return self in LAYOUTS
-
 
 class SlotStatus(str, enum.Enum):
     REQUIRED = "required"

@@ -8,7 +8,7 @@ from typing import ClassVar, Mapping
 import numpy as np
 
 from ..errors import ErrorCode, Exl2Error, Issue, Severity
-from ..layout import LAYOUTS, Format, SlotStatus
+from ..layout import LAYOUTS, SLOT_NAMES, Format, SlotStatus, bpw
 
 __all__ = ["LinearBase", "numpy_to_st_dtype", "bf16_to_f32", "as_float32"]
 
@@ -77,6 +77,15 @@ class LinearBase:
         if bad:
             return [self._issue(ErrorCode.NONFINITE_VALUES, f"{bad} of {a.size} values are NaN or Inf", slot)]
         return []
+
+    @property
+    def has_bias(self) -> bool:
+        return SLOT_NAMES[self.format].BIAS in self.tensors
+
+    def bpw(self) -> float:
+        """Bits per weight with all overhead (ExLlamaV2's accounting); raises Exl2Error on an invalid layer."""
+        self.raise_if_invalid()
+        return bpw(self.format, self.geometry, dict(self.dtypes))
 
     def raise_if_invalid(self, deep: bool = False) -> None:
         for issue in self.validate(deep=deep):

@@ -8,7 +8,7 @@ from typing import ClassVar, Mapping
 import numpy as np
 
 from ..errors import ErrorCode, Issue
-from ..layout import DenseGeometry, DenseSlot, Format, bpw
+from ..layout import DenseGeometry, DenseSlot, Format
 from .common import LinearBase, as_float32
 
 __all__ = ["DenseLinear", "inspect_facts"]
@@ -36,17 +36,9 @@ class DenseLinear(LinearBase):
     def geometry(self) -> DenseGeometry:
         return DenseGeometry(K=self.in_features, N=self.out_features)
 
-    @property
-    def has_bias(self) -> bool:
-        return DenseSlot.BIAS in self.tensors
-
     def plan(self) -> str:
         self.raise_if_invalid()
         return self.dtypes[DenseSlot.WEIGHT].lower()
-
-    def bpw(self) -> float:
-        self.raise_if_invalid()
-        return bpw(Format.DENSE, self.geometry, dict(self.dtypes))
 
     def validate(self, deep: bool = False) -> list[Issue]:
         issues = self._slot_presence_and_dtypes()

@@ -68,19 +68,10 @@ class Exl2Linear(LinearBase):
         g = self.groups
         return Exl2Geometry(K=g.K, N_pad=self.n_pad, G=g.G, Q=g.Q)
 
-    @property
-    def has_bias(self) -> bool:
-        return Exl2Slot.BIAS in self.tensors
-
     def plan(self) -> str:
         """Group plan in ExLlamaV2's notation, e.g. ``0.05:8b_32g/0.95:4b_128g``."""
         self.raise_if_invalid()
         return plan_desc(self.groups.bits_rows())
-
-    def bpw(self) -> float:
-        """Bits per weight with all overhead (ExLlamaV2's accounting); raises Exl2Error on an invalid layer."""
-        self.raise_if_invalid()
-        return bpw(Format.EXL2, self.geometry, dict(self.dtypes))
 
     def validate(self, deep: bool = False) -> list[Issue]:
         issues = self._slot_presence_and_dtypes()

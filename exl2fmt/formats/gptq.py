@@ -10,7 +10,7 @@ from typing import ClassVar, Mapping
 import numpy as np
 
 from ..errors import ErrorCode, Exl2Error, Issue, Severity
-from ..layout import GPTQ_BITS, Format, GptqGeometry, GptqSlot, bpw
+from ..layout import GPTQ_BITS, Format, GptqGeometry, GptqSlot
 from .common import LinearBase, as_float32
 
 __all__ = ["GptqLinear", "gptq_layer_tensors", "inspect_facts"]
@@ -71,10 +71,6 @@ class GptqLinear(LinearBase):
     def geometry(self) -> GptqGeometry:
         return GptqGeometry(K=self.K, N=self.N, bits=self.bits, G=self.G)
 
-    @property
-    def has_bias(self) -> bool:
-        return GptqSlot.BIAS in self.tensors
-
     def plan(self) -> str:
         self.raise_if_invalid()
         gs = self.group_size
@@ -86,10 +82,6 @@ class GptqLinear(LinearBase):
             return False
         g = np.asarray(g)
         return not np.array_equal(g, np.arange(g.size) // max(self.group_size, 1))
-
-    def bpw(self) -> float:
-        self.raise_if_invalid()
-        return bpw(Format.GPTQ, self.geometry, dict(self.dtypes))
 
     def validate(self, deep: bool = False) -> list[Issue]:
         issues = self._slot_presence_and_dtypes()
