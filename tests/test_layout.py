@@ -263,7 +263,11 @@ def test_layout_document():
     assert json.loads(text) == doc
     assert [b["bits"] for b in doc["bit_widths"]] == [2, 3, 4, 5, 6, 8]
     assert set(doc["layouts"]) == {"exl2", "gptq", "dense"}
-    assert [s["name"] for s in doc["layouts"]["exl2"]] == [s.name for s in LAYOUTS[Format.EXL2]]
+    # the slot order of the slot tables in spec/exl2.md 4.1 and spec/gptq.md (written out, not read from LAYOUTS)
+    assert [s["name"] for s in doc["layouts"]["exl2"]] == ["q_weight", "q_scale", "q_scale_max", "q_groups",
+                                                          "q_invperm", "q_perm", "bias", "q_group_map"]
+    assert [s["name"] for s in doc["layouts"]["gptq"]] == ["qweight", "qzeros", "scales", "g_idx", "bias"]
+    assert set(doc["recognised_only"]) == {"awq", "exl3"}  # keyed by the plain format strings
     checked_in = REPO / "spec" / "layout.json"
     if not checked_in.exists():
         pytest.skip("spec/layout.json not generated yet")
