@@ -1153,27 +1153,9 @@ def layer_issues_or_raise(layer, report: ConversionReport) -> None:
 
 def build_layer(reader: SourceReader, info, config: dict | None):
     """The core layer object of a detected layer, from arrays read with ``reader`` (not memory-mapped)."""
-    from ..arch import expected_features, gptq_config
-    from ..detect import ModelFormat
-    from ..layers import layer_from_tensors
-    from ..layout import Format
+    from ..formats import build_layer as build
 
-    fmt = {ModelFormat.EXL2: Format.EXL2, ModelFormat.GPTQ: Format.GPTQ, ModelFormat.DENSE: Format.DENSE}.get(
-        info.format)
-    if fmt is None:
-        raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot be converted",
-                        tensor=info.key)
-    tensors = {s: reader.read(ti.name) for s, ti in info.slots.items()}
-    dtypes = {s: ti.dtype for s, ti in info.slots.items()}
-    files = {ti.file for ti in info.slots.values()}
-    hints: dict[str, Any] = {}
-    if fmt is Format.EXL2:
-        hints["out_features"] = expected_features(config, info.key)[1]
-    elif fmt is Format.GPTQ:
-        gc = gptq_config(config)
-        hints.update(bits=gc.bits, v2=gc.v2, group_size=gc.group_size)
-    return layer_from_tensors(info.key, tensors, dtypes, fmt=fmt, file=files.pop() if len(files) == 1 else None,
-                              **hints)
+    return build(info.key, info.format, info.slots, lambda ti: reader.read(ti.name), config)
 
 
 def is_issue_error(i: Issue) -> bool:

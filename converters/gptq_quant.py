@@ -15,29 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .slots import G_IDX, GPTQ_BIAS, QWEIGHT, QZEROS, SCALES
+from ..formats.gptq import gptq_layer_tensors
 
 __all__ = ["gptq_layer_tensors", "fit_group", "rtn_quantize", "reconstruct", "trivial_g_idx"]
 
 #: Multipliers of the range-derived scale tried by ``fit_group`` (the best fp16 scale per column wins).
 _GRID = np.linspace(0.55, 1.25, 57, dtype=np.float32)
-
-
-def gptq_layer_tensors(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, g_idx: np.ndarray, bits: int,
-                       *, v2: bool = False, bias: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """Pack one GPTQ layer: slot name -> array, dtypes as the layout table writes them (qweight/qzeros I32,
-    scales F16, g_idx I32, bias F16).  K and N must be multiples of 32; v1 needs every zero >= 1."""
-    from ..codec.gptq import fields_from_zeros, pack_qweight, pack_qzeros
-
-    out = {
-        QWEIGHT: pack_qweight(np.ascontiguousarray(codes, dtype=np.uint8), bits),
-        QZEROS: pack_qzeros(fields_from_zeros(zeros, bits, v2), bits),
-        SCALES: np.ascontiguousarray(scales, dtype=np.float16),
-        G_IDX: np.ascontiguousarray(g_idx, dtype=np.int32),
-    }
-    if bias is not None:
-        out[GPTQ_BIAS] = np.ascontiguousarray(bias, dtype=np.float16)
-    return out
 
 
 def reconstruct(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:

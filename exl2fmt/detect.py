@@ -30,46 +30,57 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ErrorCode, Issue
-from .layout import LAYOUTS, RECOGNISED_LAYOUTS, Format, SlotStatus, marker_slot
+from .layout import (DETECTION_ORDER, SLOT_NAMES, AwqSlot, Exl2Slot, Exl3Slot, Format, GptqSlot, marker_slot,
+                     slot_names)
 
-__all__ = ["ModelFormat", "LayerInfo", "Detection", "detect_layers", "detect_model", "config_quant_method",
-           "FORMAT_TITLES", "quantization_config"]
+__all__ = ["Verdict", "ModelFormat", "LayerInfo", "Detection", "detect_layers", "detect_model",
+           "config_quant_method", "FORMAT_TITLES", "quantization_config", "layer_candidates", "NOT_LINEAR",
+           "QUANTIZED_FORMATS"]
 
 
-class ModelFormat(str, enum.Enum):
-    """Stable format names used in JSON output."""
+class Verdict(str, enum.Enum):
+    """What a model is when no single layer format names it.  Values are stable strings used in JSON output."""
 
-    EXL2 = "exl2"
-    GPTQ = "gptq"
-    AWQ = "awq"
-    EXL3 = "exl3"
-    DENSE = "dense"
     GGUF = "gguf"
+    """A ``.gguf`` file (recognised by ``exl2fmt.inspect`` before any safetensors parsing)."""
     MIXED = "mixed"
+    """Quantized layers of several formats."""
     UNKNOWN = "unknown"
+    """No linear layer found."""
+
+    __hash__ = str.__hash__
+
+
+class ModelFormat:
+    """Not an enum: the members a model's format can take, ``Format``'s and ``Verdict``'s, under the old name
+    (``ModelFormat.EXL2 is Format.EXL2``).  Kept while validate.py, hub.py and the converters, being rewritten
+    in parallel, still name it; new code uses ``Format`` / ``Verdict``."""
+
+    EXL2, GPTQ, AWQ, EXL3, DENSE = Format.EXL2, Format.GPTQ, Format.AWQ, Format.EXL3, Format.DENSE
+    GGUF, MIXED, UNKNOWN = Verdict.GGUF, Verdict.MIXED, Verdict.UNKNOWN
 
 
 FORMAT_TITLES = {
-    ModelFormat.EXL2: "EXL2 (ExLlamaV2)",
-    ModelFormat.GPTQ: "GPTQ",
-    ModelFormat.AWQ: "AWQ",
-    ModelFormat.EXL3: "EXL3 (ExLlamaV3)",
-    ModelFormat.DENSE: "dense (unquantized)",
-    ModelFormat.GGUF: "GGUF",
-    ModelFormat.MIXED: "mixed quantized formats",
-    ModelFormat.UNKNOWN: "unknown",
+    Format.EXL2: "EXL2 (ExLlamaV2)",
+    Format.GPTQ: "GPTQ",
+    Format.AWQ: "AWQ",
+    Format.EXL3: "EXL3 (ExLlamaV3)",
+    Format.DENSE: "dense (unquantized)",
+    Verdict.GGUF: "GGUF",
+    Verdict.MIXED: "mixed quantized formats",
+    Verdict.UNKNOWN: "unknown",
 }
 
-_QUANTIZED = (ModelFormat.EXL2, ModelFormat.GPTQ, ModelFormat.AWQ, ModelFormat.EXL3)
-_CORE = {Format.EXL2: ModelFormat.EXL2, Format.GPTQ: ModelFormat.GPTQ, Format.DENSE: ModelFormat.DENSE}
+#: The quantized layer formats, in the order a mixed model lists them.
+QUANTIZED_FORMATS = (Format.EXL2, Format.GPTQ, Format.AWQ, Format.EXL3)
 
 #: quant_method strings (lower case) -> the format they name.
-_METHODS = {"exl2": ModelFormat.EXL2, "gptq": ModelFormat.GPTQ, "gptq_marlin": ModelFormat.GPTQ,
-            "awq": ModelFormat.AWQ, "exl3": ModelFormat.EXL3}
+_METHODS = {"exl2": Format.EXL2, "gptq": Format.GPTQ, "gptq_marlin": Format.GPTQ,
+            "awq": Format.AWQ, "exl3": Format.EXL3}
 
-# Leaf names of 2-D ``.weight`` tensors that are embeddings or norms, not linear layers (as exl2fmt.model).
-_NOT_LINEAR = ("embed_tokens", "wte", "wpe", "embed_positions", "word_embeddings", "position_embeddings",
-               "token_type_embeddings", "norm", "ln_", "layernorm")
+#: Leaf names of 2-D ``.weight`` tensors that are embeddings or norms, not linear layers.
+NOT_LINEAR = ("embed_tokens", "wte", "wpe", "embed_positions", "word_embeddings", "position_embeddings",
+              "token_type_embeddings", "norm", "ln_", "layernorm")
 
 _MAX_SIDE_CONFIG = 1 << 20  # quantize_config.json larger than this is ignored
 
@@ -84,7 +95,7 @@ class LayerInfo:
     """
 
     key: str
-    format: ModelFormat
+    format: Format
     slots: Mapping[str, Any]  # slot name -> TensorInfo
     in_features: int | None = None
     out_features: int | None = None
@@ -95,7 +106,7 @@ class LayerInfo:
 
     @property
     def has_bias(self) -> bool:
-        return "bias" in self.slots
+        return SLOT_NAMES[self.format].BIAS in self.slots
 
     @property
     def stored_bytes(self) -> int:
@@ -104,17 +115,14 @@ class LayerInfo:
     @property
     def marker(self) -> str:
         """The slot that identifies this layer's format (q_weight, qweight, trellis, weight)."""
-        if self.format is ModelFormat.EXL3:
-            return next(s.name for s in RECOGNISED_LAYOUTS["exl3"] if s.status is SlotStatus.REQUIRED)
-        fmt = Format.GPTQ if self.format is ModelFormat.AWQ else Format(self.format.value)
-        return marker_slot(fmt)
+        return marker_slot(self.format)
 
 
 @dataclass
 class Detection:
     """The result of ``detect_model``.  ``variant`` holds format-specific facts (JSON-able)."""
 
-    format: ModelFormat
+    format: Format | Verdict
     label: str
     variant: dict
     layers: dict[str, LayerInfo]
@@ -178,19 +186,19 @@ def config_quant_method(qc: dict | None, source: str | None = None) -> str | Non
     return None
 
 
-def _gptq_or_awq(key: str, slots: Mapping[str, Any]) -> ModelFormat:
-    qw, sc = slots.get("qweight"), slots.get("scales")
+def _gptq_or_awq(key: str, slots: Mapping[str, Any]) -> Format:
+    qw, sc = slots.get(GptqSlot.QWEIGHT), slots.get(GptqSlot.SCALES)
     if qw is None or sc is None or len(qw.shape) != 2 or len(sc.shape) != 2:
-        return ModelFormat.GPTQ
+        return Format.GPTQ
     if qw.shape[1] == sc.shape[1]:
-        return ModelFormat.GPTQ
+        return Format.GPTQ
     n = sc.shape[1]
-    if "g_idx" not in slots and n and (qw.shape[1] * 32) % n == 0 and qw.shape[1] < n:
-        return ModelFormat.AWQ
-    return ModelFormat.GPTQ
+    if GptqSlot.G_IDX not in slots and n and (qw.shape[1] * 32) % n == 0 and qw.shape[1] < n:
+        return Format.AWQ
+    return Format.GPTQ
 
 
-def _layer_info(key: str, fmt: ModelFormat, infos: Mapping[str, Any], ambiguous: tuple[str, ...]) -> LayerInfo:
+def _layer_info(key: str, fmt: Format, infos: Mapping[str, Any], ambiguous: tuple[str, ...]) -> LayerInfo:
     K = N = bits = G = None
     dtype = None
 
@@ -198,13 +206,13 @@ def _layer_info(key: str, fmt: ModelFormat, infos: Mapping[str, Any], ambiguous:
         t = infos.get(name)
         return tuple(t.shape) if t is not None else None
 
-    if fmt is ModelFormat.EXL2:
-        inv, qw, qsm = shape("q_invperm"), shape("q_weight"), shape("q_scale_max")
+    if fmt is Format.EXL2:
+        inv, qw, qsm = shape(Exl2Slot.Q_INVPERM), shape(Exl2Slot.Q_WEIGHT), shape(Exl2Slot.Q_SCALE_MAX)
         K = inv[0] if inv and len(inv) == 1 else None
         N = qw[1] if qw and len(qw) == 2 else None
         G = qsm[0] if qsm and len(qsm) == 1 else None
-    elif fmt is ModelFormat.GPTQ:
-        qw, qz, sc = shape("qweight"), shape("qzeros"), shape("scales")
+    elif fmt is Format.GPTQ:
+        qw, qz = shape(GptqSlot.QWEIGHT), shape(GptqSlot.QZEROS)
         if qw and len(qw) == 2:
             N = qw[1]
             if qz and len(qz) == 2 and N and (qz[1] * 32) % N == 0:
@@ -212,13 +220,13 @@ def _layer_info(key: str, fmt: ModelFormat, infos: Mapping[str, Any], ambiguous:
             if bits:
                 K = qw[0] * 32 // bits
             G = qz[0] if qz and len(qz) == 2 else None
-    elif fmt is ModelFormat.AWQ:
-        qw, qz, sc = shape("qweight"), shape("qzeros"), shape("scales")
+    elif fmt is Format.AWQ:
+        qw, sc = shape(AwqSlot.QWEIGHT), shape(AwqSlot.SCALES)
         if qw and sc and len(qw) == 2 and len(sc) == 2:
             K, N, G = qw[0], sc[1], sc[0]
             bits = qw[1] * 32 // N if N else None
-    elif fmt is ModelFormat.EXL3:
-        tr, suh, svh = shape("trellis"), shape("suh"), shape("svh")
+    elif fmt is Format.EXL3:
+        tr, suh, svh = shape(Exl3Slot.TRELLIS), shape(Exl3Slot.SUH), shape(Exl3Slot.SVH)
         if tr and len(tr) == 3:
             K, N = tr[0] * 16, tr[1] * 16
             bits = tr[2] // 16 if tr[2] % 16 == 0 else None
@@ -226,8 +234,8 @@ def _layer_info(key: str, fmt: ModelFormat, infos: Mapping[str, Any], ambiguous:
             K = suh[0]
         if svh and len(svh) == 1:
             N = svh[0]
-    elif fmt is ModelFormat.DENSE:
-        w = infos.get("weight")
+    elif fmt is Format.DENSE:
+        w = infos.get(marker_slot(Format.DENSE))
         if w is not None and len(w.shape) == 2:
             N, K = w.shape
             dtype = w.dtype
@@ -235,54 +243,58 @@ def _layer_info(key: str, fmt: ModelFormat, infos: Mapping[str, Any], ambiguous:
     return LayerInfo(key, fmt, dict(infos), K, N, bits, G, dtype, ambiguous)
 
 
-def detect_layers(tensors: Mapping[str, Any]) -> dict[str, LayerInfo]:
-    """Group ``name -> TensorInfo`` into linear layers (sorted by key).  Header-only."""
-    core_markers = {marker_slot(f): f for f in (Format.EXL2, Format.GPTQ, Format.DENSE)}
-    exl3_marker = next(s.name for s in RECOGNISED_LAYOUTS["exl3"] if s.status is SlotStatus.REQUIRED)
-    found: dict[str, list[ModelFormat]] = {}
-    for name, info in tensors.items():
+def layer_candidates(shapes: Mapping[str, tuple[int, ...] | None], *, recognised: bool = True
+                     ) -> dict[str, list[Format]]:
+    """The one layer finder: tensor name -> shape (None: unknown, the 2-D check is skipped) grouped into
+    ``key -> [formats whose identifying tensor <key>.<marker> exists]`` (unsorted, in name order).
+
+    A key is a layer when ``<key>.q_weight`` (EXL2), ``<key>.qweight`` (GPTQ), ``<key>.trellis`` (EXL3, with
+    ``recognised``) or a 2-D ``<key>.weight`` that is not an embedding or norm (``NOT_LINEAR``) exists."""
+    markers = {marker_slot(f): f for f in DETECTION_ORDER}
+    if recognised:
+        markers[marker_slot(Format.EXL3)] = Format.EXL3
+    found: dict[str, list[Format]] = {}
+    for name, shape in shapes.items():
         key, _, leaf = name.rpartition(".")
-        if not key:
-            continue
-        if leaf == exl3_marker:
-            found.setdefault(key, []).append(ModelFormat.EXL3)
-            continue
-        f = core_markers.get(leaf)
-        if f is None:
+        f = markers.get(leaf)
+        if f is None or not key:
             continue
         if f is Format.DENSE:
-            if len(info.shape) != 2:
+            if shape is not None and len(shape) != 2:
                 continue
             last = key.rsplit(".", 1)[-1]
-            if any(tok in last for tok in _NOT_LINEAR):
+            if any(tok in last for tok in NOT_LINEAR):
                 continue
-        found.setdefault(key, []).append(_CORE[f])
-    # Orphans: tensors that only an EXL2 / GPTQ layer has (q_groups, qzeros, ...) under a key without the
-    # identifying tensor.  They are reported as a layer of that format with its marker slot missing.
-    orphan_slots = {s.name: ModelFormat.EXL2 for s in LAYOUTS[Format.EXL2]
-                    if s.name != "bias" and s.status is not SlotStatus.DERIVED}
-    orphan_slots.update({"qzeros": ModelFormat.GPTQ, "g_idx": ModelFormat.GPTQ})
-    orphan_slots.update({s.name: ModelFormat.EXL3 for s in RECOGNISED_LAYOUTS["exl3"] if s.name in ("suh", "svh")})
+        found.setdefault(key, []).append(f)
+    return found
+
+
+#: Tensors only a layer of one format has, besides its identifying one: a key holding one of them but no
+#: identifying tensor is reported as a layer of that format with its marker slot missing.
+_ORPHAN_SLOTS: dict[str, Format] = {
+    **{s: Format.EXL2 for s in slot_names(Format.EXL2, derived=False) if s != Exl2Slot.BIAS},
+    GptqSlot.QZEROS: Format.GPTQ, GptqSlot.G_IDX: Format.GPTQ,
+    Exl3Slot.SUH: Format.EXL3, Exl3Slot.SVH: Format.EXL3,
+}
+_LAYER_ORDER = (Format.EXL2, Format.GPTQ, Format.EXL3, Format.DENSE)
+
+
+def detect_layers(tensors: Mapping[str, Any]) -> dict[str, LayerInfo]:
+    """Group ``name -> TensorInfo`` into linear layers (sorted by key).  Header-only."""
+    found = layer_candidates({name: tuple(info.shape) for name, info in tensors.items()})
     for name in tensors:
         key, _, leaf = name.rpartition(".")
-        if key and key not in found and leaf in orphan_slots:
-            found[key] = [orphan_slots[leaf]]
-    order = [ModelFormat.EXL2, ModelFormat.GPTQ, ModelFormat.EXL3, ModelFormat.DENSE]
+        if key and key not in found and leaf in _ORPHAN_SLOTS:
+            found[key] = [_ORPHAN_SLOTS[leaf]]
     out: dict[str, LayerInfo] = {}
     for key in sorted(found):
-        fmts = sorted(set(found[key]), key=order.index)
+        fmts = sorted(set(found[key]), key=_LAYER_ORDER.index)
         fmt = fmts[0]
-        if fmt is ModelFormat.GPTQ:
-            slot_names = [s.name for s in LAYOUTS[Format.GPTQ]]
-        elif fmt is ModelFormat.EXL3:
-            slot_names = [s.name for s in RECOGNISED_LAYOUTS["exl3"]]
-        else:
-            slot_names = [s.name for s in LAYOUTS[Format(fmt.value)] if s.status is not SlotStatus.DERIVED]
-        infos = {s: tensors[f"{key}.{s}"] for s in slot_names if f"{key}.{s}" in tensors}
-        if fmt is ModelFormat.GPTQ:
+        infos = {s: tensors[f"{key}.{s}"] for s in slot_names(fmt, derived=False) if f"{key}.{s}" in tensors}
+        if fmt is Format.GPTQ:
             fmt = _gptq_or_awq(key, infos)
-            if fmt is ModelFormat.AWQ:
-                awq_names = {s.name for s in RECOGNISED_LAYOUTS["awq"]}
+            if fmt is Format.AWQ:
+                awq_names = set(slot_names(Format.AWQ))
                 infos = {s: t for s, t in infos.items() if s in awq_names}
         out[key] = _layer_info(key, fmt, infos, tuple(f.value for f in fmts[1:]))
     return out
@@ -316,29 +328,29 @@ def detect_model(tensors: Mapping[str, Any], config: dict | None, *, root: str |
                                 f"loaders will read it as {info.format.value}", tensor=info.key, file=file))
     qc, qc_source = quantization_config(config, root)
     method = config_quant_method(qc, qc_source)
-    by_fmt: dict[ModelFormat, list[LayerInfo]] = {}
+    by_fmt: dict[Format, list[LayerInfo]] = {}
     for info in layers.values():
         by_fmt.setdefault(info.format, []).append(info)
-    quantized = [f for f in _QUANTIZED if f in by_fmt]
+    quantized = [f for f in QUANTIZED_FORMATS if f in by_fmt]
     if len(quantized) == 1:
         fmt = quantized[0]
     elif len(quantized) > 1:
-        fmt = ModelFormat.MIXED
+        fmt = Verdict.MIXED
         issues.append(Issue(ErrorCode.FORMAT_AMBIGUOUS, "quantized layers of several formats: " + ", ".join(
             f"{len(by_fmt[f])} {f.value}" for f in quantized), file=file))
-    elif ModelFormat.DENSE in by_fmt:
-        fmt = ModelFormat.DENSE
+    elif Format.DENSE in by_fmt:
+        fmt = Format.DENSE
     else:
-        fmt = ModelFormat.UNKNOWN
+        fmt = Verdict.UNKNOWN
     # EXL3 tensor names vary between releases: a config that says exl3 names a model whose tensors say nothing
-    from_config = fmt is ModelFormat.UNKNOWN and method == ModelFormat.EXL3.value
+    from_config = fmt is Verdict.UNKNOWN and method == Format.EXL3.value
     if from_config:
-        fmt = ModelFormat.EXL3
+        fmt = Format.EXL3
 
     variant: dict[str, Any] = {}
     label = FORMAT_TITLES[fmt]
     q = qc if isinstance(qc, dict) else {}
-    if fmt is ModelFormat.EXL2:
+    if fmt is Format.EXL2:
         variant = {"target_bits": _bits(q.get("bits")),
                    "head_bits": _int(q.get("head_bits"))}
         label = "EXL2"
@@ -346,8 +358,8 @@ def detect_model(tensors: Mapping[str, Any], config: dict | None, *, root: str |
             label += f" {variant['target_bits']} bpw target"
         if variant["head_bits"] is not None:
             label += f", head {variant['head_bits']} bits"
-    elif fmt is ModelFormat.GPTQ:
-        ls = by_fmt[ModelFormat.GPTQ]
+    elif fmt is Format.GPTQ:
+        ls = by_fmt[Format.GPTQ]
         bits = _int(q.get("bits")) or _most_common(l.bits for l in ls)
         gs = _int(q.get("group_size"))
         if gs is None:
@@ -357,15 +369,15 @@ def detect_model(tensors: Mapping[str, Any], config: dict | None, *, root: str |
         ckpt = ckpt if isinstance(ckpt, str) else "gptq"
         sym = q.get("sym") if isinstance(q.get("sym"), bool) else None
         desc_act = q.get("desc_act") if isinstance(q.get("desc_act"), bool) else None
-        has_gidx = any("g_idx" in l.slots for l in ls)
+        has_gidx = any(GptqSlot.G_IDX in l.slots for l in ls)
         act = (desc_act and has_gidx) if desc_act is not None else (False if not has_gidx else None)
         variant = {"checkpoint_format": ckpt, "version": 2 if ckpt == "gptq_v2" else 1, "bits": bits,
-                   "group_size": gs, "sym": sym, "act_order": act, "g_idx": has_gidx}
+                   "group_size": gs, "sym": sym, "act_order": act, GptqSlot.G_IDX.value: has_gidx}
         label = (f"GPTQ v{variant['version']} {bits}-bit g{gs} "
                  f"{'sym' if sym else 'asym' if sym is False else 'sym?'} "
                  f"{'act-order' if act else 'no act-order' if act is False else 'act-order?'}")
-    elif fmt is ModelFormat.AWQ:
-        ls = by_fmt[ModelFormat.AWQ]
+    elif fmt is Format.AWQ:
+        ls = by_fmt[Format.AWQ]
         bits = _int(q.get("bits", q.get("w_bit"))) or _most_common(l.bits for l in ls)
         gs = _int(q.get("group_size", q.get("q_group_size"))) or _most_common(
             l.in_features // l.groups if l.in_features and l.groups else None for l in ls)
@@ -373,20 +385,20 @@ def detect_model(tensors: Mapping[str, Any], config: dict | None, *, root: str |
         zp = q.get("zero_point") if isinstance(q.get("zero_point"), bool) else None
         variant = {"bits": bits, "group_size": gs, "version": ver if isinstance(ver, str) else None, "zero_point": zp}
         label = f"AWQ {bits}-bit g{gs}" + (f" {ver}" if isinstance(ver, str) else "")
-    elif fmt is ModelFormat.EXL3:
-        ls = by_fmt.get(ModelFormat.EXL3, [])
+    elif fmt is Format.EXL3:
+        ls = by_fmt.get(Format.EXL3, [])
         variant = {"target_bits": _bits(q.get("bits")),
                    "trellis_bits": sorted({l.bits for l in ls if l.bits})}
         label = "EXL3 (recognised, not decoded)" + (": named by quant_method, no trellis tensors found"
                                                     if from_config else "")
-    elif fmt is ModelFormat.DENSE:
-        dt = _dense_dtype(by_fmt[ModelFormat.DENSE])
+    elif fmt is Format.DENSE:
+        dt = _dense_dtype(by_fmt[Format.DENSE])
         variant = {"dtype": dt}
         label = f"dense {dt}"
 
     if method is not None:
         named = _METHODS.get(method)
-        if fmt in (ModelFormat.UNKNOWN, ModelFormat.MIXED):
+        if fmt in (Verdict.UNKNOWN, Verdict.MIXED):
             pass
         elif named is None or named is not fmt:
             what = named.value if named is not None else f"'{method}'"

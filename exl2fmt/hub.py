@@ -65,6 +65,7 @@ from typing import Any
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
 from .errors import ErrorCode, Exl2Error
+from .layout import Exl2Slot
 
 __all__ = ["HUB_SCHEME", "READ_CHUNK", "HubClient", "MAX_JSON_BYTES", "MAX_GROUPS_BYTES", "MAX_BYTES_PER_FILE", "MAX_FILE_SIZE", "MAX_REDIRECTS",
            "HubRef", "HubStats", "HubSnapshot", "is_hub_uri", "parse_hub_uri", "fetch_snapshot", "inspect_hub",
@@ -568,7 +569,8 @@ def fetch_snapshot(ref: HubRef, *, groups: bool = True) -> HubSnapshot:
             for n, hdr in headers.items():
                 budget = MAX_BYTES_PER_FILE - 8 - hdr.header_len
                 for t in hdr.tensors.values():
-                    if t.name.endswith(".q_groups") and t.dtype == "I16" and 0 < t.nbytes <= MAX_GROUPS_BYTES:
+                    if (t.name.endswith(f".{Exl2Slot.Q_GROUPS}") and t.dtype == "I16"
+                            and 0 < t.nbytes <= MAX_GROUPS_BYTES):
                         budget -= t.nbytes
                         if budget < 0:
                             raise _hub_err(ErrorCode.HUB_FETCH_LIMIT, f"the q_groups tables of {n} exceed the "

@@ -152,71 +152,17 @@ def producer(qc: dict | None, method: str | None, metadata: dict[str, str]) -> d
 
 
 def _layer_row(model, info, config, issues: list[Issue]) -> dict:
-    """One per-layer row (header-only except EXL2 q_groups)."""
-    from .arch import expected_features
-    from .detect import ModelFormat
-    from .layout import Exl2Geometry, Format, bpw, pad32
+    """One per-layer row (header-only except EXL2 q_groups); the per-format facts come from
+    ``exl2fmt.formats``."""
+    from .formats import inspect_facts
+    from .layout import Format
 
     key, fmt = info.key, info.format
-    K, N_stored = info.in_features, info.out_features
-    N = N_stored
-    plan = None
-    G = info.groups
-    hist: dict[int, int] = {}
-    act = None
-    layer_bpw = None
-    error = None
-    if fmt is ModelFormat.EXL2:
-        act = True
-        n_cfg = expected_features(config, key)[1]
-        if N_stored is not None and n_cfg is not None and pad32(n_cfg) == N_stored:
-            N = n_cfg
-        qg, qw = info.slots.get("q_groups"), info.slots.get("q_weight")
-        if qg is not None and qw is not None and len(qw.shape) == 2 and len(qg.shape) == 1 and qg.dtype == "I16":
-            from .groups import decode_q_groups
-            from .layout import plan_desc
-
-            try:
-                gt = decode_q_groups(model.get(qg.name), int(qw.shape[0]), tensor=qg.name, file=qg.file)
-            except Exl2Error as e:
-                error = e.message
-                issues.append(e.as_issue())
-            else:
-                plan = plan_desc(gt.bits_rows())
-                G = gt.G
-                if K is None:
-                    K = gt.K
-                for b, r in gt.rows_per_bits().items():
-                    hist[b] = hist.get(b, 0) + r * N_stored
-                if K == gt.K:
-                    geom = Exl2Geometry(K=gt.K, N_pad=N_stored, G=gt.G, Q=gt.Q)
-                    try:
-                        layer_bpw = bpw(Format.EXL2, geom, {s: t.dtype for s, t in info.slots.items()})
-                    except KeyError:
-                        layer_bpw = None
-        else:
-            error = "q_groups or q_weight missing or malformed"
-    elif fmt in (ModelFormat.GPTQ, ModelFormat.AWQ):
-        if K and N and info.bits:
-            gs = math.ceil(K / G) if G else None
-            plan = f"1:{info.bits}b_{gs}g" if gs else f"1:{info.bits}b"
-            hist[info.bits] = K * N
-        if fmt is ModelFormat.AWQ:
-            act = False
-        else:
-            from .arch import gptq_config
-
-            desc_act = gptq_config(config).desc_act
-            act = False if "g_idx" not in info.slots else (desc_act if desc_act is not None else None)
-    elif fmt is ModelFormat.EXL3:
-        if info.bits:
-            plan = f"{info.bits}b trellis"
-            if K and N:
-                hist[info.bits] = K * N
-    elif fmt is ModelFormat.DENSE:
-        plan = (info.dtype or "?").lower()
-        act = False
-    numel_n = N_stored if fmt is ModelFormat.EXL2 else N
+    N_stored = info.out_features
+    facts = inspect_facts(fmt)(model, info, config, issues)
+    K, N, G, plan, hist, act, layer_bpw, error = (facts[k] for k in ("K", "N", "G", "plan", "hist", "act", "bpw",
+                                                                      "error"))
+    numel_n = N_stored if fmt is Format.EXL2 else N
     if layer_bpw is None and K and numel_n:
         numel = K * numel_n + (numel_n if info.has_bias else 0)
         layer_bpw = info.stored_bytes * 8 / numel if numel else None
@@ -256,6 +202,24 @@ def _ratio(bits: int, numel: int) -> float | None:
     return round(bits / numel, 6) if numel else None
 
 
+def _block_rows(rows: list[dict], numel_field: str) -> list[dict]:
+    """Per-block aggregation of layer rows (decoder blocks in natural order, then ``head``, then ``other``);
+    a block's ``bpw`` is its stored bits over the sum of its rows' ``numel_field``."""
+    blocks: dict[str, list[dict]] = {}
+    for r in rows:
+        blocks.setdefault(r["block"] or "other", []).append(r)
+    out = []
+    for name in sorted(blocks, key=lambda b: (0 if b not in ("head", "other") else 1 if b == "head" else 2,
+                                             natural_key(b))):
+        rs = blocks[name]
+        bp = [r["bpw"] for r in rs if r["bpw"] is not None]
+        out.append({"block": name, "layers": len(rs), "params": sum(r["params"] for r in rs),
+                    "stored_bytes": sum(r["stored_bytes"] for r in rs),
+                    "bpw": _ratio(sum(r["stored_bytes"] * 8 for r in rs), sum(r[numel_field] for r in rs)),
+                    "bpw_min": min(bp) if bp else None, "bpw_max": max(bp) if bp else None})
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -286,7 +250,8 @@ def inspect_model(path: str | os.PathLike, *, layers: bool = True) -> dict:
 
 
 def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
-    from .detect import FORMAT_TITLES, ModelFormat, detect_model, quantization_config
+    from .detect import FORMAT_TITLES, detect_model, quantization_config
+    from .layout import Format
 
     issues: list[Issue] = list(model.index_issues())
     try:
@@ -327,24 +292,10 @@ def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
         "embeddings": _ratio(sum(t.nbytes * 8 for t in embed), sum(t.numel for t in embed)),
         "overall": _ratio(stored_bytes * 8, params),
     }
-    exl2_k = sum(r["in_features"] or 0 for r in rows if r["format"] == ModelFormat.EXL2.value)
+    exl2_k = sum(r["in_features"] or 0 for r in rows if r["format"] == Format.EXL2.value)
     memory = stored_bytes + 4 * exl2_k
 
-    # per-block aggregation
-    blocks: dict[str, list[dict]] = {}
-    for r in rows:
-        blocks.setdefault(r["block"] or "other", []).append(r)
-    block_rows = []
-    for name in sorted(blocks, key=lambda b: (0 if b not in ("head", "other") else 1 if b == "head" else 2,
-                                             natural_key(b))):
-        rs = blocks[name]
-        bp = [r["bpw"] for r in rs if r["bpw"] is not None]
-        block_rows.append({
-            "block": name, "layers": len(rs), "params": sum(r["params"] for r in rs),
-            "stored_bytes": sum(r["stored_bytes"] for r in rs),
-            "bpw": _ratio(sum(r["stored_bytes"] * 8 for r in rs), sum(r["_numel"] for r in rs)),
-            "bpw_min": min(bp) if bp else None, "bpw_max": max(bp) if bp else None,
-        })
+    block_rows = _block_rows(rows, "_numel")
 
     qc, qc_source = quantization_config(config, model.root)
     metadata: dict[str, str] = {}
@@ -495,19 +446,7 @@ def _inspect_gguf(p: str, reader, layers: bool) -> dict:
     for e in types.values():
         e["bpw"] = round(e["bytes"] * 8 / e["params"], 6) if e["params"] else None
     rows.sort(key=lambda r: layer_order_key(r["key"]) if not r["key"].startswith("blk.") else (0, natural_key(r["key"])))
-    blocks: dict[str, list[dict]] = {}
-    for r in rows:
-        blocks.setdefault(r["block"] or "other", []).append(r)
-    block_rows = []
-    for name in sorted(blocks, key=lambda b: (0 if b not in ("head", "other") else 1 if b == "head" else 2,
-                                             natural_key(b))):
-        rs = blocks[name]
-        bp = [r["bpw"] for r in rs if r["bpw"] is not None]
-        numel = sum(r["params"] for r in rs)
-        block_rows.append({"block": name, "layers": len(rs), "params": numel,
-                           "stored_bytes": sum(r["stored_bytes"] for r in rs),
-                           "bpw": _ratio(sum(r["stored_bytes"] * 8 for r in rs), numel),
-                           "bpw_min": min(bp) if bp else None, "bpw_max": max(bp) if bp else None})
+    block_rows = _block_rows(rows, "params")
     arch = meta.get("general.architecture") if isinstance(meta.get("general.architecture"), str) else None
     dec = [r for r in rows if r["block"] not in (None, "head")]
     head = [r for r in rows if r["block"] == "head"]

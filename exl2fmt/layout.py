@@ -27,7 +27,8 @@ __all__ = [
     "Exl2Geometry", "GptqGeometry", "DenseGeometry", "LAYOUTS", "Tier", "plan_rows", "plan_desc",
     "stored_bits", "bpw", "exl2_total_bits", "pad32", "scale_ratio", "SCALE_DIVISOR",
     "ROW_MULTIPLE", "N_PAD_MULTIPLE", "MAX_K", "MAX_INT16", "FORMAT_VERSION", "layout_document",
-    "AwqGeometry", "Exl3Geometry", "RECOGNISED_LAYOUTS",
+    "AwqGeometry", "Exl3Geometry", "RECOGNISED_LAYOUTS", "ALL_LAYOUTS", "SLOT_NAMES", "slot", "marker_slot",
+    "slot_names", "DETECTION_ORDER",
 ]
 
 #: Version of the format description in this module (spec/exl2.md "Versioning").  Independent of the
@@ -49,7 +50,10 @@ SCALE_CODE_BITS = 4
 
 
 class Format(str, enum.Enum):
-    """Storage format of one linear layer.  Values are stable strings used in JSON output."""
+    """Storage format of one linear layer.  Values are stable strings used in JSON output.
+
+    EXL2, GPTQ and DENSE are decoded (``LAYOUTS``); AWQ and EXL3 are recognised and named only
+    (``RECOGNISED_LAYOUTS``).  A member hashes like its value, so ``"exl2"`` finds ``Format.EXL2`` in a dict."""
 
     EXL2 = "exl2"
     """ExLlamaV2 mixed-bitrate GPTQ: q_weight / q_scale / q_scale_max / q_groups / q_invperm."""
@@ -57,6 +61,12 @@ class Format(str, enum.Enum):
     """GPTQ (AutoGPTQ / GPTQModel): qweight packed along K, qzeros packed along N, scales, g_idx."""
     DENSE = "dense"
     """Unquantized ``weight`` [N, K] in F16 / BF16 / F32 (``nn.Linear`` orientation)."""
+    AWQ = "awq"
+    """AWQ (AutoAWQ "GEMM"): recognised only, never decoded."""
+    EXL3 = "exl3"
+    """EXL3 (ExLlamaV3 trellis codes): recognised only, never decoded."""
+
+    __hash__ = str.__hash__
 
 
 class SlotStatus(str, enum.Enum):
@@ -331,26 +341,36 @@ EXL3_SLOTS: tuple[TensorSlot, ...] = (
 #: Layouts exl2fmt recognises and names but does not decode or fully validate, keyed by the stable format
 #: string used in JSON output.  The first REQUIRED slot identifies the format (for AWQ it is shared with GPTQ;
 #: the shapes decide).
-RECOGNISED_LAYOUTS: dict[str, tuple[TensorSlot, ...]] = {
-    "awq": AWQ_SLOTS,
-    "exl3": EXL3_SLOTS,
+RECOGNISED_LAYOUTS: dict[Format, tuple[TensorSlot, ...]] = {
+    Format.AWQ: AWQ_SLOTS,
+    Format.EXL3: EXL3_SLOTS,
+}
+
+#: Every layout, decoded or recognised: format -> slots.
+ALL_LAYOUTS: dict[Format, tuple[TensorSlot, ...]] = {**LAYOUTS, **RECOGNISED_LAYOUTS}
+
+#: Per-format slot-name enum: ``SLOT_NAMES[Format.GPTQ].QWEIGHT``.
+SLOT_NAMES: dict[Format, type[SlotName]] = {
+    Format.EXL2: Exl2Slot, Format.GPTQ: GptqSlot, Format.DENSE: DenseSlot, Format.AWQ: AwqSlot,
+    Format.EXL3: Exl3Slot,
 }
 
 
 def slot(fmt: Format, name: str) -> TensorSlot:
-    for s in LAYOUTS[fmt]:
+    for s in ALL_LAYOUTS[fmt]:
         if s.name == name:
             return s
     raise KeyError(f"{fmt.value} has no slot {name!r}")
 
 
-def marker_slot(fmt: Format) -> str:
-    """The tensor suffix whose presence identifies ``fmt``."""
-    return next(s.name for s in LAYOUTS[fmt] if s.status is SlotStatus.REQUIRED)
+def marker_slot(fmt: Format) -> SlotName:
+    """The tensor suffix whose presence identifies ``fmt`` (AWQ shares GPTQ's ``qweight``; shapes decide)."""
+    return next(s.name for s in ALL_LAYOUTS[fmt] if s.status is SlotStatus.REQUIRED)
 
 
-def stored_slot_names(fmt: Format) -> tuple[str, ...]:
-    return tuple(s.name for s in LAYOUTS[fmt] if s.status is not SlotStatus.DERIVED)
+def slot_names(fmt: Format, *, derived: bool = True) -> tuple[SlotName, ...]:
+    """The slot names of ``fmt`` in table order; ``derived=False`` leaves out slots that are never stored."""
+    return tuple(s.name for s in ALL_LAYOUTS[fmt] if derived or s.status is not SlotStatus.DERIVED)
 
 
 def all_slot_names() -> frozenset[str]:
@@ -382,7 +402,7 @@ def bpw(fmt: Format, geometry, present: dict[str, str]) -> float:
         n = geometry.N_pad
     else:
         n = geometry.N
-    numel = geometry.K * n + (n if "bias" in present else 0)
+    numel = geometry.K * n + (n if Exl2Slot.BIAS in present else 0)
     return stored_bits(fmt, geometry, present) / numel
 
 
@@ -435,9 +455,9 @@ def exl2_total_bits(K: int, N_pad: int, tiers, has_bias: bool = False) -> int:
     G = len(groups)
     Q = sum(r * b for b, r in groups) // 32
     geom = Exl2Geometry(K=K, N_pad=N_pad, G=G, Q=Q)
-    present = {"q_weight": "I32", "q_scale": "I32", "q_scale_max": "F16", "q_groups": "I16", "q_invperm": "I32"}
+    present = {s.name: s.write_dtype for s in EXL2_SLOTS if s.status is SlotStatus.REQUIRED}
     if has_bias:
-        present["bias"] = "F16"
+        present[Exl2Slot.BIAS] = slot(Format.EXL2, Exl2Slot.BIAS).write_dtype
     return stored_bits(Format.EXL2, geom, present)
 
 
@@ -513,12 +533,12 @@ def layout_document() -> dict:
             for fmt, slots in LAYOUTS.items()
         },
         "recognised_only": {
-            name: [
+            fmt.value: [
                 {"name": s.name, "dtypes": list(s.dtypes), "shape": s.shape_text, "status": s.status.value,
                  "description": s.description}
                 for s in slots
             ]
-            for name, slots in RECOGNISED_LAYOUTS.items()
+            for fmt, slots in RECOGNISED_LAYOUTS.items()
         },
     }
 

@@ -7,18 +7,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .arch import expected_features, gptq_config
 from .container import ModelFiles, open_model
+from .detect import layer_candidates
 from .errors import ErrorCode, Exl2Error
-from .layers import Linear, layer_from_tensors
-from .layout import DETECTION_ORDER, LAYOUTS, Format, SlotStatus, marker_slot
+from .formats import Linear, build_layer
+from .layout import DETECTION_ORDER, Format, marker_slot, slot_names
 
 __all__ = ["LayerRef", "find_layers", "load_layer", "dequantize_layer"]
-
-# Names of 2-D ``.weight`` tensors that are not linear layers.
-_NOT_LINEAR = ("embed_tokens", "wte", "wpe", "embed_positions", "word_embeddings", "position_embeddings",
-               "token_type_embeddings", "norm", "ln_", "layernorm")
-
 
 @dataclass(frozen=True)
 class LayerRef:
@@ -38,25 +33,13 @@ def find_layers(names, shapes: dict[str, tuple] | None = None) -> dict[str, Laye
     present for the same key (ExLlamaV2's precedence decides ``format``).
     """
     names = set(names)
-    markers = {marker_slot(f): f for f in DETECTION_ORDER}
-    found: dict[str, list[Format]] = {}
-    for n in names:
-        key, _, leaf = n.rpartition(".")
-        fmt = markers.get(leaf)
-        if fmt is None or not key:
-            continue
-        if fmt is Format.DENSE:
-            if shapes is not None and len(shapes.get(n, ())) != 2:
-                continue
-            last = key.rsplit(".", 1)[-1]
-            if any(tok in last for tok in _NOT_LINEAR):
-                continue
-        found.setdefault(key, []).append(fmt)
+    found = layer_candidates({n: (shapes.get(n, ()) if shapes is not None else None) for n in names},
+                             recognised=False)
     out = {}
     for key in sorted(found):
         fmts = sorted(found[key], key=DETECTION_ORDER.index)
         fmt = fmts[0]
-        slots = tuple(s.name for s in LAYOUTS[fmt] if s.status is not SlotStatus.DERIVED and f"{key}.{s.name}" in names)
+        slots = tuple(s for s in slot_names(fmt, derived=False) if f"{key}.{s}" in names)
         out[key] = LayerRef(key, fmt, slots, tuple(fmts[1:]))
     return out
 
@@ -68,23 +51,8 @@ def load_layer(model: ModelFiles, key: str) -> Linear:
         raise Exl2Error(ErrorCode.LAYER_NOT_FOUND, f"no {key}.q_weight, {key}.qweight or {key}.weight in the model",
                         tensor=key, file=str(model.root))
     fmt = candidates[0]
-    tensors, dtypes, files = {}, {}, set()
-    for s in LAYOUTS[fmt]:
-        name = f"{key}.{s.name}"
-        if s.status is SlotStatus.DERIVED or name not in model:
-            continue
-        info = model.info(name)
-        tensors[s.name] = model.get(name)
-        dtypes[s.name] = info.dtype
-        files.add(str(info.file))
-    file = files.pop() if len(files) == 1 else str(model.root)
-    hints = {}
-    if fmt is Format.EXL2:
-        hints["out_features"] = expected_features(model.config, key)[1]
-    elif fmt is Format.GPTQ:
-        gc = gptq_config(model.config)
-        hints.update(bits=gc.bits, v2=gc.v2, group_size=gc.group_size)
-    return layer_from_tensors(key, tensors, dtypes, fmt=fmt, file=file, **hints)
+    slots = {s: model.info(f"{key}.{s}") for s in slot_names(fmt, derived=False) if f"{key}.{s}" in model}
+    return build_layer(key, fmt, slots, lambda info: model.get(info.name), model.config, file=str(model.root))
 
 
 def dequantize_layer(path: str | os.PathLike, key: str) -> np.ndarray:

@@ -96,7 +96,7 @@ def sample_dense_tensors(seed: int = 0) -> dict[str, np.ndarray]:
 
 def sample_tensors(seed: int = 0) -> dict[str, np.ndarray]:
     """All tensors of the EXL2 sample model, by name."""
-    from .writer import quantize_rtn
+    from .formats.exl2 import quantize_rtn
 
     cfg = SAMPLE_CONFIG
     dense = sample_dense_tensors(seed)

@@ -55,7 +55,8 @@ import triton.language as tl
 
 from ..groups import GroupTable, decode_q_groups
 from ._triton_common import round_out, check_outputs
-from ..layout import BIT_WIDTHS, EXL2_BITS, MAX_K, N_PAD_MULTIPLE, ROW_MULTIPLE, SCALE_CODE_BITS, SCALE_DIVISOR
+from ..layout import (BIT_WIDTHS, EXL2_BITS, MAX_K, N_PAD_MULTIPLE, ROW_MULTIPLE, SCALE_CODE_BITS, SCALE_DIVISOR,
+                      Exl2Slot)
 
 __all__ = [
     "Exl2Tables", "Exl2KernelLinear", "build_tables", "exl2_dequantize", "exl2_matmul", "exl2_linear",
@@ -650,8 +651,9 @@ def _groups_of(q_groups, Q: int) -> GroupTable:
 
 def _check_layer(q_weight, q_scale, q_scale_max, tables: Exl2Tables, out_features, bias, device) -> int:
     """Check the packed tensors against the tables; return N (out_features).  Raises ValueError."""
-    for name, t, dt, nd in (("q_weight", q_weight, torch.int32, 2), ("q_scale", q_scale, torch.int32, 2),
-                            ("q_scale_max", q_scale_max, torch.float16, 1)):
+    for name, t, dt, nd in ((Exl2Slot.Q_WEIGHT, q_weight, torch.int32, 2),
+                            (Exl2Slot.Q_SCALE, q_scale, torch.int32, 2),
+                            (Exl2Slot.Q_SCALE_MAX, q_scale_max, torch.float16, 1)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype != dt or t.dim() != nd:
@@ -915,7 +917,7 @@ class Exl2KernelLinear:
 
     @classmethod
     def from_layer(cls, layer: Any, device: torch.device | str | None = None) -> "Exl2KernelLinear":
-        """From an ``exl2fmt.layers.Exl2Linear`` (NumPy arrays or memory maps).  ``device`` default: cuda when
+        """From an ``exl2fmt.formats.exl2.Exl2Linear`` (NumPy arrays or memory maps).  ``device`` default: cuda when
         available, else cpu (interpreter)."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() and not _INTERPRETED else "cpu"
@@ -927,12 +929,12 @@ class Exl2KernelLinear:
             return torch.from_numpy(np.array(np.asarray(t[name]), copy=True, order="C")).to(device)
 
         bias = None
-        if "bias" in t:
-            bias = dev("bias")
-        inv = np.asarray(t["q_invperm"])
-        if layer.dtypes.get("q_invperm") == "I16":
+        if Exl2Slot.BIAS in t:
+            bias = dev(Exl2Slot.BIAS)
+        inv = np.asarray(t[Exl2Slot.Q_INVPERM])
+        if layer.dtypes.get(Exl2Slot.Q_INVPERM) == "I16":
             inv = inv.view(np.uint16)
-        return cls(dev("q_weight"), dev("q_scale"), dev("q_scale_max"), layer.groups, inv,
+        return cls(dev(Exl2Slot.Q_WEIGHT), dev(Exl2Slot.Q_SCALE), dev(Exl2Slot.Q_SCALE_MAX), layer.groups, inv,
                    out_features=layer.out_features, bias=bias)
 
     def __call__(self, x: torch.Tensor, **kw) -> torch.Tensor:
@@ -951,7 +953,7 @@ _PREPARED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 def exl2_linear(x: torch.Tensor, layer: Any, **kw) -> torch.Tensor:
-    """y = x @ W (+ bias) for an ``exl2fmt.layers.Exl2Linear``; its tensors are moved to x's device once
+    """y = x @ W (+ bias) for an ``exl2fmt.formats.exl2.Exl2Linear``; its tensors are moved to x's device once
     (cached per layer object and device)."""
     per = _PREPARED.setdefault(layer, {})
     key = str(x.device)
@@ -966,7 +968,7 @@ _INTERP_MAX_BLOCK_N = 4096
 
 def check_layer(layer: Any, device: torch.device | str | None = None, ms: tuple[int, ...] = (1, 16),
                 paths: tuple[str, ...] | None = None, seed: int = 0) -> dict:
-    """Run one ``exl2fmt.layers.Exl2Linear`` through the kernels on random inputs and compare with the Numba
+    """Run one ``exl2fmt.formats.exl2.Exl2Linear`` through the kernels on random inputs and compare with the Numba
     reference (what ``exl2fmt validate --kernel`` reports per layer).
 
     x: float16 [M, K], unit-normal, drawn on the CPU from ``seed`` (the same on every device); y_ref and the

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout import GPTQ_BITS
+from ..layout import GPTQ_BITS, GptqSlot
 from ._triton_common import round_out, check_outputs
 
 __all__ = ["gptq_dequantize", "gptq_matmul", "check_gptq_layer", "GPTQ_KERNEL_BITS", "FUSED_MAX_M"]
@@ -109,8 +109,8 @@ def _check(qweight, qzeros, scales, g_idx, bits: int, device) -> tuple[int, int,
     """Shapes, dtypes and devices of a GPTQ layer; returns (K, N, G).  Raises ValueError with the numbers."""
     if bits not in GPTQ_KERNEL_BITS:
         raise ValueError(f"the GPTQ kernels handle {GPTQ_KERNEL_BITS}-bit codes, not {bits}")
-    for name, t, dt in (("qweight", qweight, torch.int32), ("qzeros", qzeros, torch.int32),
-                        ("scales", scales, torch.float16), ("g_idx", g_idx, torch.int32)):
+    for name, t, dt in ((GptqSlot.QWEIGHT, qweight, torch.int32), (GptqSlot.QZEROS, qzeros, torch.int32),
+                        (GptqSlot.SCALES, scales, torch.float16), (GptqSlot.G_IDX, g_idx, torch.int32)):
         if not isinstance(t, torch.Tensor) or t.dtype != dt or t.device != device:
             raise ValueError(f"{name} must be a {dt} tensor on {device}, got "
                              f"{getattr(t, 'dtype', type(t).__name__)} on {getattr(t, 'device', '-')}")
@@ -184,7 +184,7 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
 
 def check_gptq_layer(layer: Any, device: torch.device | str | None = None, ms: tuple[int, ...] = (1, 16),
                      paths: tuple[str, ...] | None = None, seed: int = 0) -> dict:
-    """Run one ``exl2fmt.layers.GptqLinear`` (2/4/8 bits) through the GPTQ kernels on random inputs and compare
+    """Run one ``exl2fmt.formats.gptq.GptqLinear`` (2/4/8 bits) through the GPTQ kernels on random inputs and compare
     with the Numba reference, with the same inputs, bound and result dict as the EXL2 ``check_layer`` (what
     ``exl2fmt validate --kernel`` reports per layer).  A layer without g_idx gets the contiguous one of its group
     size; scales stored as bf16/fp32 are rounded to fp16 first, as the reference does (``GptqLinear.group_index``,
@@ -198,7 +198,8 @@ def check_gptq_layer(layer: Any, device: torch.device | str | None = None, ms: t
     def dev_t(a):
         return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
 
-    qw, qz = dev_t(np.asarray(t["qweight"]).view(np.int32)), dev_t(np.asarray(t["qzeros"]).view(np.int32))
+    qw = dev_t(np.asarray(t[GptqSlot.QWEIGHT]).view(np.int32))
+    qz = dev_t(np.asarray(t[GptqSlot.QZEROS]).view(np.int32))
     sc, gi = dev_t(layer.scales_f16()), dev_t(layer.group_index())
     w_ref = dev_t(w16.T)                                                    # float16 [K, N]
     got = gptq_dequantize(qw, qz, sc, gi, bits, v2=bool(layer.v2))

@@ -20,7 +20,8 @@ from safetensors.numpy import load_file
 
 from exl2fmt.codec import oracle
 from exl2fmt.container import RawTensor, write_safetensors
-from exl2fmt.detect import ModelFormat, detect_layers
+from exl2fmt.detect import detect_layers
+from exl2fmt.layout import Format
 from exl2fmt.errors import ErrorCode, Exl2Error
 from exl2fmt.inspect import block_of, has_control_chars, inspect_model, is_gguf, layer_order_key
 from exl2fmt.sample import SAMPLE_CONFIG, sample_dense_tensors, write_sample
@@ -296,7 +297,7 @@ def test_ambiguous_and_mixed_layers(tmp_path):
     t.update({f"model.layers.0.mlp.up_proj.{s}": a for s, a in _gptq_layer(64, 64, 4, 32, rng).items()})
     t["model.layers.0.mlp.down_proj.trellis"] = np.zeros((4, 4, 48), np.int16)
     layers = detect_layers({n: _Info(n, a) for n, a in t.items()})
-    assert layers["model.layers.0.mlp.up_proj"].format is ModelFormat.GPTQ
+    assert layers["model.layers.0.mlp.up_proj"].format is Format.GPTQ
     assert layers["model.layers.0.mlp.up_proj"].ambiguous == ("dense",)
     rep = inspect_model(_write(tmp_path / "x", t))
     assert rep["format"]["name"] == "mixed"

@@ -1,4 +1,4 @@
-"""Layer objects (exl2fmt.layers): validation codes for every single corruption, dequantize() against the
+"""Layer objects (exl2fmt.formats): validation codes for every single corruption, dequantize() against the
 NumPy twins, plan() and bpw() against hand-computed values."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from conftest import bits_rows, f16_bits, hyp_settings, n_pads, random_codes, ra
 from exl2fmt.codec import gptq as Q
 from exl2fmt.codec import oracle as O
 from exl2fmt.errors import ErrorCode, Exl2Error, Severity
-from exl2fmt.layers import DenseLinear, Exl2Linear, GptqLinear, layer_from_tensors
+from exl2fmt.formats import DenseLinear, Exl2Linear, GptqLinear, layer_from_tensors
 from exl2fmt.layout import Format, Tier, pad32
-from exl2fmt.writer import exl2_tensors, quantize_rtn
+from exl2fmt.formats.exl2 import exl2_tensors, quantize_rtn
 
 # ---------------------------------------------------------------------------------------------------
 # builders

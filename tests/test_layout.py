@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from conftest import bits_rows, hyp_settings, n_pads, random_codes, random_f16, seeds
 from exl2fmt.container import SAFETENSORS_DTYPES
-from exl2fmt.layers import layer_from_tensors
+from exl2fmt.formats import layer_from_tensors
 from exl2fmt.layout import (BIT_WIDTHS, DETECTION_ORDER, EXL2_BITS, GPTQ_BITS, LAYOUTS, DenseGeometry,
                             Exl2Geometry, Format, GptqGeometry, SlotStatus, Tier, bpw, exl2_total_bits, layout_document,
                             marker_slot, pad32, plan_desc, plan_rows, scale_ratio, slot, stored_bits)
-from exl2fmt.writer import exl2_tensors
+from exl2fmt.formats.exl2 import exl2_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -165,17 +165,17 @@ def test_bit_width_table_matches_2_2():
 
 
 def test_every_format_has_one_distinct_required_marker():
-    assert {f: marker_slot(f) for f in Format} == {Format.EXL2: "q_weight", Format.GPTQ: "qweight",
+    assert {f: marker_slot(f) for f in LAYOUTS} == {Format.EXL2: "q_weight", Format.GPTQ: "qweight",
                                                    Format.DENSE: "weight"}
     assert DETECTION_ORDER == (Format.EXL2, Format.GPTQ, Format.DENSE)
-    markers = [marker_slot(f) for f in Format]
+    markers = [marker_slot(f) for f in LAYOUTS]
     assert len(set(markers)) == len(markers)
-    for f in Format:
+    for f in LAYOUTS:
         other_markers = set(markers) - {marker_slot(f)}
         assert not other_markers & {s.name for s in LAYOUTS[f]}, "a slot name that is another format's marker"
 
 
-@pytest.mark.parametrize("fmt", list(Format))
+@pytest.mark.parametrize("fmt", list(LAYOUTS))
 def test_slot_table_self_consistent(fmt):
     slots = LAYOUTS[fmt]
     names = [s.name for s in slots]
@@ -201,11 +201,11 @@ def test_recognised_layouts_use_valid_dtypes():
 
 
 def test_slot_statuses():
-    req = {f: {s.name for s in LAYOUTS[f] if s.status is SlotStatus.REQUIRED} for f in Format}
+    req = {f: {s.name for s in LAYOUTS[f] if s.status is SlotStatus.REQUIRED} for f in LAYOUTS}
     assert req[Format.EXL2] == {"q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm"}
     assert req[Format.GPTQ] == {"qweight", "qzeros", "scales"}
     assert req[Format.DENSE] == {"weight"}
-    derived = [s.name for f in Format for s in LAYOUTS[f] if s.status is SlotStatus.DERIVED]
+    derived = [s.name for f in LAYOUTS for s in LAYOUTS[f] if s.status is SlotStatus.DERIVED]
     assert derived == ["q_group_map"]
     # exl2-format.md 1: dtypes as written
     w = {s.name: s.dtypes for s in LAYOUTS[Format.EXL2]}
@@ -271,6 +271,7 @@ def test_layout_document():
         "dense": ["weight", "bias"],
     }
     assert json.loads((REPO / "spec" / "layout.json").read_text()) == doc
+    assert set(doc["recognised_only"]) == {"awq", "exl3"}  # keyed by the plain format strings
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def _slot_rows(md: str, fmt: Format) -> dict[str, tuple[tuple[str, ...], str, st
     return out
 
 
-@pytest.mark.parametrize("doc,fmt", [("exl2.md", f) for f in Format] + [("gptq.md", Format.GPTQ)],
+@pytest.mark.parametrize("doc,fmt", [("exl2.md", f) for f in LAYOUTS] + [("gptq.md", Format.GPTQ)],
                          ids=lambda v: getattr(v, "value", v))
 def test_slot_tables_match_layout(doc, fmt):
     md = EXL2_MD if doc == "exl2.md" else GPTQ_MD
@@ -133,7 +133,8 @@ def test_slot_tables_match_layout(doc, fmt):
 def test_recognised_only_layouts_are_named():
     from exl2fmt import layout
 
-    for name in getattr(layout, "RECOGNISED_LAYOUTS", {}):
+    for fmt in getattr(layout, "RECOGNISED_LAYOUTS", {}):
+        name = fmt.value
         assert f"`{name}`" in EXL2_MD, f"spec/exl2.md §3.3 does not mention the recognised-only layout {name!r}"
 
 

@@ -336,7 +336,7 @@ def proxy_error(weight: torch.Tensor, w_hat: torch.Tensor, H: torch.Tensor, max_
 
 @dataclass(frozen=True)
 class Exl2Result:
-    """One quantized EXL2 layer, ready for ``exl2fmt.writer.exl2_tensors``.
+    """One quantized EXL2 layer, ready for ``exl2fmt.formats.exl2.exl2_tensors``.
 
     ``codes`` uint8 [K, N_pad] (stored order), ``scale_codes`` uint8 [G, N_pad] (0..15), ``q_scale_max``
     float16 [G], ``bits_rows`` [(bits, rows)] per group, ``q_invperm`` int32 [K], ``weight_hat`` float32
@@ -351,7 +351,7 @@ class Exl2Result:
     error: float
 
     def tensors(self, bias: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        from ..writer import exl2_tensors
+        from ..formats.exl2 import exl2_tensors
 
         return exl2_tensors(self.codes, self.scale_codes, self.q_scale_max, self.bits_rows, self.q_invperm, bias)
 
@@ -359,9 +359,9 @@ class Exl2Result:
 def quantize_exl2(weight: torch.Tensor, prep: Prepared, bits_rows: list[tuple[int, int]],
                   refine_scales: bool = False) -> Exl2Result:
     """GPTQ-quantize ``weight`` float [N, K] to the EXL2 group plan ``bits_rows`` (``layout.plan_rows``), with
-    ExLlamaV2's per-group 4-bit scale search (``exl2fmt.writer.find_scales``) on the compensated rows;
+    ExLlamaV2's per-group 4-bit scale search (``exl2fmt.formats.exl2.find_scales``) on the compensated rows;
     ``refine_scales`` adds exl2fmt's per-column refinement of the scale codes (``find_scales(refine=True)``)."""
-    from ..writer import find_scales
+    from ..formats.exl2 import find_scales
 
     N, K = weight.shape
     if K % 32 or sum(r for _, r in bits_rows) != K:
@@ -396,7 +396,7 @@ def quantize_exl2(weight: torch.Tensor, prep: Prepared, bits_rows: list[tuple[in
 
 @dataclass(frozen=True)
 class GptqResult:
-    """One quantized GPTQ layer in the arrays of ``exl2fmt.converters.gptq_quant.gptq_layer_tensors``:
+    """One quantized GPTQ layer in the arrays of ``exl2fmt.formats.gptq.gptq_layer_tensors``:
     ``codes`` uint8 [K, N] (ORIGINAL row order), ``scales`` float16 [G, N], ``zeros`` int32 [G, N] (true zero
     points), ``g_idx`` int32 [K]; ``weight_hat`` float32 [N, K]; ``error`` (``proxy_error``)."""
 
@@ -409,7 +409,7 @@ class GptqResult:
     error: float
 
     def tensors(self, bias: np.ndarray | None = None, v2: bool = False) -> dict[str, np.ndarray]:
-        from ..converters.gptq_quant import gptq_layer_tensors
+        from ..formats.gptq import gptq_layer_tensors
 
         return gptq_layer_tensors(self.codes, self.scales, self.zeros, self.g_idx, self.bits, v2=v2, bias=bias)
 

@@ -393,7 +393,7 @@ class _VariantCache:
         self.cur: dict[str, tuple] = {}
 
     def linear(self, n: str, qp):
-        from ..layers import layer_from_tensors
+        from ..formats import layer_from_tensors
 
         hit = self.cur.get(n)
         if hit is None or hit[0] != qp:
@@ -737,7 +737,7 @@ def _plan_of(r) -> str:
 
 def _bpw_of(tensors: dict[str, np.ndarray], out_features: int) -> float:
     """Bits per weight of one packed layer (slot -> array), by the layout table's accounting."""
-    from ..layers import layer_from_tensors
+    from ..formats import layer_from_tensors
 
     return layer_from_tensors("layer", tensors, out_features=out_features).bpw()
 
