@@ -17,27 +17,6 @@ __all__ = ["structural_checks", "container_check_for", "BITS_TOLERANCE"]
 BITS_TOLERANCE = 0.05
 
 
-def _build_layer(model, info, config):
-    """The layer object of a detected EXL2 / GPTQ / dense layer (lazy memory maps), with the hints config.json
-    gives.  Like ``exl2fmt.model.load_layer`` but with the config already read (it may be invalid: None)."""
-    from ..arch import expected_features, gptq_config
-    from ..layers import layer_from_tensors
-    from ..layout import Format
-
-    fmt = Format(info.format.value)
-    tensors = {s: model.get(t.name) for s, t in info.slots.items()}
-    dtypes = {s: t.dtype for s, t in info.slots.items()}
-    files = {str(t.file) for t in info.slots.values()}
-    file = files.pop() if len(files) == 1 else str(model.root)
-    hints = {}
-    if fmt is Format.EXL2:
-        hints["out_features"] = expected_features(config, info.key)[1]
-    elif fmt is Format.GPTQ:
-        gc = gptq_config(config)
-        hints.update(bits=gc.bits, v2=gc.v2, group_size=gc.group_size)
-    return layer_from_tensors(info.key, tensors, dtypes, fmt=fmt, file=file, **hints)
-
-
 def container_check_for(code: ErrorCode) -> CheckId:
     """The check a container-level error belongs to (index and config errors have their own)."""
     v = code.value
@@ -54,6 +33,7 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
     Returns ``(det, loaded)``: the ``detect_model`` result and {layer key: layer object} of the EXL2 / GPTQ /
     dense layers that passed (what the data passes run on)."""
     from ..detect import ModelFormat, detect_model
+    from ..formats import build_layer
     from ..inspect import layer_order_key
     from ..layout import Exl2Slot, Exl3Slot, GptqSlot
 
@@ -164,7 +144,8 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
             issues = awq_issues(info, first_file)
         else:
             try:
-                layer = _build_layer(model, info, config)
+                layer = build_layer(info.key, info.format, info.slots, lambda t: model.get(t.name), config,
+                                    file=str(model.root))
                 issues = layer.validate(deep=deep)
             except Exl2Error as e:
                 issues, layer = [e.as_issue()], None
