@@ -52,6 +52,9 @@ class BoundedRun:
 
 def _limit_child() -> None:  # runs in the child between fork and exec
     os.setsid()
+    # a suite started in the background by a shell without job control inherits SIGINT ignored, and Python then
+    # installs no handler of its own: the interrupt tests need the disposition a terminal user has
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT_BYTES, AS_LIMIT_BYTES))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
