@@ -18,6 +18,7 @@ from typing import ClassVar, Mapping
 
 import numpy as np
 
+from .container.dtypes import bf16_bits_to_f32, numpy_to_safetensors_dtype
 from .errors import ErrorCode, Exl2Error, Issue, Severity
 from .groups import GroupTable, decode_q_groups
 from .layout import (GPTQ_BITS, LAYOUTS, DenseGeometry, Exl2Geometry, Format, GptqGeometry, SlotStatus, bpw,
@@ -25,24 +26,14 @@ from .layout import (GPTQ_BITS, LAYOUTS, DenseGeometry, Exl2Geometry, Format, Gp
 
 __all__ = ["Exl2Linear", "GptqLinear", "DenseLinear", "Linear", "layer_from_tensors", "numpy_to_st_dtype"]
 
-_NP_TO_ST = {
-    np.dtype(np.float16): "F16", np.dtype(np.float32): "F32", np.dtype(np.float64): "F64",
-    np.dtype(np.int8): "I8", np.dtype(np.int16): "I16", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64",
-    np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16", np.dtype(np.uint32): "U32", np.dtype(np.uint64): "U64",
-    np.dtype(np.bool_): "BOOL",
-}
-
 
 def numpy_to_st_dtype(a: np.ndarray) -> str:
-    return _NP_TO_ST.get(np.asarray(a).dtype if not hasattr(a, "dtype") else a.dtype, str(getattr(a, "dtype", "?")))
-
-
-def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+    dt = np.asarray(a).dtype if not hasattr(a, "dtype") else a.dtype
+    return numpy_to_safetensors_dtype(dt) or str(getattr(a, "dtype", "?"))
 
 
 def _as_float32(a: np.ndarray, st_dtype: str) -> np.ndarray:
-    return _bf16_to_f32(a) if st_dtype == "BF16" else np.asarray(a).astype(np.float32)
+    return bf16_bits_to_f32(a) if st_dtype == "BF16" else np.asarray(a).astype(np.float32)
 
 
 class _Base:

@@ -266,8 +266,10 @@ Progress = Callable[[int, int, str], None]
 def _to_f32(a, st_dtype: str):
     import numpy as np
 
+    from .container import bf16_bits_to_f32
+
     if st_dtype == "BF16":
-        return (np.asarray(a).astype(np.uint32) << 16).view(np.float32)
+        return bf16_bits_to_f32(a)
     return np.asarray(a).astype(np.float32)
 
 
