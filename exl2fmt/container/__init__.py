@@ -21,7 +21,9 @@ module            holds
 ================  =================================================================================================
 
 The names below are re-exported here, so ``from exl2fmt.container import open_model`` is the usual spelling.
-Importing this package loads numpy and the standard library only (no torch, numba, rich or typer).
+Importing this package loads numpy and the standard library only (no torch, numba, rich or typer); the writer's
+names are resolved on first use, so reading a model (inspect, validate) does not load the writer and its
+publishing helpers.
 """
 
 from __future__ import annotations
@@ -32,9 +34,6 @@ from .parse import (JSON_MAX_DEPTH, MAX_HEADER_BYTES, MAX_NDIM, MAX_TENSORS, STR
                     SafetensorsHeader, TensorInfo, parse_header)
 from .reader import (INDEX_NAME, MAX_CONFIG_BYTES, MAX_INDEX_BYTES, MAX_OPEN_SHARDS, ModelFiles, SafetensorsFile,
                      SourceReader, file_kind, open_model, open_regular, read_header)
-from .writer import (BackgroundWriter, OutSpec, RawTensor, ShardWriter, build_header, plan_shards, serialize,
-                     shard_names, write_safetensors, write_sharded)
-
 __all__ = [
     "MAX_HEADER_BYTES", "MAX_TENSORS", "MAX_NDIM", "JSON_MAX_DEPTH", "MAX_INDEX_BYTES", "MAX_CONFIG_BYTES",
     "MAX_OPEN_SHARDS", "INDEX_NAME", "DtypeSpec", "SAFETENSORS_DTYPES", "RAW_DTYPES", "STRICTER_THAN_REFERENCE",
@@ -43,3 +42,20 @@ __all__ = [
     "write_sharded", "OutSpec", "build_header", "plan_shards", "shard_names", "ShardWriter", "BackgroundWriter",
     "file_kind", "open_regular", "f32_to_bf16_bits", "f16_to_bf16_bits", "bf16_bits_to_f32",
 ]
+
+_WRITER_NAMES = frozenset({"BackgroundWriter", "OutSpec", "RawTensor", "ShardWriter", "build_header", "plan_shards",
+                           "serialize", "shard_names", "write_safetensors", "write_sharded"})
+
+
+def __getattr__(name: str):
+    if name in _WRITER_NAMES:
+        from . import writer
+
+        value = getattr(writer, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _WRITER_NAMES)

@@ -74,6 +74,7 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
+    """Write a new text file (never replacing one: mode ``x``) and fsync it; OSError -> IO_ERROR naming it."""
     with naming_write_errors(path):
         with open(path, "x", encoding="utf-8") as f:
             f.write(text)

@@ -36,6 +36,7 @@ with neither an index nor a ``*.safetensors`` file raises ``NO_SAFETENSORS``.
 
 ``config.json`` is parsed lazily on first access of ``ModelFiles.config``, which raises
 ``CONFIG_INVALID`` if it is not a JSON object (``None`` if there is no config.json); opening the model
+never fails because of config.json.
 """
 
 from __future__ import annotations
