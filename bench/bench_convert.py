@@ -89,7 +89,7 @@ def random_exl2_layer(rng, N: int, K: int, tiers) -> dict:
 
 def build_model(d: Path, layers: int) -> int:
     """Write the synthetic EXL2 model; returns its tensor bytes."""
-    from exl2fmt.converters.base import OutSpec, ShardWriter
+    from exl2fmt.container import OutSpec, ShardWriter
 
     cfg = dict(CONFIG, num_hidden_layers=layers)
     rng = np.random.default_rng(1234)

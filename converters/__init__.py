@@ -145,8 +145,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
     from ..container import open_model
     from ..detect import ModelFormat, detect_model
     from ..extras import require
+    from ..container.publish import check_paths
     from .base import ConversionReport as Report
-    from .base import check_paths, parse_size, run_conversion
+    from .base import parse_size, run_conversion
 
     from .base import TARGETS, Options
 
@@ -355,7 +356,7 @@ def _gguf_to_quantized(src, dst, target, bits, group_size, sym, size, force, pro
     import shutil
     import tempfile
 
-    from .base import check_paths
+    from ..container.publish import check_paths
     from .gguf_read import convert_from_gguf
 
     from ..quant.pipeline import QuantOptions

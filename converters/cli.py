@@ -193,7 +193,7 @@ def convert_command(
     from exl2fmt.cli.errors import EXIT_OK, Interrupted, handle_exception
     from exl2fmt.cli.output import Output
 
-    from exl2fmt.converters.partials import SHIELD
+    from exl2fmt.container.partials import SHIELD
 
     out = Output("json" if json_ else "human")
     given = _given(ctx)
@@ -223,7 +223,7 @@ def convert_command(
         bar = _progress(out, status_lines, target, measuring=measurement is None, resume=resume, dst=dst,
                         work_dir=work_dir, warn=warn)
         # SIGTERM is Ctrl-C until DST is published; from then on SIGINT / SIGTERM are only noted until the report
-        # is out, so a published, verified result always exits 0 (converters/partials.py).  The SIGTERM handler is
+        # is out, so a published, verified result always exits 0 (exl2fmt/container/partials.py).  The SIGTERM handler is
         # the outer scope so that the shield, once lowered, restores it and not the other way round.
         with _sigterm_as_interrupt(), SHIELD.held():
             with _jit_notice(out, bar):

@@ -36,8 +36,9 @@ from .. import __version__
 from ..detect import ModelFormat
 from ..errors import ErrorCode, Exl2Error
 from .registry import register
-from .base import (Converter, LayerReport, OutSpec, SourceReader, Unit, build_layer, error_stats,
-                   layer_issues_or_raise, natural_key)
+from ..container import SourceReader
+from .base import (Converter, LayerReport, OutSpec, Unit, build_layer, error_stats, layer_issues_or_raise,
+                   natural_key)
 from .gptq_quant import fit_group, gptq_layer_tensors
 from .slots import BIAS, G_IDX, GPTQ_BIAS, Q_GROUPS, Q_INVPERM, Q_SCALE, Q_SCALE_MAX, Q_WEIGHT, QWEIGHT, QZEROS, SCALES, WEIGHT
 

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ErrorCode, Exl2Error
-from .base import Converter, LayerReport, OutSpec, TensorReport, Unit, f32_to_bf16_bits, natural_key
+from ..container import f32_to_bf16_bits
+from .base import Converter, LayerReport, OutSpec, TensorReport, Unit, natural_key
 from .gguf_arch import spec_for_gguf_arch
 from .gguf_io import decode, open_gguf
 from .gguf_map import HF_ARCHITECTURES, hf_name_map, qk_heads, unpermute_qk
@@ -261,7 +262,8 @@ class GgufToDense(Converter):
 def convert_from_gguf(src, dst, target: str, *, force: bool = False, shard_size: int = 5_000_000_000,
                       progress=None, verify: str = "auto", _fail_after: int | None = None):
     """GGUF file ``src`` -> Hugging Face directory ``dst`` (``target`` fp16 / bf16); see the module docstring."""
-    from .base import ConversionReport, Options, check_paths, run_conversion
+    from ..container.publish import check_paths
+    from .base import ConversionReport, Options, run_conversion
 
     p = str(src)
     if target not in ("fp16", "bf16"):

@@ -48,12 +48,13 @@ from typing import Callable
 
 import numpy as np
 
+from ..container import SourceReader, bf16_bits_to_f32, f32_to_bf16_bits
+from ..container.partials import fault_point
+from ..container.publish import (check_paths, lower_shield, make_partial_dir, name_unnamed_os_error, publish,
+                                 remove_path, stale_note)
 from ..errors import ErrorCode, Exl2Error
-from .base import (ConversionReport, LayerReport, SourceReader, TensorReport, bf16_bits_to_f32, build_layer,
-                   check_paths, error_stats, f32_to_bf16_bits,
-                   layer_issues_or_raise, lower_shield, make_partial_dir, name_unnamed_os_error, natural_key, publish,
-                   stale_note, _remove)
-from .partials import fault_point
+from .base import (ConversionReport, LayerReport, TensorReport, build_layer, error_stats, layer_issues_or_raise,
+                   natural_key)
 from .gguf_map import DROPPED_SUFFIXES, arch_of, gguf_name_map, permute_qk, qk_heads
 from .gguf_io import decode, ggml_type
 from .slots import G_IDX, Q_INVPERM, Q_SCALE_MAX, QWEIGHT, QZEROS, SCALES
@@ -877,8 +878,8 @@ def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, fo
             except Exception:  # noqa: BLE001 - cleanup only
                 pass
         if tmp is not None:
-            _remove(tmp)
-        _remove(tmp_dir)
+            remove_path(tmp)
+        remove_path(tmp_dir)
         report.warnings.extend(lower_shield())
 
 

@@ -33,8 +33,9 @@ from ..codec._f16 import f16_bits_to_f32, f32_to_f16_bits
 from ..detect import ModelFormat
 from ..errors import ErrorCode, Exl2Error
 from .registry import register
-from .base import (Converter, LayerReport, OutSpec, SourceReader, Unit, build_layer, error_stats,
-                   layer_issues_or_raise, natural_key)
+from ..container import SourceReader
+from .base import (Converter, LayerReport, OutSpec, Unit, build_layer, error_stats, layer_issues_or_raise,
+                   natural_key)
 from .slots import EXL2_BIAS, G_IDX, Q_GROUPS, Q_INVPERM, Q_SCALE, Q_SCALE_MAX, Q_WEIGHT
 
 __all__ = ["GptqToExl2", "fit_exl2_group", "gptq_layer_to_exl2"]

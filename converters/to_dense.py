@@ -33,8 +33,9 @@ from ..detect import ModelFormat
 from ..errors import ErrorCode, Exl2Error
 from .registry import register
 from .slots import BIAS, WEIGHT
-from .base import (Converter, LayerReport, OutSpec, SourceReader, Unit, build_layer, error_stats, f16_to_bf16_bits,
-                   layer_issues_or_raise, natural_key)
+from ..container import SourceReader, f16_to_bf16_bits
+from .base import (Converter, LayerReport, OutSpec, Unit, build_layer, error_stats, layer_issues_or_raise,
+                   natural_key)
 
 __all__ = ["QuantToDense"]
 
@@ -164,7 +165,7 @@ class QuantToDense(Converter):
 
 
 def _bf16_view(bits: np.ndarray) -> np.ndarray:
-    from .base import bf16_bits_to_f32
+    from ..container import bf16_bits_to_f32
 
     return bf16_bits_to_f32(bits)
 

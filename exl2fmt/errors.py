@@ -180,7 +180,7 @@ class ErrorCode(str, enum.Enum):
                         "Content-Range, bounded body) and redirects only to http(s)")
     HUB_FETCH_LIMIT = ("HUB_FETCH_LIMIT", Category.UNREADABLE,
                        "reading a Hub model fetches at most the per-file cap (headers and q_groups only)")
-    # --- model directory files (appended; see exl2fmt/container.py) ------------------------------------
+    # --- model directory files (appended; see exl2fmt/container/reader.py) --------------------------
     SHARD_OUTSIDE_MODEL = ("SHARD_OUTSIDE_MODEL", Category.INVALID,
                            "a shard should lie inside the model directory (a symlink out of it is read, with a "
                            "warning naming the target)")

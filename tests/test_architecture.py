@@ -48,16 +48,8 @@ TIERS: list[tuple[str, tuple[str, ...]]] = [
 KERNEL_ALLOWED = ("exl2fmt.layout", "exl2fmt.groups")
 
 #: Known violations owned by the other helpers of issue 13 - emptied by the lead at merge.
-PENDING_EDGES: dict[tuple[str, str], str] = {
-    # h13a: SourceReader moves from converters/base.py to the container package.  This arrow is the last link of
-    # the cycle validate -> validate.run -> quant.forward -> converters.base -> validate, and points upward.
-    ("exl2fmt.quant.forward", "exl2fmt.converters.base"): "h13a",
-}
-PENDING_PRIVATE: dict[tuple[str, str, str], str] = {
-    # h13a: the atomic-publish helpers (``_remove``) move out of converters/base.py, public
-    ("exl2fmt.quant.pipeline", "exl2fmt.converters.base", "_remove"): "h13a",
-    ("exl2fmt.converters.gguf_write", "exl2fmt.converters.base", "_remove"): "h13a",
-}
+PENDING_EDGES: dict[tuple[str, str], str] = {}
+PENDING_PRIVATE: dict[tuple[str, str, str], str] = {}
 
 
 # ------------------------------------------------------------------------------------------------ the graph
@@ -322,3 +314,17 @@ def test_the_checker_finds_a_planted_cycle_and_private_import(tmp_path):
     # breaking one arrow breaks the circle
     del g.edges["toy.b"]["toy.sub.c"]
     assert find_cycles(g.edges) == []
+
+
+def test_every_package_folder_is_installed():
+    """A wheel holds only the packages pyproject.toml lists: every folder with an ``__init__.py`` under a mapped
+    package must be in ``packages`` and ``package-dir`` (an editable install would hide the omission)."""
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    assert listed == set(setup["package-dir"]), sorted(listed ^ set(setup["package-dir"]))
+    found = set()
+    for name, folder in PACKAGES.items():
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder).parts
+            found.add(".".join((name, *rel)))
+    assert found <= listed, f"package folders missing from pyproject.toml: {sorted(found - listed)}"

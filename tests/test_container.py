@@ -12,6 +12,8 @@ import math
 import os
 import re
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,8 @@ from hypothesis import strategies as st
 from safetensors.numpy import save as st_save
 
 from exl2fmt import container as C
+from exl2fmt.container import parse as P
+from exl2fmt.container import reader as R
 from exl2fmt.container import (
     MAX_HEADER_BYTES, SAFETENSORS_DTYPES, STRICTER_THAN_REFERENCE, RawTensor, SafetensorsFile, SafetensorsHeader,
     open_model, parse_header, read_header, serialize, write_safetensors, write_sharded,
@@ -113,19 +117,34 @@ def test_dtype_table_is_exactly_what_the_reference_accepts():
     assert {"F8_E4M3FNUZ", "F8_E5M2FNUZ"} <= set(SAFETENSORS_DTYPES)
 
 
-def test_container_imports_only_numpy_and_stdlib():
-    src = Path(C.__file__).read_text()
+def _top_level_imports(path: Path) -> set[str]:
     mods = set()
-    for node in ast.walk(ast.parse(src)):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             mods |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             mods.add(node.module.split(".")[0])
-    assert not mods & {"torch", "numba", "rich", "typer", "safetensors"}
+    return mods
+
+
+def test_container_imports_only_numpy_and_stdlib():
+    # every module of the package; only the checksum (the streaming writer's and verify's) needs Numba
+    files = sorted(Path(C.__file__).parent.glob("*.py"))
+    assert {f.name for f in files} >= {"__init__.py", "parse.py", "reader.py", "writer.py", "publish.py", "checksums.py"}
+    for f in files:
+        heavy = _top_level_imports(f) & {"torch", "numba", "rich", "typer", "safetensors"}
+        assert heavy == ({"numba"} if f.name == "checksums.py" else set()), (f.name, heavy)
+    # and importing the package (what inspect/validate do) loads none of them
+    code = ("import sys, exl2fmt.container, exl2fmt.container.publish, exl2fmt.container.partials; "
+            "print(sorted(m for m in ('torch', 'numba', 'rich', 'typer', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_stricter_rules_are_documented():
-    doc = C.__doc__
+    from exl2fmt.container import parse
+
+    doc = parse.__doc__
     for code in STRICTER_THAN_REFERENCE:
         assert code.value in doc
     assert ErrorCode.TOO_MANY_TENSORS.rule
@@ -485,7 +504,7 @@ def test_appended_bytes():
 
 
 def test_too_many_tensors(monkeypatch):
-    monkeypatch.setattr(C, "MAX_TENSORS", 3)
+    monkeypatch.setattr(P, "MAX_TENSORS", 3)
     buf = mk({f"t{i}": ent("U8", (0,), 0, 0) for i in range(4)})
     expect(buf, ErrorCode.TOO_MANY_TENSORS, ref_rejects=False)
     expect_ok(mk({f"t{i}": ent("U8", (0,), 0, 0) for i in range(3)}))
@@ -949,7 +968,7 @@ def test_config_is_parsed_lazily(tmp_path):
 
 
 def test_open_shards_are_bounded(tmp_path, monkeypatch):
-    monkeypatch.setattr(C, "MAX_OPEN_SHARDS", 2)
+    monkeypatch.setattr(R, "MAX_OPEN_SHARDS", 2)
     tensors = {f"t{i}": np.full(8, i, np.int64) for i in range(6)}
     paths = write_sharded(tmp_path, tensors, max_shard_bytes=64)
     assert len(paths) == 6
@@ -968,7 +987,9 @@ def test_open_shards_are_bounded(tmp_path, monkeypatch):
 def test_write_is_atomic_on_failure_mid_write(tmp_path, monkeypatch):
     target = tmp_path / "m.safetensors"
     calls = []
-    real = C._write_array
+    from exl2fmt.container import writer as W
+
+    real = W._write_array
 
     def failing(f, arr):
         calls.append(1)
@@ -976,19 +997,19 @@ def test_write_is_atomic_on_failure_mid_write(tmp_path, monkeypatch):
             raise RuntimeError("disk on fire")
         real(f, arr)
 
-    monkeypatch.setattr(C, "_write_array", failing)
+    monkeypatch.setattr(W, "_write_array", failing)
     with pytest.raises(RuntimeError):
         write_safetensors(target, {"a": np.zeros(10), "b": np.ones(10), "c": np.ones(3)})
     assert list(tmp_path.iterdir()) == []
     # an existing file survives intact, and an OSError becomes IO_ERROR
-    monkeypatch.setattr(C, "_write_array", real)
+    monkeypatch.setattr(W, "_write_array", real)
     write_safetensors(target, {"old": np.zeros(2)})
     before = target.read_bytes()
 
     def no_fsync(fd):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(C.os, "fsync", no_fsync)
+    monkeypatch.setattr(W.os, "fsync", no_fsync)
     with pytest.raises(Exl2Error) as ei:
         write_safetensors(target, {"new": np.ones(2)})
     assert ei.value.code is ErrorCode.IO_ERROR and "No space" in ei.value.message

@@ -513,7 +513,7 @@ def test_a_killed_conversion_leaves_no_destination(sample, tmp_path):
 
 
 def test_checksum_matches_a_python_fletcher64():
-    from exl2fmt.converters.base import Checksum, checksum
+    from exl2fmt.container.checksums import Checksum, checksum
 
     x = np.random.default_rng(5).integers(0, 256, size=8 * 1000 + 5, dtype=np.uint8)
     a = b = 0
@@ -528,15 +528,15 @@ def test_checksum_matches_a_python_fletcher64():
 
 
 def test_verify_catches_bytes_that_differ_from_what_was_produced(sample, tmp_path, monkeypatch):
-    import exl2fmt.converters.base as base
+    import exl2fmt.container.checksums as checksums
 
-    real = base.checksum
+    real = checksums.checksum
 
     def lying(data):
         a, b, n = real(data)
         return (a ^ 1, b, n) if n == 1000 * 256 * 2 else (a, b, n)   # lm_head and embed_tokens
 
-    monkeypatch.setattr(base, "checksum", lying)
+    monkeypatch.setattr(checksums, "checksum", lying)
     with pytest.raises(Exl2Error) as e:
         convert(sample, tmp_path / "o", "fp16")
     assert e.value.code is ErrorCode.REFERENCE_MISMATCH

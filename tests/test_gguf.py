@@ -57,7 +57,7 @@ def build_dense(d: Path, model_type="llama", bias=False, bf16=False, qk_scale=1.
                 rows = t[f"model.layers.{li}.self_attn.{p}.weight"].shape[0]
                 t[f"model.layers.{li}.self_attn.{p}.bias"] = (rng.standard_normal(rows) * 0.3).astype(np.float16)
     if bf16:
-        from exl2fmt.converters.base import f16_to_bf16_bits
+        from exl2fmt.container import f16_to_bf16_bits
 
         from exl2fmt.container import RawTensor
 

@@ -8,7 +8,7 @@
 * **Unreadable inputs** (class 7): FIFOs, device nodes, directories and dangling links where a file is
   expected, permission denied, a symlink out of the model directory, a full disk - made at run time.
 * **Fault injection** (class 6): SIGKILL / SIGINT / SIGTERM at fixed points of ``convert`` (the
-  ``EXL2FMT_TEST_FAULT`` hook in converters/partials.py, and a real signal sent while the partial directory is
+  ``EXL2FMT_TEST_FAULT`` hook in exl2fmt/container/partials.py, and a real signal sent while the partial directory is
   being written), for EXL2 -> fp16, EXL2 -> gptq and EXL2 -> gguf: the source stays byte-identical, exit codes
   are 130 before publishing and 0 after, a rerun removes the leftover and writes the same bytes as an
   uninterrupted run.  The stale-partial cleaner is shown to leave alone everything it did not make.
@@ -492,7 +492,7 @@ def test_real_signals_while_writing(sample, baselines, tmp_path):
 
 
 def _marker(d: Path, **over) -> None:
-    from exl2fmt.converters.partials import MARKER, owner_record
+    from exl2fmt.container.partials import MARKER, owner_record
 
     rec = owner_record(Path(over.pop("dst")))
     rec.update(over)
@@ -508,7 +508,7 @@ def _dead_pid() -> int:
 
 
 def test_the_cleaner_removes_only_its_own_dead_partials(tmp_path):
-    from exl2fmt.converters.partials import MARKER, make_owned_dir, remove_stale_partials
+    from exl2fmt.container.partials import MARKER, make_owned_dir, remove_stale_partials
 
     dst = tmp_path / "out"
     pre = ".out.exl2fmt-partial-"

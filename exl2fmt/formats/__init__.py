@@ -23,14 +23,14 @@ import numpy as np
 
 from ..errors import ErrorCode, Exl2Error
 from ..layout import LAYOUTS, Format, marker_slot
-from .common import LinearBase, as_float32, bf16_to_f32, numpy_to_st_dtype
+from .common import LinearBase, as_float32, numpy_to_st_dtype
 from .dense import DenseLinear
 from .exl2 import Exl2Linear
 from .gptq import GptqLinear
 
 __all__ = ["Exl2Linear", "GptqLinear", "DenseLinear", "Linear", "LinearBase", "LINEAR_CLASSES",
            "layer_from_tensors", "build_layer", "config_hints", "inspect_facts", "numpy_to_st_dtype",
-           "as_float32", "bf16_to_f32"]
+           "as_float32"]
 
 Linear = Exl2Linear | GptqLinear | DenseLinear
 

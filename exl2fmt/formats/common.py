@@ -7,32 +7,22 @@ from typing import ClassVar, Mapping
 
 import numpy as np
 
+from ..container.dtypes import bf16_bits_to_f32, numpy_to_safetensors_dtype
 from ..errors import ErrorCode, Exl2Error, Issue, Severity
 from ..layout import LAYOUTS, SLOT_NAMES, Format, SlotStatus, bpw
 
-__all__ = ["LinearBase", "numpy_to_st_dtype", "bf16_to_f32", "as_float32"]
-
-_NP_TO_ST = {
-    np.dtype(np.float16): "F16", np.dtype(np.float32): "F32", np.dtype(np.float64): "F64",
-    np.dtype(np.int8): "I8", np.dtype(np.int16): "I16", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64",
-    np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16", np.dtype(np.uint32): "U32", np.dtype(np.uint64): "U64",
-    np.dtype(np.bool_): "BOOL",
-}
-
+__all__ = ["LinearBase", "numpy_to_st_dtype", "as_float32"]
 
 def numpy_to_st_dtype(a: np.ndarray) -> str:
-    """The safetensors dtype string (``"F16"``, ``"I32"`` ...) of an array's dtype."""
-    return _NP_TO_ST.get(np.asarray(a).dtype if not hasattr(a, "dtype") else a.dtype, str(getattr(a, "dtype", "?")))
-
-
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """BF16 bit patterns (uint16 / int16, any shape) -> float32 of the same shape, exactly."""
-    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+    """The safetensors dtype string (``"F16"``, ``"I32"`` ...) of an array's dtype (its numpy name if safetensors
+    has none)."""
+    dt = np.asarray(a).dtype if not hasattr(a, "dtype") else a.dtype
+    return numpy_to_safetensors_dtype(dt) or str(getattr(a, "dtype", "?"))
 
 
 def as_float32(a: np.ndarray, st_dtype: str) -> np.ndarray:
     """A stored float tensor (``st_dtype`` F16 / BF16 / F32; BF16 held as its uint16 bits) as float32."""
-    return bf16_to_f32(a) if st_dtype == "BF16" else np.asarray(a).astype(np.float32)
+    return bf16_bits_to_f32(a) if st_dtype == "BF16" else np.asarray(a).astype(np.float32)
 
 
 class LinearBase:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..container import ModelFiles, open_model
+from ..container import ModelFiles, bf16_bits_to_f32, open_model
 from ..errors import ErrorCode, Exl2Error
 
 __all__ = [
@@ -367,7 +367,7 @@ class WeightSource:
         arr = self.read_stored(name)
         if info.dtype == "BF16":
             # the container hands BF16 back as its uint16 bit patterns: widen to the top half of an fp32
-            t = torch.from_numpy((arr.astype(np.uint32) << 16).view(np.float32))
+            t = torch.from_numpy(bf16_bits_to_f32(arr))
         else:
             t = torch.from_numpy(arr)
         return t.to(device=device or "cpu", dtype=dtype)
@@ -377,7 +377,7 @@ class WeightSource:
         array read with pread rather than through the memory map: the map's pages would stay in the resident
         set, so a pass over every block would end up holding the whole model.  File-backed sources only."""
         if self._reader is None:
-            from ..converters.base import SourceReader
+            from ..container import SourceReader
 
             self._reader = SourceReader(self._files)
         return self._reader.read(name)

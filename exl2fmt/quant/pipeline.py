@@ -748,7 +748,7 @@ def _bpw_of(tensors: dict[str, np.ndarray], out_features: int) -> float:
 def _plain_specs(src, skip: set[str]) -> list:
     """OutSpecs of every tensor of ``src`` not in ``skip``: floating point becomes F16, integer buffers (position
     ids, ...) keep their dtype."""
-    from ..converters.base import OutSpec
+    from ..container import OutSpec
 
     out = []
     for name in src.names():
@@ -779,8 +779,7 @@ def _write_output(tmp: Path, src, layers: list[tuple[str, Path]], skip: set[str]
     ``src`` not in ``skip`` converted by ``_plain_tensor``, and the slots of each quantized layer (key, packed
     layer file) as ``{key}.{slot}``.  Shards of at most ``o.shard_size`` bytes, sorted by name, named
     ``output`` (EXL2) or ``model`` (GPTQ), with ``{prefix}.safetensors.index.json`` when there are several."""
-    from ..container import open_model
-    from ..converters.base import OutSpec, ShardWriter, SourceReader, plan_shards
+    from ..container import OutSpec, ShardWriter, SourceReader, open_model, plan_shards
 
     specs = _plain_specs(src, skip)
     where: dict[str, tuple[Path, str]] = {}         # output name -> (layer file, slot)
@@ -884,7 +883,7 @@ def _validate_or_raise(tmp: Path) -> None:
 def _verify(tmp: Path, work: _Work, layer_keys: list[str], o: QuantOptions, report: QuantReport) -> None:
     """The output must pass the deep validator, and every layer must hold exactly the tensors quantized."""
     from ..container import open_model
-    from ..converters.base import SourceReader
+    from ..container import SourceReader
 
     _validate_or_raise(tmp)
     out = SourceReader(open_model(tmp))             # pread, not the map: one tensor resident at a time
@@ -928,9 +927,9 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
     (and N % 32 == 0 for GPTQ) is quantized with an identity Hessian (round-to-nearest with the scale search,
     no act-order); the budget is spread by the relative weight error of each candidate setting, one layer per
     slot.  Everything else is written as fp16."""
-    from ..converters.base import (_remove, check_paths, lower_shield, make_partial_dir,
-                                   name_unnamed_os_error, publish, stale_note)
-    from ..converters.partials import fault_point
+    from ..container.partials import fault_point
+    from ..container.publish import (check_paths, lower_shield, make_partial_dir, name_unnamed_os_error, publish,
+                                     remove_path, stale_note)
     from . import forward as F
     from .gptq import prepare, quantize_exl2, quantize_gptq
     from .qparams import QParams, block_options
@@ -1032,7 +1031,7 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
         publish(tmp, dst_p, force)
         fault_point("published")
     except BaseException as e:
-        _remove(tmp)
+        remove_path(tmp)
         raise name_unnamed_os_error(e, tmp)
     finally:
         shutil.rmtree(layer_dir, ignore_errors=True)
@@ -1049,9 +1048,9 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                    progress: Progress | None = None) -> QuantReport:
     """Quantize the dense Hugging Face model at ``src`` into a new EXL2 or GPTQ model directory ``dst``."""
     from ..container import open_model
-    from ..converters.base import (_remove, check_paths, lower_shield, make_partial_dir, name_unnamed_os_error,
-                                   publish, stale_note)
-    from ..converters.partials import fault_point
+    from ..container.partials import fault_point
+    from ..container.publish import (check_paths, lower_shield, make_partial_dir, name_unnamed_os_error, publish,
+                                     remove_path, stale_note)
     from . import forward as F
     from .calib import load_calibration
     from .hf_engine import EXL2_ARCHS, HFModel
@@ -1174,7 +1173,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
             if progress:
                 progress("done", 1, 1, str(dst_p))
         except BaseException as e:
-            _remove(tmp)
+            remove_path(tmp)
             lower_shield()
             raise name_unnamed_os_error(e, tmp)
         report.seconds["compile+verify"] = time.monotonic() - t

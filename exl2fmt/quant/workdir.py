@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from ..container.partials import work_dir_name
+
 __all__ = ["work_root", "progress_of", "describe"]
 
 
@@ -20,7 +22,7 @@ def work_root(dst: str | os.PathLike, work_dir: str | os.PathLike | None = None)
     """The work directory of a quantization into ``dst``: ``work_dir``, or ``.<DST name>.exl2fmt-work`` next to
     DST."""
     d = Path(os.fspath(dst))
-    return Path(os.fspath(work_dir)) if work_dir else d.parent / f".{d.name}.exl2fmt-work"
+    return Path(os.fspath(work_dir)) if work_dir else d.parent / work_dir_name(d)
 
 
 def progress_of(root: str | os.PathLike) -> dict | None:

@@ -13,11 +13,9 @@ __all__ = ["to_f32", "nonfinite_count", "weight_stats", "compare_weights", "CHUN
 
 def to_f32(a, st_dtype: str):
     """float32 copy of a stored float tensor ``a`` (safetensors dtype ``st_dtype``; BF16 arrives as uint16 bits)."""
-    import numpy as np
+    from ..formats.common import as_float32
 
-    if st_dtype == "BF16":
-        return (np.asarray(a).astype(np.uint32) << 16).view(np.float32)
-    return np.asarray(a).astype(np.float32)
+    return as_float32(a, st_dtype)
 
 
 #: Elements per chunk of the chunked passes (bounded temporary memory).

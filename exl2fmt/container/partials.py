@@ -35,11 +35,14 @@ import stat
 import threading
 from pathlib import Path
 
-__all__ = ["MARKER", "PARTIAL_TAG", "make_owned_dir", "owner_record", "remove_stale_partials", "InterruptShield",
-           "SHIELD", "fault_point"]
+__all__ = ["MARKER", "PARTIAL_TAG", "WORK_TAG", "work_dir_name", "make_owned_dir", "owner_record",
+           "remove_stale_partials", "InterruptShield", "SHIELD", "fault_point"]
 
 MARKER = ".exl2fmt-owner.json"
 PARTIAL_TAG = ".exl2fmt-partial-"
+WORK_TAG = ".exl2fmt-work"
+"""Suffix of the quantizer's resumable work directory ``.<DST name>.exl2fmt-work`` (kept across runs, unlike a
+partial: ``exl2fmt.quant.workdir``)."""
 _MAX_MARKER_BYTES = 4096
 
 
@@ -87,6 +90,11 @@ def owner_record(dst: Path) -> dict:
     pid = os.getpid()
     return {"tool": "exl2fmt", "destination": _destination_key(dst), "host": socket.gethostname(),
             "boot_id": _boot_id(), "pid": pid, "pid_start": _pid_start(pid)}
+
+
+def work_dir_name(dst: Path) -> str:
+    """The name of the quantizer's default work directory next to ``dst``."""
+    return f".{dst.name}{WORK_TAG}"
 
 
 def partial_prefix(dst: Path) -> str:

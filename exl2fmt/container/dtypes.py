@@ -1,0 +1,107 @@
+"""The safetensors dtype table: the one place that maps safetensors dtypes to numpy and back, and bf16 bit math.
+
+``SAFETENSORS_DTYPES`` lists every dtype safetensors 0.8 accepts (taken from the ``Dtype`` enum of the Rust
+crate and confirmed against the installed library), as ``DtypeSpec(bits, numpy)``.  ``numpy`` is the
+little-endian numpy dtype a reader returns, or ``None`` for the sub-byte dtypes.  Dtypes that numpy cannot
+represent are exposed *as raw unsigned integers of the same width* (listed in ``RAW_DTYPES``): ``BF16 ->
+uint16`` and every ``F8_*`` -> ``uint8``; the caller reinterprets the bits (for BF16 with
+``bf16_bits_to_f32`` / ``f32_to_bf16_bits`` below).  The sub-byte dtypes ``F4`` (4 bits) and
+``F6_E2M3``/``F6_E3M2`` (6 bits) have ``numpy=None``: readers return their packed bytes as a 1-D ``uint8``
+array.  Besides the dtypes named in the safetensors README, 0.8 also accepts ``F8_E4M3FNUZ`` and
+``F8_E5M2FNUZ``; they are included.
+
+The other direction, ``numpy_to_safetensors_dtype``, covers ``BOOL, I8..I64, U8..U64, F16, F32, F64, C64``.
+
+Only numpy is imported here.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Mapping, NamedTuple
+
+import numpy as np
+
+__all__ = ["DtypeSpec", "SAFETENSORS_DTYPES", "RAW_DTYPES", "DTYPE_RANK", "numpy_to_safetensors_dtype",
+           "f32_to_bf16_bits", "f16_to_bf16_bits", "bf16_bits_to_f32"]
+
+class DtypeSpec(NamedTuple):
+    """``bits`` per element and the little-endian numpy dtype ``get`` returns (None: sub-byte, raw bytes)."""
+
+    bits: int
+    numpy: np.dtype | None
+
+
+SAFETENSORS_DTYPES: Mapping[str, DtypeSpec] = MappingProxyType({
+    "BOOL": DtypeSpec(8, np.dtype(np.bool_)),
+    "F4": DtypeSpec(4, None),
+    "F6_E2M3": DtypeSpec(6, None),
+    "F6_E3M2": DtypeSpec(6, None),
+    "U8": DtypeSpec(8, np.dtype("u1")),
+    "I8": DtypeSpec(8, np.dtype("i1")),
+    "F8_E5M2": DtypeSpec(8, np.dtype("u1")),
+    "F8_E4M3": DtypeSpec(8, np.dtype("u1")),
+    "F8_E8M0": DtypeSpec(8, np.dtype("u1")),
+    "F8_E4M3FNUZ": DtypeSpec(8, np.dtype("u1")),
+    "F8_E5M2FNUZ": DtypeSpec(8, np.dtype("u1")),
+    "I16": DtypeSpec(16, np.dtype("<i2")),
+    "U16": DtypeSpec(16, np.dtype("<u2")),
+    "F16": DtypeSpec(16, np.dtype("<f2")),
+    "BF16": DtypeSpec(16, np.dtype("<u2")),
+    "I32": DtypeSpec(32, np.dtype("<i4")),
+    "U32": DtypeSpec(32, np.dtype("<u4")),
+    "F32": DtypeSpec(32, np.dtype("<f4")),
+    "C64": DtypeSpec(64, np.dtype("<c8")),
+    "F64": DtypeSpec(64, np.dtype("<f8")),
+    "I64": DtypeSpec(64, np.dtype("<i8")),
+    "U64": DtypeSpec(64, np.dtype("<u8")),
+})
+"""Every dtype safetensors 0.8 accepts, in the reference's enum order (increasing alignment)."""
+
+RAW_DTYPES = frozenset({"BF16", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
+"""Dtypes numpy cannot represent: ``get`` returns their bits as unsigned ints of the same width."""
+
+DTYPE_RANK = {name: i for i, name in enumerate(SAFETENSORS_DTYPES)}
+"""Position of each dtype in the reference's enum (its alignment order; the writer's ``order="safetensors"``)."""
+
+_NUMPY_TO_ST = {
+    ("b", 1): "BOOL",
+    ("i", 1): "I8", ("i", 2): "I16", ("i", 4): "I32", ("i", 8): "I64",
+    ("u", 1): "U8", ("u", 2): "U16", ("u", 4): "U32", ("u", 8): "U64",
+    ("f", 2): "F16", ("f", 4): "F32", ("f", 8): "F64",
+    ("c", 8): "C64",
+}
+
+
+def numpy_to_safetensors_dtype(dtype: Any) -> str | None:
+    """The safetensors dtype string of a numpy dtype (None if safetensors has no equivalent)."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        return None
+    return _NUMPY_TO_ST.get((dt.kind, dt.itemsize))
+
+
+# ------------------------------------------------------------------------------------------------
+# bfloat16 <-> float32 bit patterns (BF16 travels as uint16 bits, see RAW_DTYPES)
+# ------------------------------------------------------------------------------------------------
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even; NaN stays a (quiet) NaN."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    return rounded
+
+
+def f16_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float16 -> bfloat16 bits: the fp16 value (exact in float32) rounded once to 8 mantissa bits, RNE."""
+    return f32_to_bf16_bits(np.asarray(x, dtype=np.float16).astype(np.float32))
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits).astype(np.uint32) << np.uint32(16)).view(np.float32)
+

@@ -1,0 +1,265 @@
+"""Publishing outputs atomically: temp file + rename for one file, a marked working directory + rename for a
+model directory, and the path rules around them.
+
+* ``atomic_write`` writes one file through a temp file in the same directory, fsync, ``os.replace`` (the
+  writer's ``write_safetensors`` / ``write_sharded`` use it).
+* A conversion or a quantization builds its whole output in ``make_partial_dir(DST)`` (a hidden sibling with an
+  owner marker, see ``exl2fmt.container.partials``) and ``publish``-es it by renaming; ``check_paths`` refuses a
+  DST that is, contains or lies inside SRC and an existing DST without ``force``; ``remove_path`` cleans up.
+* ``naming_write_errors`` / ``name_unnamed_os_error`` turn an ``OSError`` (a full disk, EIO) into ``IO_ERROR``
+  naming the file or the working directory.
+
+Standard library only (``exl2fmt.outputs`` for the replace-an-existing-output rule).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterable
+
+from ..errors import ErrorCode, Exl2Error
+
+__all__ = [
+    "atomic_write", "write_text", "naming_write_errors", "name_unnamed_os_error", "check_paths", "make_partial_dir",
+    "stale_note", "remove_path", "fsync_dir", "publish", "copy_side_files", "lower_shield",
+]
+
+# Files of SRC that are never copied: weights (rewritten), indexes (regenerated; a stale one breaks loaders),
+# quantization side files (rewritten by the converter when the target needs one).
+_SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
+_SKIP_NAMES = {"config.json", "quantize_config.json", "quant_config.json"}
+_SKIP_DIRS = {".git", ".cache", "__pycache__", ".huggingface"}
+_INDEX_RE = re.compile(r".*\.(safetensors|bin)\.index\.json$")
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write via a temp file in the same directory, fsync, os.replace; the temp file never survives."""
+    parent = path.parent if str(path.parent) else Path(".")
+    tmp = None
+    for _ in range(100):
+        cand = parent / f".{path.name[:180]}.{secrets.token_hex(8)}.tmp"
+        try:
+            fd = os.open(cand, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise Exl2Error(ErrorCode.IO_ERROR, f"cannot create a temp file next to the output: {e.strerror or e}",
+                            file=str(path)) from None
+        tmp = cand
+        break
+    if tmp is None:  # pragma: no cover
+        raise Exl2Error(ErrorCode.IO_ERROR, "cannot create a temp file next to the output", file=str(path))
+    done = False
+    try:
+        with os.fdopen(fd, "wb", buffering=1 << 20) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        done = True
+    except OSError as e:
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot write: {e.strerror or e}", file=str(path)) from None
+    finally:
+        if not done:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    fsync_dir(parent)  # make the rename durable (best effort; not possible on every platform)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a new text file (never replacing one: mode ``x``) and fsync it; OSError -> IO_ERROR naming it."""
+    with naming_write_errors(path):
+        with open(path, "x", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def naming_write_errors(path):
+    """An OSError while writing ``path`` (a full disk, a quota, EIO) becomes IO_ERROR naming the file."""
+    try:
+        yield
+    except OSError as e:
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot write: {e.strerror or e}", file=str(path)) from None
+
+
+def name_unnamed_os_error(e: BaseException, where: Path | None) -> BaseException:
+    """A bare OSError without a file name (``No space left on device`` from a flush or a library's write)
+    becomes IO_ERROR naming the working directory it happened in; anything else is returned unchanged."""
+    if isinstance(e, OSError) and not getattr(e, "filename", None) and where is not None \
+            and not isinstance(e, BrokenPipeError):
+        hint = "" if e.errno is not None else " (is the disk full?)"
+        return Exl2Error(ErrorCode.IO_ERROR, f"cannot write the output: {e.strerror or e}{hint}", file=str(where))
+    return e
+
+
+# ------------------------------------------------------------------------------------------------ paths
+
+
+def _resolve(p: Path) -> Path:
+    try:
+        return p.resolve(strict=False)
+    except (OSError, RuntimeError):
+        return Path(os.path.abspath(p))
+
+
+def _is_within(child: Path, parent: Path) -> bool:
+    try:
+        child.relative_to(parent)
+        return True
+    except ValueError:
+        return False
+
+
+def check_paths(src: Path, dst: Path, force: bool, kind: str = "dir") -> None:
+    """DST must lie outside SRC; an existing DST is an error without ``force``, and with it is replaced only
+    when it is an output of the same ``kind`` (see ``exl2fmt.outputs.replaceable``)."""
+    from ..outputs import existing_output_error
+
+    rs, rd = _resolve(src), _resolve(dst)
+    # a directory source: nothing may be written inside it; any source: DST must not be it or contain it
+    # (replacing DST with --force would delete it)
+    if rd == rs or (rs.is_dir() and _is_within(rd, rs)) or _is_within(rs, rd):
+        raise Exl2Error(ErrorCode.USAGE, f"the destination {dst} must lie outside the source {src} (and not "
+                        "contain it): a conversion never writes into or replaces its source", file=str(dst))
+    err = existing_output_error(dst, force, kind)
+    if err is not None:
+        raise err
+
+
+def make_partial_dir(dst: Path, removed: list[str] | None = None) -> Path:
+    """A new working directory ``.<DST name>.exl2fmt-partial-<hex>`` next to DST, with an owner marker
+    (exl2fmt/container/partials.py); first removes the partials that dead earlier runs left for this same DST (their
+    paths are appended to ``removed`` when given)."""
+    from .partials import make_owned_dir, remove_stale_partials
+
+    parent = dst.parent if str(dst.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot create the parent directory: {e.strerror or e}",
+                        file=str(parent)) from None
+    gone = remove_stale_partials(dst)
+    if removed is not None:
+        removed.extend(gone)
+    try:
+        return make_owned_dir(dst)
+    except OSError as e:
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot create a working directory next to the output: "
+                        f"{e.strerror or e}", file=str(e.filename or parent)) from None
+
+
+def stale_note(removed: list[str]) -> list[str]:
+    return [f"removed {p}: a working directory an interrupted earlier run left for this destination"
+            for p in removed]
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file, a symlink or a directory tree if it is there (best effort: errors are ignored)."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            path.unlink()
+    except OSError:
+        pass
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, making a rename in it durable (best effort; not possible on every platform)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def publish(tmp: Path, dst: Path, force: bool) -> None:
+    """Rename the finished working directory to DST (moving an existing DST aside first with ``force``).
+    From here on SIGINT / SIGTERM are noted, not raised (``partials.SHIELD``; the caller lowers it)."""
+    from .partials import MARKER, SHIELD
+
+    SHIELD.raise_shield()
+    old = None
+    if tmp.is_dir() and not tmp.is_symlink():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp / MARKER)
+    try:
+        if os.path.lexists(dst):
+            if not force:
+                raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "the destination appeared during the conversion; pass "
+                                "--force to replace it", file=str(dst))
+            old = dst.parent / f".{dst.name[:150]}.exl2fmt-old-{secrets.token_hex(6)}"
+            os.rename(dst, old)
+        os.rename(tmp, dst)
+    except OSError as e:
+        if old is not None and not os.path.lexists(dst):
+            try:
+                os.rename(old, dst)
+            except OSError:
+                pass
+        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot move the result into place: {e.strerror or e}",
+                        file=str(dst)) from None
+    fsync_dir(dst.parent if str(dst.parent) else Path("."))
+    if old is not None:
+        remove_path(old)
+
+
+def copy_side_files(src_dir: Path, tmp: Path, extra_skip: Iterable[str] = ()) -> list[str]:
+    """Copy every file of SRC that is not a weight, an index or a quantization side file (recursively;
+    symlinks are followed, hidden tool directories skipped).  Returns the relative paths copied."""
+    skip = set(_SKIP_NAMES) | set(extra_skip)
+    copied = []
+    for root, dirs, files in os.walk(src_dir, followlinks=False):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and ".exl2fmt-" not in d)
+        rel_root = Path(root).relative_to(src_dir)
+        for fname in sorted(files):
+            rel = rel_root / fname
+            if rel_root == Path(".") and fname in skip:
+                continue
+            if fname.endswith(_SKIP_SUFFIXES) or _INDEX_RE.fullmatch(fname):
+                continue
+            src = Path(root) / fname
+            if not src.is_file():
+                continue
+            out = tmp / rel
+            out.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                shutil.copyfile(src, out)
+            except OSError as e:  # the file that failed: the source (unreadable) or the copy (disk full)
+                raise Exl2Error(ErrorCode.IO_ERROR, f"cannot copy {src}: {e.strerror or e}",
+                                file=str(e.filename or out)) from None
+            copied.append(str(rel))
+    return copied
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+
+def lower_shield() -> list[str]:
+    """End of a driver: lower ``partials.SHIELD`` (unless the CLI holds it) and say which interrupts arrived
+    after DST was published (they were ignored: the output is complete and verified)."""
+    from .partials import SHIELD
+
+    got = list(SHIELD.received) if SHIELD.up else []
+    SHIELD.lower()
+    if not got:
+        return []
+    import signal as _signal
+
+    names = ", ".join(sorted({_signal.Signals(s).name for s in got}))
+    return [f"{names} arrived after the output was published: it is complete and verified, so the run finished"]
+
+
