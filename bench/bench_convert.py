@@ -4,7 +4,7 @@
 
 1. Builds a TinyLlama-shaped EXL2 model (hidden 2048, intermediate 5632, 22 layers, 32 heads / 4 KV heads,
    head_dim 64, vocab 32000) in a temporary directory, from random codes packed with
-   ``exl2fmt.writer.exl2_tensors`` (no quantization): upstream-style mixed plans (attention
+   ``exl2fmt.formats.exl2.exl2_tensors`` (no quantization): upstream-style mixed plans (attention
    0.1:5b_32g/0.9:4b_128g, gate/up 0.1:5b_32g/0.9:4b_128g, down 0.05:8b_32g/0.1:4b_128g/0.85:3b_128g, head
    0.15:8b_32g/0.85:6b_128g), random act-order permutations, fp16 embeddings and norms, config.json and a
    tokenizer.json to copy.
@@ -73,7 +73,7 @@ def _shapes(cfg):
 
 
 def random_exl2_layer(rng, N: int, K: int, tiers) -> dict:
-    from exl2fmt.writer import exl2_tensors
+    from exl2fmt.formats.exl2 import exl2_tensors
 
     n_pad = pad32(N)
     br = plan_rows(K, tiers)
@@ -119,7 +119,7 @@ def build_model(d: Path, layers: int) -> int:
         np.savez(tmp_dir / f"{len(produced)}.npz", **{k.replace(".", "__"): v for k, v in arrays.items()})
         names = list(arrays)
         produced.append(names)
-        from exl2fmt.layers import numpy_to_st_dtype
+        from exl2fmt.formats import numpy_to_st_dtype
 
         for nm in names:
             specs.append(OutSpec(nm, numpy_to_st_dtype(arrays[nm]), tuple(arrays[nm].shape)))

@@ -193,7 +193,7 @@ def heavy_imports(cmd_args):
 def build_real_shard(d: Path, target_mb: int) -> Path:
     """Random but valid EXL2 layers (K=4096, N=14336, mixed 8/4/3-bit) in one non-sparse file."""
     from exl2fmt.container import write_safetensors
-    from exl2fmt.writer import exl2_tensors
+    from exl2fmt.formats.exl2 import exl2_tensors
 
     rng = np.random.default_rng(0)
     K, N = 4096, 14336

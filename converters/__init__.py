@@ -143,7 +143,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
         ('exl2', 'fp16', True)
     """
     from ..container import open_model
-    from ..detect import ModelFormat, detect_model
+    from ..detect import Verdict, detect_model
+    from ..layout import Format
     from ..extras import require
     from ..container.publish import check_paths
     from .base import ConversionReport as Report
@@ -198,9 +199,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
         if fatal:
             raise fatal[0].to_error()
         fmt = det.format
-        if fmt is ModelFormat.UNKNOWN:
+        if fmt is Verdict.UNKNOWN:
             raise Exl2Error(ErrorCode.FORMAT_UNKNOWN, "no linear layer of a known format found", file=str(src))
-        if fmt is ModelFormat.DENSE and target in ("exl2", "gptq"):
+        if fmt is Format.DENSE and target in ("exl2", "gptq"):
             require("quant", f"quantizing to {target.upper()}")
             model.close()
             return _quantize(src, dst, target, bits, group_size, sym, size, force, progress, quant,
@@ -220,7 +221,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
     report = Report(source=str(src), destination=str(dst), source_format=fmt.value, target=target,
                     options={"shard_size": size, "dtype": dtype, "bits": bits, "group_size": group_size, "sym": sym,
                              "force": force, "verify": verify})
-    if fmt is ModelFormat.DENSE:
+    if fmt is Format.DENSE:
         report.linear_layers = len(det.layers)
     for i in det.issues:
         report.warnings.append(f"detect: [{i.code.value}] {i.message}")
@@ -260,14 +261,15 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, to: str = "exl2", *
         raise Exl2Error(ErrorCode.USAGE, f"quantize writes exl2 or gptq, not {to!r} (convert changes formats)")
     if not (os.path.isfile(src) and str(src).lower().endswith(".gguf")):
         from ..container import open_model
-        from ..detect import ModelFormat, detect_model
+        from ..detect import detect_model
+        from ..layout import Format
 
         model = open_model(src)
         try:
             fmt = detect_model(model.tensors, model.config, root=model.root).format
         finally:
             model.close()
-        if fmt is not ModelFormat.DENSE:
+        if fmt is not Format.DENSE:
             raise Exl2Error(ErrorCode.USAGE, f"quantize needs an FP16/BF16 model; the source is {fmt.value} "
                             f"(convert re-packs quantized models)", file=str(src))
     return convert(src, dst, target, force=force, shard_size=shard_size, bits=bits, group_size=group_size,

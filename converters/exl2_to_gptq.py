@@ -33,7 +33,7 @@ import json
 import numpy as np
 
 from .. import __version__
-from ..detect import ModelFormat
+from ..layout import Format
 from ..errors import ErrorCode, Exl2Error
 from .registry import register
 from ..container import SourceReader
@@ -138,13 +138,13 @@ class Exl2ToGptq(Converter):
         units: list[Unit] = []
         gptq_infos, dense_infos = [], []
         for key, info in self.detection.layers.items():
-            if info.format is ModelFormat.EXL2:
+            if info.format is Format.EXL2:
                 n = self._true_n(info)
                 if block_of(key) is not None and n % 32 == 0 and info.in_features % 32 == 0:
                     gptq_infos.append((info, n))
                 else:
                     dense_infos.append((info, n))
-            elif info.format is not ModelFormat.DENSE:
+            elif info.format is not Format.DENSE:
                 raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layer in an EXL2 model",
                                 tensor=key)
         if o.group_size is None:
@@ -221,7 +221,7 @@ class Exl2ToGptq(Converter):
             return {f"{key}.{slot}": arr for slot, arr in t.items()}
 
         def verify(dst: SourceReader):
-            from ..layers import layer_from_tensors
+            from ..formats import layer_from_tensors
             from ..layout import Format
 
             t = {s: dst.read(f"{key}.{s}") for s in (QWEIGHT, QZEROS, SCALES, G_IDX)}
@@ -288,7 +288,7 @@ class Exl2ToGptq(Converter):
                                       source_format="exl2")
         if self.dense_in_block:
             mods = sorted({k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1]
-                           for key, info in self.detection.layers.items() if info.format is ModelFormat.EXL2
+                           for key, info in self.detection.layers.items() if info.format is Format.EXL2
                            for k in [key] if k not in self.dense_in_block and ".layers." in k})
             qc["modules_in_block_to_quantize"] = [mods]
         return qc

@@ -42,7 +42,7 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -219,12 +219,12 @@ def _hparams(cfg: dict) -> dict:
 def _auto_type(det, cfg: dict, model, reader: SourceReader) -> tuple[str, str]:
     """(layer type, plain-tensor type) for --gguf-type auto."""
     from ..arch import gptq_config
-    from ..detect import ModelFormat
+    from ..layout import Format
 
     plain = "BF16" if str(cfg.get("torch_dtype") or cfg.get("dtype") or "").lower() in ("bfloat16", "bf16") else "F16"
-    if det.format is ModelFormat.DENSE:
+    if det.format is Format.DENSE:
         return plain, plain
-    if det.format is ModelFormat.GPTQ:
+    if det.format is Format.GPTQ:
         gc = gptq_config(cfg)
         gs_ok = gc.group_size is not None and (gc.group_size == -1 or gc.group_size % 32 == 0)
         if gc.sym and gs_ok and not gc.desc_act and gc.bits is not None:
@@ -242,7 +242,8 @@ def convert_to_gguf(src, dst, *, gguf_type: str = "auto", force: bool = False, p
     import gguf
 
     from ..container import open_model
-    from ..detect import ModelFormat, detect_model
+    from ..detect import detect_model
+    from ..layout import Format
 
     t_start = time.perf_counter()
     gt = str(gguf_type or "auto").lower()
@@ -262,14 +263,14 @@ def convert_to_gguf(src, dst, *, gguf_type: str = "auto", force: bool = False, p
         fatal = [i for i in det.issues if i.code is ErrorCode.FORMAT_AMBIGUOUS]
         if fatal:
             raise fatal[0].to_error()
-        if det.format not in (ModelFormat.EXL2, ModelFormat.GPTQ, ModelFormat.DENSE):
+        if det.format not in (Format.EXL2, Format.GPTQ, Format.DENSE):
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{det.format.value} models cannot be converted to GGUF",
                             file=str(src_p))
         report = ConversionReport(source=str(src), destination=str(dst), source_format=det.format.value,
                                   target="gguf", options={"gguf_type": gt, "force": force, "verify": verify})
         for i in det.issues:
             report.warnings.append(f"detect: [{i.code.value}] {i.message}")
-        if det.format is ModelFormat.DENSE:   # cast as tensors: count them as inspect does (issue 12)
+        if det.format is Format.DENSE:   # cast as tensors: count them as inspect does (issue 12)
             report.linear_layers = len(det.layers)
         hp = _hparams(cfg)
         if gt == "auto":
@@ -288,7 +289,7 @@ def convert_to_gguf(src, dst, *, gguf_type: str = "auto", force: bool = False, p
 
 
 def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) -> list[_Item]:
-    from ..detect import ModelFormat
+    from ..layout import Format
 
     from .gguf_arch import spec_for_model_type
 
@@ -306,11 +307,11 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
         return want
 
     for key, info in det.layers.items():
-        if info.format is ModelFormat.DENSE:
+        if info.format is Format.DENSE:
             continue  # its weight (and bias) are plain tensors below
         owned.update(ti.name for ti in info.slots.values())
         shard[info.key] = str(next(iter(info.slots.values())).file)
-        if info.format not in (ModelFormat.EXL2, ModelFormat.GPTQ):
+        if info.format not in (Format.EXL2, Format.GPTQ):
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot be converted",
                             tensor=key)
         wname = f"{key}.weight"

@@ -30,7 +30,7 @@ from numba import njit, prange
 
 from .. import __version__
 from ..codec._f16 import f16_bits_to_f32, f32_to_f16_bits
-from ..detect import ModelFormat
+from ..layout import Format
 from ..errors import ErrorCode, Exl2Error
 from .registry import register
 from ..container import SourceReader
@@ -117,7 +117,7 @@ def gptq_layer_to_exl2(layer, bits: int, group_size: int):
     """Convert one ``GptqLinear``: returns (exl2 slot -> array, reference fp16 [N, K], rows plan [(bits, rows)])."""
     from ..codec.gptq import unpack_qweight, unpack_qzeros, zeros_from_fields
     from ..layout import BIT_WIDTHS, Tier, pad32, plan_rows
-    from ..writer import exl2_tensors
+    from ..formats.exl2 import exl2_tensors
     from .slots import QWEIGHT, QZEROS
 
     t = layer.tensors
@@ -184,9 +184,9 @@ class GptqToExl2(Converter):
         units: list[Unit] = []
         layer_infos = []
         for key, info in self.detection.layers.items():
-            if info.format is ModelFormat.GPTQ:
+            if info.format is Format.GPTQ:
                 layer_infos.append(info)
-            elif info.format is not ModelFormat.DENSE:
+            elif info.format is not Format.DENSE:
                 raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layer in a GPTQ model", tensor=key)
         self.plain_dtype = {"fp16": "F16", "bf16": "BF16", None: None}[o.dtype]
         if o.bits is not None and o.bits not in EXL2_TARGET_BITS:
@@ -202,7 +202,7 @@ class GptqToExl2(Converter):
         return units
 
     def _layer_unit(self, info, gc) -> Unit:
-        from ..layout import MAX_INT16, Exl2Geometry, pad32, plan_rows, Tier, Format, LAYOUTS, SlotStatus
+        from ..layout import MAX_INT16, Exl2Geometry, pad32, plan_rows, Tier, Format, LAYOUTS
 
         key, K, N = info.key, info.in_features, info.out_features
         b_src = info.bits
@@ -242,7 +242,7 @@ class GptqToExl2(Converter):
             layer_issues_or_raise(layer, report)
             rep.source_plan = layer.plan()
             tensors, ref, br = gptq_layer_to_exl2(layer, bits, gs)
-            from ..layers import layer_from_tensors
+            from ..formats import layer_from_tensors
 
             got = layer_from_tensors(key, tensors, fmt=Format.EXL2, out_features=N)
             rep.target_plan = got.plan()
@@ -256,7 +256,7 @@ class GptqToExl2(Converter):
             return {f"{key}.{n}": tensors[n] for n in [o.name.rsplit(".", 1)[1] for o in outs]}
 
         def verify(dst: SourceReader):
-            from ..layers import layer_from_tensors
+            from ..formats import layer_from_tensors
 
             t = {o.name.rsplit(".", 1)[1]: dst.read(o.name) for o in outs}
             got_layer = layer_from_tensors(key, t, fmt=Format.EXL2, out_features=N)
@@ -292,7 +292,7 @@ class GptqToExl2(Converter):
         head = self.detection.layers.get("lm_head")
         qc = {"quant_method": "exl2", "version": f"exl2fmt {__version__}",
               "bits": round(bpw, 4) if bpw is not None else None,
-              "head_bits": 16 if head is None or head.format is ModelFormat.DENSE else (self.options.bits or head.bits),
+              "head_bits": 16 if head is None or head.format is Format.DENSE else (self.options.bits or head.bits),
               "calibration": {"rows": 0, "length": 0, "dataset": "(none: converted from GPTQ by exl2fmt)"}}
         cfg["quantization_config"] = qc
         cfg["torch_dtype"] = "float16"

@@ -29,7 +29,7 @@ import copy
 
 import numpy as np
 
-from ..detect import ModelFormat
+from ..layout import Format
 from ..errors import ErrorCode, Exl2Error
 from .registry import register
 from .slots import BIAS, WEIGHT
@@ -55,13 +55,13 @@ class QuantToDense(Converter):
 
     def plan(self) -> list[Unit]:
         st = self._dtype()
-        quant = {ModelFormat.EXL2, ModelFormat.GPTQ}
+        quant = {Format.EXL2, Format.GPTQ}
         units: list[Unit] = []
         layer_units = []
         for key, info in self.detection.layers.items():
             if info.format in quant:
                 layer_units.append(self._layer_unit(info, st))
-            elif info.format is not ModelFormat.DENSE:
+            elif info.format is not Format.DENSE:
                 raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot be dequantized",
                                 tensor=key)
         handled = {u.key for u in layer_units}
@@ -75,7 +75,7 @@ class QuantToDense(Converter):
         from ..arch import expected_features
         from ..layout import pad32
 
-        if info.format is ModelFormat.EXL2:
+        if info.format is Format.EXL2:
             n_pad = info.out_features
             n = expected_features(self.config, info.key)[1]
             if n is not None and pad32(n) == n_pad:
@@ -157,7 +157,7 @@ class QuantToDense(Converter):
         if "dtype" in cfg:
             cfg["dtype"] = _TORCH[self.target]
         head = self.detection.layers.get("lm_head")
-        if (head is not None and head.format is ModelFormat.EXL2 and cfg.get("tie_word_embeddings") is True):
+        if (head is not None and head.format is Format.EXL2 and cfg.get("tie_word_embeddings") is True):
             cfg["tie_word_embeddings"] = False
             changes.append("tie_word_embeddings = false (the EXL2 head is its own quantized copy, written as "
                            "lm_head.weight)")

@@ -51,9 +51,9 @@ _LAZY = {
     "load_layer": ("exl2fmt.model", "load_layer"),
     "find_layers": ("exl2fmt.model", "find_layers"),
     "open_model": ("exl2fmt.container", "open_model"),
-    "Exl2Linear": ("exl2fmt.layers", "Exl2Linear"),
-    "GptqLinear": ("exl2fmt.layers", "GptqLinear"),
-    "DenseLinear": ("exl2fmt.layers", "DenseLinear"),
+    "Exl2Linear": ("exl2fmt.formats", "Exl2Linear"),
+    "GptqLinear": ("exl2fmt.formats", "GptqLinear"),
+    "DenseLinear": ("exl2fmt.formats", "DenseLinear"),
     "Format": ("exl2fmt.layout", "Format"),
 }
 

@@ -33,7 +33,7 @@ from .errors import ErrorCode, Issue
 from .layout import (DETECTION_ORDER, SLOT_NAMES, AwqSlot, Exl2Slot, Exl3Slot, Format, GptqSlot, marker_slot,
                      slot_names)
 
-__all__ = ["Verdict", "ModelFormat", "LayerInfo", "Detection", "detect_layers", "detect_model",
+__all__ = ["Verdict", "LayerInfo", "Detection", "detect_layers", "detect_model",
            "config_quant_method", "FORMAT_TITLES", "quantization_config", "layer_candidates", "NOT_LINEAR",
            "QUANTIZED_FORMATS"]
 
@@ -49,15 +49,6 @@ class Verdict(str, enum.Enum):
     """No linear layer found."""
 
     __hash__ = str.__hash__
-
-
-class ModelFormat:
-    """Not an enum: the members a model's format can take, ``Format``'s and ``Verdict``'s, under the old name
-    (``ModelFormat.EXL2 is Format.EXL2``).  Kept while validate.py, hub.py and the converters, being rewritten
-    in parallel, still name it; new code uses ``Format`` / ``Verdict``."""
-
-    EXL2, GPTQ, AWQ, EXL3, DENSE = Format.EXL2, Format.GPTQ, Format.AWQ, Format.EXL3, Format.DENSE
-    GGUF, MIXED, UNKNOWN = Verdict.GGUF, Verdict.MIXED, Verdict.UNKNOWN
 
 
 FORMAT_TITLES = {

@@ -745,7 +745,8 @@ def reference_shape_checks(rep, path: str | os.PathLike, uri: str, *, revision: 
     out padded to 32), every other tensor's shape, and the architecture fields of config.json.  Adds
     ``reference`` checks to the validate ``Report`` ``rep``; returns the snapshot's ``hub`` dict."""
     from .container import open_model
-    from .detect import ModelFormat, detect_model
+    from .detect import detect_model
+    from .layout import Format
     from .layout import pad32
     from .validate import CheckId, PassCode, Status
 
@@ -783,13 +784,13 @@ def reference_shape_checks(rep, path: str | os.PathLike, uri: str, *, revision: 
                 if len(w.shape) != 2 or K is None or N is None:
                     continue
                 rn, rk = w.shape
-                ok = rk == K and (rn == N or (info.format is ModelFormat.EXL2 and pad32(rn) == N))
+                ok = rk == K and (rn == N or (info.format is Format.EXL2 and pad32(rn) == N))
                 if ok:
                     n_ok += 1
                 else:
                     bad += 1
                     rep.add(CheckId.REFERENCE, Status.FAIL, ErrorCode.REFERENCE_MISMATCH, f"{info.format.value} "
-                            f"layer is {N} x {K} (out x in{', out padded to 32' if info.format is ModelFormat.EXL2 else ''}"
+                            f"layer is {N} x {K} (out x in{', out padded to 32' if info.format is Format.EXL2 else ''}"
                             f") but the reference's {key}.weight is {rn} x {rk} ({sfile(w)})", tensor=key,
                             file=str(next(iter(info.slots.values())).file))
             for name, t in model.tensors.items():

@@ -77,7 +77,7 @@ def _load(instrument: bool = False) -> None:
         import exl2fmt.layout  # noqa: F401
         from exl2fmt.container import open_model, parse_header
         from exl2fmt.errors import ErrorCode, Exl2Error, Issue, Severity
-        from exl2fmt.layers import layer_from_tensors
+        from exl2fmt.formats import layer_from_tensors
         from exl2fmt.model import find_layers, load_layer
     import numpy as np
 
@@ -286,7 +286,7 @@ def builtin_seeds() -> list[bytes]:
     np = _M["np"]
     from exl2fmt.codec.gptq import pack_qweight, pack_qzeros
     from exl2fmt.container import serialize
-    from exl2fmt.writer import exl2_tensors
+    from exl2fmt.formats.exl2 import exl2_tensors
 
     K, N = 128, 40
     bits_rows = [(8, 32), (4, 64), (2, 32)]

@@ -38,7 +38,7 @@ TIERS: list[tuple[str, tuple[str, ...]]] = [
               "exl2fmt.extras", "exl2fmt.jitnote", "exl2fmt.outputs")),
     # one module per storage format, the layer loader, the kernels, and the forward engine the quantizer's
     # calibration and validate --run both drive (it reads weights through the core only)
-    ("formats", ("exl2fmt.layers", "exl2fmt.writer", "exl2fmt.formats", "exl2fmt.model", "exl2fmt.kernels",
+    ("formats", ("exl2fmt.formats", "exl2fmt.model", "exl2fmt.kernels",
                  "exl2fmt.quant.forward")),
     ("checks", ("exl2fmt.inspect", "exl2fmt.validate", "exl2fmt.hub", "exl2fmt.modelcard", "exl2fmt.sample")),
     ("converters/quant", ("exl2fmt.converters", "exl2fmt.quant")),

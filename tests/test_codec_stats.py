@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from exl2fmt.codec import oracle
 from exl2fmt.codec.exl2_stats import layer_stats
 from exl2fmt.groups import group_table_from_rows
-from exl2fmt.writer import exl2_tensors
+from exl2fmt.formats.exl2 import exl2_tensors
 
 
 def _layer(plan, n_pad, seed, qsm_hi=0.2):

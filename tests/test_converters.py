@@ -25,7 +25,7 @@ from exl2fmt.codec import oracle
 from exl2fmt.container import open_model, write_sharded
 from exl2fmt.converters import convert, get, registered
 from exl2fmt.sample import SAMPLE_CONFIG, T, sample_dense_tensors, write_sample
-from exl2fmt.writer import quantize_rtn
+from exl2fmt.formats.exl2 import quantize_rtn
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")

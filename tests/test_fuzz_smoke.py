@@ -118,7 +118,7 @@ def test_byte_mutations_do_reach_the_parser_errors():
 
 def test_harness_lets_other_exceptions_through(target, monkeypatch):
     """A planted bug (a validator raising ValueError) escapes the target: the fuzzer would report it."""
-    from exl2fmt import layers
+    from exl2fmt import formats as layers
 
     def broken(self, deep=False):
         raise ValueError("planted")
@@ -132,7 +132,7 @@ def test_harness_checks_the_dequantize_contract(target, monkeypatch, strict):
     """A layer that validates clean must dequantize to fp16 [out_features, in_features]."""
     import numpy as np
 
-    from exl2fmt import layers
+    from exl2fmt import formats as layers
 
     monkeypatch.setattr(layers.DenseLinear, "dequantize", lambda self: np.zeros((1, 1), np.float32))
     with pytest.raises(F.FuzzInvariantError, match="dequantize"):

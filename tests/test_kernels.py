@@ -32,9 +32,9 @@ from conftest import F16_SPECIAL_POSITIVE, f16_bits, random_codes, random_f16  #
 from exl2fmt.codec import exl2 as ref  # noqa: E402
 from exl2fmt.groups import group_table_from_rows  # noqa: E402
 from exl2fmt.kernels import load_triton  # noqa: E402
-from exl2fmt.layers import layer_from_tensors  # noqa: E402
+from exl2fmt.formats import layer_from_tensors  # noqa: E402
 from exl2fmt.layout import BIT_WIDTHS, EXL2_BITS, pad32  # noqa: E402
-from exl2fmt.writer import exl2_tensors  # noqa: E402
+from exl2fmt.formats.exl2 import exl2_tensors  # noqa: E402
 
 DEVICE = os.environ.get("EXL2FMT_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.startswith("cuda") and not torch.cuda.is_available():
@@ -300,7 +300,7 @@ def test_matmul_leading_dims_and_strides():
 
 
 def test_exl2_linear_from_layer_object():
-    """The convenience path from an exl2fmt.layers.Exl2Linear (I16 q_invperm read as uint16, bias from the
+    """The convenience path from an exl2fmt.formats.Exl2Linear (I16 q_invperm read as uint16, bias from the
     file, out_features from the hint) against the layer's own dequantize()."""
     rng = np.random.default_rng(31)
     t = make_layer(rng, MIXED, N_ODD, bias=True)

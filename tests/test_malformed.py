@@ -22,7 +22,7 @@ import pytest
 
 from exl2fmt.container import open_model, parse_header, read_header
 from exl2fmt.errors import Category, ErrorCode, Exl2Error, Issue, Severity, escape_name
-from exl2fmt.layers import layer_from_tensors
+from exl2fmt.formats import layer_from_tensors
 from exl2fmt.model import load_layer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,12 +19,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from exl2fmt.errors import ErrorCode, Exl2Error  # noqa: E402
-from exl2fmt.layers import layer_from_tensors  # noqa: E402
+from exl2fmt.formats import layer_from_tensors  # noqa: E402
 from exl2fmt.layout import BIT_WIDTHS, Tier, plan_rows  # noqa: E402
 from exl2fmt.quant import qparams as QP  # noqa: E402
 from exl2fmt.quant.gptq import HessianAccumulator, prepare, proxy_error, quantize_exl2, quantize_gptq  # noqa: E402
 from exl2fmt.quant.solver import solve  # noqa: E402
-from exl2fmt.writer import find_scales, quantize_rtn  # noqa: E402
+from exl2fmt.formats.exl2 import find_scales, quantize_rtn  # noqa: E402
 
 
 def _correlated(K, rows=2048, seed=0):

@@ -59,12 +59,12 @@ def deep_pass(rep: Report, model, det, loaded: dict, reference, progress) -> Non
     """The data pass of ``deep=True`` (and ``reference``) over the layers ``loaded`` by the structural checks."""
     # tensors not belonging to a layer that was checked in depth: scan every float tensor for NaN/Inf
     # (the float tensors of EXL2 / GPTQ / dense layers are checked by the layers' own deep validation)
-    from ..detect import ModelFormat
+    from ..layout import Format
     from ..inspect import layer_order_key
 
     in_layers = set()
     for info in det.layers.values():
-        if info.format in (ModelFormat.EXL2, ModelFormat.GPTQ, ModelFormat.DENSE):
+        if info.format in (Format.EXL2, Format.GPTQ, Format.DENSE):
             in_layers.update(t.name for t in info.slots.values())
     floats = [t for n, t in model.tensors.items() if n not in in_layers and t.dtype in ("F16", "BF16", "F32", "F64")]
     layer_bytes = {k: det.layers[k].stored_bytes for k in loaded}

@@ -90,7 +90,7 @@ def check_ms(ms) -> tuple[int, ...]:
 def _kernel_layer(ks: KernelSetup, layer, ms: tuple[int, ...], seed: int) -> dict:
     """One EXL2 or GPTQ layer through the kernels against the Numba reference (``exl2fmt.kernels``'
     ``check_layer`` / ``check_gptq_layer``)."""
-    from ..layers import GptqLinear
+    from ..formats import GptqLinear
 
     check = ks.module.check_gptq_layer if isinstance(layer, GptqLinear) else ks.module.check_layer
     return check(layer, ks.device, ms=ms, seed=seed)
@@ -103,7 +103,7 @@ _KERNEL_GPTQ_BITS = (2, 4, 8)
 def kernel_pass(rep: Report, det, loaded: dict, deep: bool, ks: KernelSetup, progress) -> None:
     """Every EXL2 layer, and every 2/4/8-bit GPTQ layer, that passed the structural checks through the kernels
     (``exl2fmt.validate``'s docstring)."""
-    from ..detect import ModelFormat
+    from ..layout import Format
     from ..inspect import layer_order_key
 
     ms = tuple(rep.kernel["ms"])
@@ -111,17 +111,17 @@ def kernel_pass(rep: Report, det, loaded: dict, deep: bool, ks: KernelSetup, pro
 
     def runnable(k) -> bool:
         f = det.layers[k].format
-        return f is ModelFormat.EXL2 or (f is ModelFormat.GPTQ and k in loaded and
+        return f is Format.EXL2 or (f is Format.GPTQ and k in loaded and
                                          getattr(loaded[k], "bits", None) in _KERNEL_GPTQ_BITS)
 
     order = [k for k in sorted(loaded, key=layer_order_key) if runnable(k)]
-    n_quant = sum(1 for k, l in det.layers.items() if l.format is ModelFormat.EXL2 or
-                  (l.format is ModelFormat.GPTQ and (k not in loaded or runnable(k))))
+    n_quant = sum(1 for k, l in det.layers.items() if l.format is Format.EXL2 or
+                  (l.format is Format.GPTQ and (k not in loaded or runnable(k))))
     other: dict[str, int] = {}
     for k in loaded:
         f = det.layers[k].format
-        if f is not ModelFormat.DENSE and not runnable(k):
-            name = f"{loaded[k].bits}-bit gptq" if f is ModelFormat.GPTQ else f.value
+        if f is not Format.DENSE and not runnable(k):
+            name = f"{loaded[k].bits}-bit gptq" if f is Format.GPTQ else f.value
             other[name] = other.get(name, 0) + 1
     for f, n in sorted(other.items()):
         rep.add(CheckId.KERNEL, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED, f"{n} {f} layer(s) not run: --kernel "

@@ -20,7 +20,8 @@ def compare_with_oracle(path: str | os.PathLike, keys: list[str] | None = None) 
 
     from ..codec import oracle
     from ..container import open_model
-    from ..detect import ModelFormat, detect_layers
+    from ..detect import detect_layers
+    from ..layout import Format
     from ..inspect import layer_order_key
     from ..layout import Exl2Slot
     from ..model import load_layer
@@ -29,7 +30,7 @@ def compare_with_oracle(path: str | os.PathLike, keys: list[str] | None = None) 
     rows = []
     try:
         layers = detect_layers(model.tensors)
-        todo = [k for k, l in layers.items() if l.format is ModelFormat.EXL2] if keys is None else list(keys)
+        todo = [k for k, l in layers.items() if l.format is Format.EXL2] if keys is None else list(keys)
         for key in sorted(todo, key=layer_order_key):
             layer = load_layer(model, key)
             t0 = time.perf_counter()

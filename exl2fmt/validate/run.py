@@ -441,7 +441,6 @@ def run_preflight(model, prompt_ids) -> dict:
 def _run_inputs(rep: Report, model, det, loaded: dict, deep: bool, spec) -> dict | None:
     """The layer objects the forward substitutes (EXL2 and GPTQ), after checking that every tensor it reads is
     present with the shape config.json implies; None (and FAIL checks) when the forward cannot run."""
-    from ..detect import ModelFormat
     from ..layout import Format, marker_slot
 
     linear_keys = {spec.linear_key(i, n) for i in range(spec.num_layers)
@@ -453,7 +452,7 @@ def _run_inputs(rep: Report, model, det, loaded: dict, deep: bool, spec) -> dict
         key = name[: -len(wsuf)] if name.endswith(wsuf) else None
         if key in linear_keys and key in det.layers:
             info = det.layers[key]
-            if info.format in (ModelFormat.EXL2, ModelFormat.GPTQ):
+            if info.format in (Format.EXL2, Format.GPTQ):
                 layer = loaded.get(key)
                 if layer is None:
                     problems.append((ErrorCode.LAYER_NOT_FOUND, "the forward needs this layer and it failed the "
@@ -465,7 +464,7 @@ def _run_inputs(rep: Report, model, det, loaded: dict, deep: bool, spec) -> dict
                     continue
                 quant[key] = layer
                 continue
-            if info.format is not ModelFormat.DENSE:
+            if info.format is not Format.DENSE:
                 problems.append((ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot run in the "
                                  "forward (exl2fmt decodes EXL2, GPTQ and dense layers)", key))
                 continue
@@ -476,7 +475,7 @@ def _run_inputs(rep: Report, model, det, loaded: dict, deep: bool, spec) -> dict
                              f"{list(model.info(name).shape)}", name))
     head = loaded.get("lm_head")
     if "lm_head" not in quant and head is not None and det.layers["lm_head"].format in (
-            ModelFormat.EXL2, ModelFormat.GPTQ) and (int(head.out_features), int(head.in_features)) == (
+            Format.EXL2, Format.GPTQ) and (int(head.out_features), int(head.in_features)) == (
             spec.vocab_size, spec.hidden_size):
         quant["lm_head"] = head  # tied embeddings but a quantized head stored: run the head that ships
     for key, layer in quant.items():

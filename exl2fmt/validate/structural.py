@@ -32,7 +32,8 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
 
     Returns ``(det, loaded)``: the ``detect_model`` result and {layer key: layer object} of the EXL2 / GPTQ /
     dense layers that passed (what the data passes run on)."""
-    from ..detect import ModelFormat, detect_model
+    from ..detect import Verdict, detect_model
+    from ..layout import Format
     from ..formats import build_layer
     from ..inspect import layer_order_key
     from ..layout import Exl2Slot, Exl3Slot, GptqSlot
@@ -99,19 +100,19 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
     rep.format = det.format.value
     for i in det.issues:
         rep.add_issue(CheckId.FORMAT, i)
-    if det.format is ModelFormat.UNKNOWN:
+    if det.format is Verdict.UNKNOWN:
         rep.add(CheckId.FORMAT, Status.WARN, ErrorCode.FORMAT_UNKNOWN,
                 f"no linear layer of a known format ({Exl2Slot.Q_WEIGHT}, {GptqSlot.QWEIGHT}, {Exl3Slot.TRELLIS} or "
                 "a 2-D weight) found",
                 file=first_file)
-    elif det.format is ModelFormat.EXL3:
+    elif det.format is Format.EXL3:
         rep.add(CheckId.FORMAT, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED,
                 f"EXL3 model ({len(det.layers)} layers): recognised, but exl2fmt does not check EXL3 layers",
                 file=first_file)
     elif not det.issues:
         rep.ok(CheckId.FORMAT, PassCode.FORMAT_OK, f"{det.label}: {len(det.layers)} linear layers, one format each",
                count=len(det.layers))
-    if deep and any(l.format is ModelFormat.AWQ for l in det.layers.values()):
+    if deep and any(l.format is Format.AWQ for l in det.layers.values()):
         rep.add(CheckId.FORMAT, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED,
                 "AWQ layers are checked for shapes only: exl2fmt does not decode AWQ data", file=first_file)
 
@@ -133,14 +134,14 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
     for key in sorted(det.layers, key=layer_order_key):
         info = det.layers[key]
         fmt = info.format
-        if fmt is ModelFormat.EXL3:
+        if fmt is Format.EXL3:
             continue
         layer = None
         if info.marker not in info.slots:
             issues = [Issue(ErrorCode.SLOT_MISSING, f"required {fmt.value} tensor '{info.marker}' is missing (the "
                             f"layer's other tensors are present)", tensor=f"{key}.{info.marker}",
                             file=next(iter(info.slots.values())).file)]
-        elif fmt is ModelFormat.AWQ:
+        elif fmt is Format.AWQ:
             issues = awq_issues(info, first_file)
         else:
             try:
@@ -149,7 +150,7 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
                 issues = layer.validate(deep=deep)
             except Exl2Error as e:
                 issues, layer = [e.as_issue()], None
-            if layer is not None and fmt is ModelFormat.GPTQ and not any(
+            if layer is not None and fmt is Format.GPTQ and not any(
                     i.severity is Severity.ERROR for i in issues) and gc.group_size is not None:
                 want_g = 1 if gc.group_size == -1 else math.ceil(layer.K / gc.group_size)
                 if layer.G != want_g:
@@ -172,18 +173,18 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
         if "gptq" in passed:
             rules += ", GPTQ bits and groups" + (f", {GptqSlot.G_IDX} range, v1 zeros" if deep else "")
         rep.ok(CheckId.LAYERS, PassCode.LAYERS_OK, f"{what} layer(s) valid ({rules})", count=sum(passed.values()))
-    if (not deep and det.format is ModelFormat.GPTQ and det.variant.get("sym") is False
+    if (not deep and det.format is Format.GPTQ and det.variant.get("sym") is False
             and det.variant.get("version") == 1):
         rep.add(CheckId.LAYERS, Status.WARN, ErrorCode.GPTQ_ZEROS_AMBIGUOUS, "asymmetric GPTQ in the v1 zero "
                 "convention: a zero field of 2**bits-1 is read differently by different tools (--deep counts them)",
                 file=first_file)
 
     # --- bits -------------------------------------------------------------------------------------------
-    if det.format is ModelFormat.EXL2:
+    if det.format is Format.EXL2:
         target = det.variant.get("target_bits")
         from ..inspect import block_of
 
-        dec = [l for l in det.layers.values() if l.format is ModelFormat.EXL2 and block_of(l.key) is not None
+        dec = [l for l in det.layers.values() if l.format is Format.EXL2 and block_of(l.key) is not None
                and l.in_features and l.out_features]
         numel = sum(l.in_features * l.out_features + (l.out_features if l.has_bias else 0) for l in dec)
         if target is not None and numel:

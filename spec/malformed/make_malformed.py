@@ -13,7 +13,7 @@ Three kinds of samples:
 * **container samples** (``*.safetensors`` whose header breaks a rule, and a ``.bin`` file): hand-built
   bytes - ``struct.pack("<Q", n)`` and JSON text written out literally below - so that the catalogue does
   not depend on exl2fmt's own writer being right;
-* **layer samples** (``exl2_*``, ``gptq_*``, ``dense_*``): a valid layer built with ``exl2fmt.writer`` /
+* **layer samples** (``exl2_*``, ``gptq_*``, ``dense_*``): a valid layer built with ``exl2fmt.formats.exl2`` /
   ``exl2fmt.codec`` with exactly one thing corrupted, written with ``exl2fmt.container.write_safetensors``
   (the container is valid; the layer validators must find the problem);
 * **model directories** (``dir_*``): shards hand-built like the container samples, plus an index and/or
@@ -232,8 +232,8 @@ BASE_N = 32
 
 
 def exl2_base(bits_rows=BASE_GROUPS, n_pad: int = BASE_N, seed: int = 1, bias: bool = False) -> dict[str, np.ndarray]:
-    """Slot name -> array of a valid EXL2 layer (exl2fmt.writer.exl2_tensors from fixed codes)."""
-    from exl2fmt.writer import exl2_tensors
+    """Slot name -> array of a valid EXL2 layer (exl2fmt.formats.exl2.exl2_tensors from fixed codes)."""
+    from exl2fmt.formats.exl2 import exl2_tensors
 
     K = sum(r for _, r in bits_rows)
     codes = np.concatenate([_ints(r * n_pad, 0, (1 << b) - 1, seed + 10 * g).reshape(r, n_pad)
@@ -511,7 +511,7 @@ files, runs every sample through the library (`open_model`, `index_issues()`, `c
 
 How the samples are made: container samples are hand-built bytes (`struct.pack` + literal JSON text), so
 they do not depend on exl2fmt's writer; layer samples start from a valid layer built with
-`exl2fmt.writer.exl2_tensors` / `exl2fmt.codec.gptq` (checked valid by the tests) with exactly one thing
+`exl2fmt.formats.exl2.exl2_tensors` / `exl2fmt.codec.gptq` (checked valid by the tests) with exactly one thing
 corrupted, written with `exl2fmt.container.write_safetensors`; model directories combine hand-built shards
 with a broken index or `config.json`.
 
