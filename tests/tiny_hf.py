@@ -95,7 +95,9 @@ def make_tiny(arch: str, dst: Path, dtype: str = "float16", tokenizer: str | Non
 
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    cfg = config_class(arch)(**{**_base(arch), **config})
+    import copy
+
+    cfg = config_class(arch)(**{**_base(arch), **copy.deepcopy(config)})  # config classes edit nested dicts
     cfg.torch_dtype = dtype
     cfg.architectures = [{"gemma3_text": "Gemma3ForCausalLM"}.get(arch, cfg.__class__.__name__.replace(
         "Config", "ForCausalLM"))]
