@@ -34,6 +34,8 @@ from pathlib import Path
 __all__ = ["add_tokenizer", "rebuild_tokenizer", "rebuild_sentencepiece", "PRE_PATTERNS"]
 
 _MAX_TOKENIZER_BYTES = 512 << 20
+#: bound on sum(len(token) ** 2) for rebuilding a SentencePiece vocabulary (Gemma's 256k tokens: ~10^7)
+_MAX_MERGE_WORK = 1 << 28
 
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
            r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -417,6 +419,11 @@ def rebuild_sentencepiece(reader, warnings: list[str]) -> dict[str, str]:
     if not tokens or scores is None or types is None or not len(tokens) == len(scores) == len(types):
         warnings.append("tokenizer: the SentencePiece vocabulary needs tokenizer.ggml.tokens, scores and token_type "
                         "of one length; no tokenizer files written")
+        return {}
+    if not all(isinstance(t, str) for t in tokens) or sum(len(t) ** 2 for t in tokens) > _MAX_MERGE_WORK:
+        # recovering merges tries every split of every token: work grows with the square of a token's length
+        warnings.append("tokenizer: the SentencePiece tokens are too long to recover merges from (sum of squared "
+                        f"lengths above {_MAX_MERGE_WORK}); no tokenizer files written")
         return {}
     try:
         from tokenizers import decoders, pre_tokenizers

@@ -369,3 +369,27 @@ def test_goldens_are_small_and_listed():
         assert hashlib.sha256((GOLD / name).read_bytes()).hexdigest() == m["sha256"], name
         assert len(m["llama_cpp_commit"]) == 40 and m["command"].startswith("python convert_hf_to_gguf.py")
     assert sum((GOLD / n).stat().st_size for n in files) < 5_000_000
+
+
+def test_sentencepiece_rebuild_bounds_its_work(tmp_path):
+    """A GGUF whose SentencePiece tokens are huge is not handed to the merge recovery (quadratic in a token's
+    length): a warning and no tokenizer files, quickly, instead of minutes of work."""
+    import time
+
+    from exl2fmt.converters.gguf_vocab import rebuild_sentencepiece
+
+    p = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    toks = ["<unk>", "<s>", "</s>", "a" * 20000]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(toks)
+    w.add_token_scores([0.0] * 4)
+    w.add_token_types([2, 3, 3, 1])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    warnings: list[str] = []
+    t0 = time.perf_counter()
+    assert rebuild_sentencepiece(gguf.GGUFReader(str(p)), warnings) == {}
+    assert time.perf_counter() - t0 < 2 and "too long to recover merges" in warnings[0]
