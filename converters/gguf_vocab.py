@@ -462,7 +462,9 @@ def rebuild_sentencepiece(reader, warnings: list[str]) -> dict[str, str]:
     tc: dict = {"tokenizer_class": cls, "add_bos_token": flags["bos"], "add_eos_token": flags["eos"],
                 "clean_up_tokenization_spaces": False}
     if cls == "LlamaTokenizer":
-        tc.update(legacy=False, add_prefix_space=prefix is not False)
+        tc["legacy"] = False
+        if prefix is False:  # only then: transformers 4's LlamaTokenizerFast rebuilds from tokenizer.model when set
+            tc["add_prefix_space"] = False
     special_map: dict = {}
     for typ in ("bos", "eos", "unk", "pad"):
         tc[f"{typ}_token"] = tokens[ids[typ]] if typ in ids else None

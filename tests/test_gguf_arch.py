@@ -5,7 +5,8 @@ Oracles:
   command in MANIFEST.json / README.md there) from ``tiny_hf.make_tiny`` models; ours must have the same
   metadata keys, value types and values (except our two provenance keys), the same tensors in the same order,
   the same ggml types, shapes and data bytes (``gguf_diff``, read with ``gguf.GGUFReader`` only);
-* transformers' tokenizer on the source directory for the rebuilt tokenizer's ids (BOS/EOS included);
+* transformers' tokenizer on the source directory for the rebuilt tokenizer's ids (BOS/EOS included), and
+  sentencepiece itself on the source's ``tokenizer.model`` for SentencePiece vocabularies;
 * the source safetensors for the f16 round trip HF -> GGUF -> HF (bit for bit).
 """
 
@@ -393,3 +394,37 @@ def test_sentencepiece_rebuild_bounds_its_work(tmp_path):
     t0 = time.perf_counter()
     assert rebuild_sentencepiece(gguf.GGUFReader(str(p)), warnings) == {}
     assert time.perf_counter() - t0 < 2 and "too long to recover merges" in warnings[0]
+
+
+def test_llama_layout_without_space_prefix(tiny, tmp_path):
+    """transformers' Llama builder always prepends the SentencePiece space; a llama-architecture GGUF that says
+    ``add_space_prefix = false`` is rebuilt without it, as llama.cpp tokenizes it (oracle: sentencepiece on a
+    model trained without the dummy prefix)."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    from exl2fmt.converters.gguf_vocab import rebuild_sentencepiece, spm_vocab
+
+    src = tiny(MANIFEST["gemma3_text-sp-q8_0.gguf"])  # its tokenizer.model has add_dummy_prefix false
+    tokens, scores, types = spm_vocab(src, 384)
+    p = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_add_space_prefix(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    warnings: list[str] = []
+    files = rebuild_sentencepiece(gguf.GGUFReader(str(p)), warnings)
+    assert not warnings and json.loads(files["tokenizer_config.json"])["add_prefix_space"] is False
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    b = AutoTokenizer.from_pretrained(tmp_path)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
+    for t in ("Hello world, the quick brown fox.", "new\tline\n\nx  two  spaces"):
+        assert b(t)["input_ids"] == [2] + sp.encode(t), t
