@@ -6,7 +6,7 @@ transformers 4.57 and the gguf-py of the same llama.cpp checkout)::
     python bench/gguf_goldens.py --llama-cpp /path/to/llama.cpp --python /path/to/scratch-venv/bin/python \
         [--arch llama,qwen2] [--types f16,bf16,q8_0]
 
-Per (architecture, type) it builds ``tests/tiny_hf.make_tiny(arch)`` in a temporary directory named
+Per (architecture or ``VARIANTS`` entry, type) it builds ``tests/tiny_hf.make_tiny(arch)`` in a temporary directory named
 ``tiny-<arch>`` (the directory name is what llama.cpp derives ``general.name`` from), runs
 ``convert_hf_to_gguf.py DIR --outtype T --outfile spec/vectors/gguf/<arch>-<T>.gguf`` and records the command,
 the llama.cpp commit and sha256 in ``spec/vectors/gguf/MANIFEST.json``.
@@ -39,6 +39,17 @@ ARCHS = {"llama": "spm", "mistral": "spm", "qwen2": "bpe", "qwen3": "bpe", "gemm
          "cohere": "bpe", "starcoder2": "bpe", "phi3": "spm"}
 DEFAULT_TYPES = {"llama": ("f16", "bf16", "q8_0"), "qwen2": ("f16", "bf16"), "gemma": ("f16", "q8_0"),
                  "qwen2_moe": ("f16", "q8_0")}
+#: Phi-3 long-rope factors of the ``phi3-longrope`` variant (8 = head_dim / 2 each)
+LONGROPE = {"original_max_position_embeddings": 64,
+            "rope_scaling": {"rope_type": "longrope", "type": "longrope",
+                             "long_factor": [1.0 + 0.37 * i for i in range(8)],
+                             "short_factor": [1.0 + 0.013 * i for i in range(8)]}}
+#: variant -> (architecture, tokenizer, config overrides, types): sources other than an architecture's default
+#: tiny model (``<variant>-<type>.gguf``; the model directory is still ``tiny-<arch>``): real SentencePiece
+#: vocabularies of the Llama 2 and Gemma layouts (tests/tiny_hf.write_sp_tokenizer) and Phi-3 long-rope
+VARIANTS = {"llama-sp": ("llama", "sp-llama2", {}, ("q8_0",)),
+            "gemma3_text-sp": ("gemma3_text", "sp-gemma", {}, ("q8_0",)),
+            "phi3-longrope": ("phi3", "spm", LONGROPE, ("q8_0",))}
 
 _RUNNER = r"""
 import runpy, sys
@@ -62,7 +73,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp checkout (convert_hf_to_gguf.py)")
     ap.add_argument("--python", required=True, help="interpreter with transformers 4.57 for the converter")
-    ap.add_argument("--arch", default=",".join(ARCHS))
+    ap.add_argument("--arch", default=",".join(ARCHS), help="architectures and/or variants (" +
+                    ", ".join(VARIANTS) + ")")
     ap.add_argument("--types", default=None, help="comma list; default f16 (and bf16,q8_0 for llama)")
     a = ap.parse_args(argv)
     conv = a.llama_cpp / "convert_hf_to_gguf.py"
@@ -72,26 +84,30 @@ def main(argv=None) -> int:
     man_p = OUT / "MANIFEST.json"
     manifest = json.loads(man_p.read_text()) if man_p.is_file() else {}
     with tempfile.TemporaryDirectory() as td:
-        for arch in a.arch.split(","):
-            tok = ARCHS[arch]
-            src = make_tiny(arch, Path(td) / model_name(arch), tokenizer=tok)
+        for name in a.arch.split(","):
+            arch, tok, over, vtypes = VARIANTS.get(name) or (name, ARCHS[name], {}, DEFAULT_TYPES.get(name, ("f16",)))
+            d = Path(td) / name / model_name(arch)
+            src = make_tiny(arch, d, tokenizer=tok, **over)
             pre = "qwen2" if tok == "bpe" else None
             runner = Path(td) / "run_converter.py"
             runner.write_text(_RUNNER.format(pre=pre))
-            types = a.types.split(",") if a.types else DEFAULT_TYPES.get(arch, ("f16",))
+            types = a.types.split(",") if a.types else vtypes
             for t in types:
-                dst = OUT / f"{arch}-{t}.gguf"
+                dst = OUT / f"{name}-{t}.gguf"
                 cmd = [a.python, str(runner), str(conv), "--", str(src), "--outtype", t, "--outfile", str(dst)]
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 if r.returncode:
                     print(f"{arch} {t}: FAILED\n{r.stderr[-3000:]}")
                     continue
+                extra = "".join(f", {k}={v!r}" for k, v in over.items())
                 manifest[dst.name] = {
                     "arch": arch, "type": t, "tokenizer": tok, "source": f"tests/tiny_hf.make_tiny({arch!r}, "
-                    f"'{model_name(arch)}', tokenizer={tok!r})",
+                    f"'{model_name(arch)}', tokenizer={tok!r}{extra})",
                     "command": f"python convert_hf_to_gguf.py {model_name(arch)} --outtype {t} --outfile {dst.name}",
                     "llama_cpp_commit": commit, "pre_override": pre,
                     "sha256": hashlib.sha256(dst.read_bytes()).hexdigest(), "bytes": dst.stat().st_size}
+                if over:
+                    manifest[dst.name]["config"] = over
                 print(f"{arch} {t}: {dst.stat().st_size} bytes")
     man_p.write_text(json.dumps(dict(sorted(manifest.items())), indent=2) + "\n")
     return 0

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 __all__ = ["ArchSpec", "SPECS", "spec_for_model_type", "spec_for_gguf_arch", "write_common_hparams",
-           "find_hparam"]
+           "find_hparam", "phi3_rope_factors", "ROPE_FACTOR_TENSORS", "phi3_longrope_back"]
 
 
 def find_hparam(cfg: dict, keys, default=None):
@@ -277,10 +277,70 @@ def _starcoder2_back(get, cfg: dict) -> None:
     cfg["hidden_act"] = "gelu_pytorch_tanh"
 
 
+#: the 1-D F32 tensors llama.cpp's Phi-3 converter writes for long-rope models (gguf MODEL_TENSOR.ROPE_FACTORS_*)
+ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def phi3_rope_factors(cfg: dict, file: str | None = None):
+    """``(attn_factor, long, short)`` for a Phi-3 config with long-rope factors (``long``/``short``: float32
+    arrays of ``rope_dims / 2``), None without ``long_factor``; conversion/phi.py
+    ``Phi3MiniModel.generate_extra_tensors``: ``scale = max_position_embeddings / original_max_position_embeddings``,
+    attention factor ``sqrt(1 + ln(scale) / ln(original))`` for ``su``/``longrope`` (``0.1 ln(scale) + 1`` for
+    ``yarn``; 1 when ``scale <= 1``).  Bad factors are ``CONFIG_VALUE_INVALID`` naming the rule."""
+    import math
+
+    import numpy as np
+
+    from ..errors import ErrorCode, Exl2Error
+
+    rp = rope_params(cfg)
+    long_f, short_f = rp.get("long_factor"), rp.get("short_factor")
+    if not long_f:
+        return None
+
+    def bad(why: str):
+        return Exl2Error(ErrorCode.CONFIG_VALUE_INVALID, f"Phi-3 long-rope: {why}", file=file)
+
+    n_embd, n_head = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    ctx = find_hparam(cfg, ("n_positions", "max_position_embeddings"))
+    orig = rp.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    for name, v in (("hidden_size", n_embd), ("num_attention_heads", n_head), ("max_position_embeddings", ctx),
+                    ("original_max_position_embeddings", orig)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise bad(f"{name} must be a positive integer, got {v!r}")
+    rope_dims = int(rp.get("partial_rotary_factor", 1.0) * n_embd) // n_head
+    kind = str(rp.get("rope_type") or "").lower()
+    if not isinstance(long_f, list) or not isinstance(short_f, list):
+        raise bad("rope_scaling long_factor and short_factor must both be lists")
+    if not len(long_f) == len(short_f) == rope_dims // 2 or rope_dims % 2:
+        raise bad(f"long_factor and short_factor must have rope_dims / 2 = {rope_dims / 2} entries, got "
+                  f"{len(long_f)} and {len(short_f)}")
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in long_f + short_f):
+        raise bad("long_factor and short_factor must hold finite numbers")
+    scale = ctx / orig
+    if kind in ("su", "longrope"):
+        attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+    elif kind == "yarn":
+        attn = 0.1 * math.log(scale) + 1.0 if scale > 1.0 else 1.0
+    else:
+        raise bad(f"rope type {kind or None!r} with long/short factors is not one llama.cpp converts "
+                  "(su, longrope, yarn)")
+    return attn, np.asarray(long_f, dtype=np.float32), np.asarray(short_f, dtype=np.float32)
+
+
+def phi3_longrope_back(long_f, short_f, cfg: dict) -> None:
+    """config.json's long-rope keys from a GGUF's ``rope_factors_long/short`` (float32 values, 1-D): the
+    ``rope_scaling`` Phi-3 repositories carry (type ``longrope``; ``original_max_position_embeddings`` comes
+    from the metadata, ``_phi3_back``).  Phi-3 in transformers derives the attention factor from the two
+    context lengths, so ``rope.scaling.attn_factor`` needs no key."""
+    cfg["rope_scaling"] = {"type": "longrope", "rope_type": "longrope",
+                           "long_factor": [float(x) for x in long_f], "short_factor": [float(x) for x in short_f]}
+
+
 def _phi3_hparams(cfg: dict, w) -> None:
     # conversion/phi.py Phi3MiniModel.set_gguf_parameters: its own list (original context length, rope dims
-    # from partial_rotary_factor, sliding window 0 when absent); long-rope factor tensors are not written here
-    # (see ArchSpec.refuse).
+    # from partial_rotary_factor, sliding window 0 when absent); the long-rope factor tensors and
+    # rope.scaling.attn_factor come from phi3_rope_factors (gguf_write puts them where llama.cpp does).
     rp = rope_params(cfg)
     n_embd, n_head = cfg["hidden_size"], cfg["num_attention_heads"]
     w.add_context_length(find_hparam(cfg, ("n_positions", "max_position_embeddings")))

@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import ErrorCode, Exl2Error
 from ..container import f32_to_bf16_bits
 from .base import Converter, LayerReport, OutSpec, TensorReport, Unit, natural_key
-from .gguf_arch import spec_for_gguf_arch
+from .gguf_arch import ROPE_FACTOR_TENSORS, phi3_longrope_back, spec_for_gguf_arch
 from .gguf_io import decode, open_gguf
 from .gguf_map import HF_ARCHITECTURES, hf_name_map, qk_heads, unpermute_qk
 
@@ -132,6 +132,8 @@ def build_config(reader, path: str, warnings: list[str]) -> tuple[dict, str]:
         cfg["sliding_window"] = sw
     if spec.config_back is not None:
         spec.config_back(lambda suffix: _field(reader, f"{a}.{suffix}"), cfg)
+    if spec.model_type == "phi3" and any(n in shapes for n in ROPE_FACTOR_TENSORS):
+        _phi3_longrope(reader, cfg, path)
     cfg.pop("_has_q_bias", None)
     cfg["pad_token_id"] = None  # set below when the GGUF names one (config classes' defaults can exceed the vocab)
     for typ in ("bos", "eos", "pad"):
@@ -139,6 +141,22 @@ def build_config(reader, path: str, warnings: list[str]) -> tuple[dict, str]:
         if isinstance(i, int) and not isinstance(i, bool):
             cfg[f"{typ}_token_id"] = i
     return cfg, arch
+
+
+def _phi3_longrope(reader, cfg: dict, path: str) -> None:
+    """Phi-3's ``rope_factors_long/short.weight`` (1-D F32, rope dims / 2 each) into config.json's rope_scaling."""
+    by_name = {t.name: t for t in reader.tensors}
+    n_want = (_int(reader, "phi3.rope.dimension_count") or cfg["hidden_size"] // cfg["num_attention_heads"]) // 2
+    vals = []
+    for n in ROPE_FACTOR_TENSORS:
+        t = by_name.get(n)
+        if t is None or t.tensor_type.name != "F32" or [int(x) for x in t.shape] != [n_want]:
+            raise Exl2Error(ErrorCode.GGUF_INVALID, f"Phi-3 long-rope needs {' and '.join(ROPE_FACTOR_TENSORS)} as "
+                            f"F32 vectors of rope dims / 2 = {n_want} values", tensor=n, file=path)
+        vals.append(np.array(t.data, dtype=np.float32).reshape(-1))
+    if not all(np.isfinite(v).all() for v in vals):
+        raise Exl2Error(ErrorCode.GGUF_INVALID, "Phi-3 long-rope factors must be finite", file=path)
+    phi3_longrope_back(vals[0], vals[1], cfg)
 
 
 class GgufToDense(Converter):
@@ -163,6 +181,8 @@ class GgufToDense(Converter):
         for t in r.tensors:
             hf = rev.get(t.name)
             if hf is None:
+                if t.name in ROPE_FACTOR_TENSORS and spec.model_type == "phi3":
+                    continue  # config.json's rope_scaling long_factor / short_factor (build_config)
                 if t.name == "rope_freqs.weight":
                     self.report.warnings.append("rope_freqs.weight (llama3 rope scaling factors) dropped: "
                                                 "config.json does not carry llama3 rope scaling")

@@ -18,7 +18,9 @@ more rows than the tokenizer has tokens, ``[PAD<i>]`` tokens of type UNUSED fill
 converter does).
 
 From GGUF (``rebuild_tokenizer``): a ``"gpt2"`` vocabulary becomes ``tokenizer.json`` (byte-level BPE with the
-pre-tokenizer regex of its ``pre``) plus ``tokenizer_config.json``; other models are reported as missing.
+pre-tokenizer regex of its ``pre``) plus ``tokenizer_config.json``; a ``"llama"`` (SentencePiece) vocabulary is
+rebuilt by transformers' own GGUF tokenizer builders (``rebuild_sentencepiece``); other models are reported as
+missing.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["add_tokenizer", "rebuild_tokenizer", "PRE_PATTERNS"]
+__all__ = ["add_tokenizer", "rebuild_tokenizer", "rebuild_sentencepiece", "PRE_PATTERNS"]
 
 _MAX_TOKENIZER_BYTES = 512 << 20
+#: bound on sum(len(token) ** 2) for rebuilding a SentencePiece vocabulary (Gemma's 256k tokens: ~10^7)
+_MAX_MERGE_WORK = 1 << 28
 
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
            r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -303,10 +307,12 @@ def rebuild_tokenizer(reader, warnings: list[str]) -> dict[str, str]:
     """Tokenizer files (name -> text) rebuilt from a GGUF's ``tokenizer.ggml.*``; an empty dict (and a warning)
     when the vocabulary type cannot be rebuilt."""
     model = _field(reader, "tokenizer.ggml.model")
+    if model == "llama":
+        return rebuild_sentencepiece(reader, warnings)
     if model != "gpt2":
-        warnings.append(f"tokenizer: tokenizer.ggml.model = {model!r}; only 'gpt2' (byte-level BPE) vocabularies "
-                        "are rebuilt as tokenizer.json. The output has no tokenizer files: copy them from the "
-                        "original model")
+        warnings.append(f"tokenizer: tokenizer.ggml.model = {model!r}; only 'gpt2' (byte-level BPE) and 'llama' "
+                        "(SentencePiece) vocabularies are rebuilt as tokenizer.json. The output has no tokenizer "
+                        "files: copy them from the original model")
         return {}
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     types = _field(reader, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
@@ -384,3 +390,89 @@ def post_processor(tokens: list[str], ids: dict[str, int], flags: dict, warnings
     specials = {tokens[ids[t]]: {"id": tokens[ids[t]], "ids": [ids[t]], "tokens": [tokens[ids[t]]]} for t in parts}
     return {"type": "TemplateProcessing", "single": seq("A", 0), "pair": seq("A", 0) + seq("B", 1),
             "special_tokens": specials}
+
+
+#: GGUF architecture -> the transformers tokenizer class whose layout (pre-tokenizer, decoder) its SentencePiece
+#: vocabulary takes in transformers 5; written as ``tokenizer_class`` so a reload builds the same layout.  Phi-3
+#: keeps transformers' normalizer-based layout (``PreTrainedTokenizerFast`` loads tokenizer.json as written).
+_SP_CLASS = {"gemma": "GemmaTokenizer", "gemma2": "GemmaTokenizer", "gemma3": "GemmaTokenizer",
+             "phi3": "PreTrainedTokenizerFast"}
+
+
+def rebuild_sentencepiece(reader, warnings: list[str]) -> dict[str, str]:
+    """``tokenizer.json`` / ``tokenizer_config.json`` / ``special_tokens_map.json`` for a GGUF whose
+    ``tokenizer.ggml.model`` is ``"llama"`` (SentencePiece: Llama 2, Mistral v0.1, Gemma 1-3, Phi-3).
+
+    The vocabulary is handed to transformers' GGUF tokenizer builders (``transformers.integrations.gguf``,
+    transformers >= 5): a byte-fallback BPE over the tokens in id order, merges recovered from the vocabulary and
+    the scores (Gemma: from the file order), CONTROL tokens special and USER_DEFINED ones added whole, the layout
+    of ``LlamaTokenizer`` / ``GemmaTokenizer`` / Phi-3.  Where that builder is not what llama.cpp runs, this fixes
+    it: it ignores ``tokenizer.ggml.add_space_prefix`` (false: no prefix space, as llama.cpp tokenizes then) for
+    the Llama layout, and its post-processor does not follow ``add_bos_token`` / ``add_eos_token``; both are set
+    here from the metadata (``add_bos_token`` absent: true, as llama.cpp assumes for SentencePiece).  Special
+    token names (BOS/EOS/UNK/PAD) come from the ``*_token_id`` keys.  Without transformers' builders (older
+    transformers) the output has no tokenizer files, with a warning."""
+    arch = _field(reader, "general.architecture")
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    scores = _field(reader, "tokenizer.ggml.scores")
+    types = _field(reader, "tokenizer.ggml.token_type")
+    if not tokens or scores is None or types is None or not len(tokens) == len(scores) == len(types):
+        warnings.append("tokenizer: the SentencePiece vocabulary needs tokenizer.ggml.tokens, scores and token_type "
+                        "of one length; no tokenizer files written")
+        return {}
+    if not all(isinstance(t, str) for t in tokens) or sum(len(t) ** 2 for t in tokens) > _MAX_MERGE_WORK:
+        # recovering merges tries every split of every token: work grows with the square of a token's length
+        warnings.append("tokenizer: the SentencePiece tokens are too long to recover merges from (sum of squared "
+                        f"lengths above {_MAX_MERGE_WORK}); no tokenizer files written")
+        return {}
+    try:
+        from tokenizers import decoders, pre_tokenizers
+        from transformers.integrations.gguf import convert_gguf_tokenizer
+    except ImportError as e:
+        warnings.append(f"tokenizer: rebuilding a SentencePiece vocabulary needs transformers >= 5 ({e}); the output "
+                        "has no tokenizer files: copy them from the original model")
+        return {}
+    prefix = _field(reader, "tokenizer.ggml.add_space_prefix")
+    tdict = {"tokenizer_type": "llama", "tokens": list(tokens), "scores": list(scores), "token_type": list(types)}
+    merges = _field(reader, "tokenizer.ggml.merges")
+    if merges:
+        tdict["merges"] = list(merges)
+    ids = {typ: _field(reader, f"tokenizer.ggml.{key}_token_id")
+           for typ, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}
+    ids = {k: v for k, v in ids.items() if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < len(tokens)}
+    try:
+        backend, _ = convert_gguf_tokenizer(arch, tdict)
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        warnings.append(f"tokenizer: transformers could not build the SentencePiece tokenizer ({type(e).__name__}: "
+                        f"{e}); no tokenizer files written")
+        return {}
+    cls = _SP_CLASS.get(arch, "LlamaTokenizer")
+    if cls == "LlamaTokenizer" and prefix is False:
+        # transformers' Llama builder always prepends the SentencePiece space; llama.cpp does not when told so
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=False)
+        backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                             decoders.Fuse()])
+    flags = {typ: _field(reader, f"tokenizer.ggml.add_{typ}_token") for typ in ("bos", "eos")}
+    flags["bos"] = flags["bos"] is not False
+    flags["eos"] = flags["eos"] is True
+    tj = json.loads(backend.to_str())
+    tj["post_processor"] = post_processor(tokens, ids, flags, warnings)
+    if tj["post_processor"].get("type") == "ByteLevel":  # neither flag: no post-processing at all
+        tj["post_processor"] = None
+    tc: dict = {"tokenizer_class": cls, "add_bos_token": flags["bos"], "add_eos_token": flags["eos"],
+                "clean_up_tokenization_spaces": False}
+    if cls == "LlamaTokenizer":
+        tc["legacy"] = False
+        if prefix is False:  # only then: transformers 4's LlamaTokenizerFast rebuilds from tokenizer.model when set
+            tc["add_prefix_space"] = False
+    special_map: dict = {}
+    for typ in ("bos", "eos", "unk", "pad"):
+        tc[f"{typ}_token"] = tokens[ids[typ]] if typ in ids else None
+        if typ in ids:
+            special_map[f"{typ}_token"] = tokens[ids[typ]]
+    ct = _field(reader, "tokenizer.chat_template")
+    if isinstance(ct, str):
+        tc["chat_template"] = ct
+    return {"tokenizer.json": json.dumps(tj, ensure_ascii=False) + "\n",
+            "tokenizer_config.json": json.dumps(tc, indent=2, ensure_ascii=False) + "\n",
+            "special_tokens_map.json": json.dumps(special_map, indent=2, ensure_ascii=False) + "\n"}

@@ -372,6 +372,8 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
         for kind, x in parts.values():
             if kind == "plain":
                 owned.add(x)
+    if spec.model_type == "phi3":
+        items += _rope_factor_items(cfg, str(model.root), report)
     planned = (owned | {it.src for it in items} | {n for n in model.tensors if n.endswith(DROPPED_SUFFIXES)}
                | set(spec.skip))
     if set(model.tensors) - planned:  # pragma: no cover - a planning bug must never drop weights silently
@@ -389,6 +391,24 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
 
     items.sort(key=order)  # llama.cpp's order: shards by file name, tensors of a shard by Hugging Face name
     return items
+
+
+def _rope_factor_items(cfg: dict, root: str, report) -> list[_Item]:
+    """Phi-3 long-rope: ``rope_factors_long/short.weight`` (F32, 1-D) from config.json, first in the file as
+    llama.cpp writes its generated tensors before the model's (``gguf_arch.phi3_rope_factors``)."""
+    from .gguf_arch import ROPE_FACTOR_TENSORS, phi3_rope_factors
+
+    lr = phi3_rope_factors(cfg, root)
+    if lr is None:
+        return []
+    out = []
+    for name, arr in zip(ROPE_FACTOR_TENSORS, lr[1:]):
+        rep = TensorReport(name, "F32", "F32")
+        rep.max_abs_error, rep.nonfinite = 0.0, 0
+        report.tensors.append(rep)
+        out.append(_Item(name, name, "F32", arr.shape, lambda a=arr: iter([a]), redecode=lambda a=arr: a,
+                         report=rep))
+    return out
 
 
 #: ``<prefix>.experts.<e>.<proj>.weight``: one expert's matrix (Mixtral w1/w2/w3, Qwen-MoE gate/up/down_proj)
@@ -636,12 +656,11 @@ def _metadata(w, arch, hp, cfg, layer_t, model, items, report) -> None:
     from .gguf_arch import spec_for_model_type, write_common_hparams
 
     spec = spec_for_model_type(cfg.get("model_type"))
-    from .gguf_arch import rope_params
+    from .gguf_arch import phi3_rope_factors
 
-    if spec.model_type == "phi3" and rope_params(cfg).get("long_factor"):
-        raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, "Phi-3 long-rope factors (rope_scaling long_factor / "
-                        "short_factor) are not written by exl2fmt's GGUF bridge; use a 4k-context Phi-3",
-                        file=str(model.root))
+    if spec.model_type == "phi3" and (lr := phi3_rope_factors(cfg, str(model.root))) is not None:
+        # llama.cpp adds it while generating the factor tensors, before any other metadata (conversion/phi.py)
+        w.add_rope_scaling_attn_factors(lr[0])
     root = Path(str(model.root))
     total, shared, expert, n_exp = w.get_total_parameter_count()
     log = logging.getLogger("gguf")

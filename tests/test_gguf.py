@@ -262,11 +262,24 @@ def _gptq_f32(model, key, bits):
     return ((q - (1 << (bits - 1))) * s[g]).T
 
 
+@pytest.fixture(scope="module")
+def gptq_src(tmp_path_factory):
+    """``gptq_src(bits)``: the GPTQ sym gs32 sample model, built once per bit width (read-only for the tests)."""
+    cache: dict[int, Path] = {}
+
+    def get(bits: int) -> Path:
+        if bits not in cache:
+            cache[bits] = build_gptq(tmp_path_factory.mktemp("gptq") / "g", bits)
+        return cache[bits]
+
+    return get
+
+
 @pytest.mark.parametrize("bits, qtype", [(4, "Q4_0"), (8, "Q8_0"), (4, "Q8_0")])
-def test_gptq_sym_gs32_repacks_exactly(tmp_path, bits, qtype):
+def test_gptq_sym_gs32_repacks_exactly(gptq_src, tmp_path, bits, qtype):
     from exl2fmt.model import dequantize_layer
 
-    src = build_gptq(tmp_path / "g", bits)
+    src = gptq_src(bits)
     rep = convert(src, tmp_path / "g.gguf", "gguf", gguf_type=qtype.lower() if bits == 4 and qtype == "Q8_0" else "auto")
     assert rep.options["layer_type"] == qtype and rep.verified
     assert all(l.exact for l in rep.layers) and len(rep.layers) == 14
@@ -372,20 +385,28 @@ def test_interrupted_write_leaves_nothing(dense, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_gguf_to_exl2_goes_through_fp16_and_the_quantizer(dense_gguf, tmp_path):
+def test_gguf_to_exl2_goes_through_fp16_and_the_quantizer(tmp_path_factory, tmp_path):
     pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tiny_hf import make_tiny
+
     from exl2fmt.model import dequantize_layer
     from exl2fmt.validate import validate_model
 
-    g, _ = dense_gguf
+    # the smallest llama (hidden 64, 2 layers) and upstream's candidate tables only (extended=False): this test is
+    # about the GGUF -> FP16 -> quantizer path; the quantizer's search is tested on its own (about 2.5x cheaper
+    # than the 256-wide sample model with the extended tables)
+    g = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    convert(make_tiny("llama", g.parent / "tiny-llama", tokenizer=None), g, "gguf", gguf_type="f16")
     # no tokenizer in this GGUF: the built-in (text) calibration cannot run, and the error says what to pass
     with pytest.raises(Exl2Error) as e:
         convert(g, tmp_path / "x", "exl2")
     assert e.value.code is ErrorCode.CALIBRATION_INVALID and "--calibration" in e.value.message
     assert sorted(p.name for p in tmp_path.iterdir()) == []          # the temporary FP16 directory is gone
     ids = tmp_path / "ids.npy"
-    np.save(ids, np.random.default_rng(0).integers(0, CFG["vocab_size"], (4, 32)))
-    rep = convert(g, tmp_path / "x", "exl2", bits=6.0, quant={"calibration": str(ids), "rows": 4, "length": 32})
+    np.save(ids, np.random.default_rng(0).integers(0, 320, (4, 32)))
+    rep = convert(g, tmp_path / "x", "exl2", bits=6.0, quant={"calibration": str(ids), "rows": 4, "length": 32,
+                                                            "extended": False})
     assert 5.98 <= rep.decoder_bpw <= 6.0
     assert not validate_model(tmp_path / "x", deep=True).failed
     fp16 = tmp_path / "back"

@@ -5,7 +5,8 @@ Oracles:
   command in MANIFEST.json / README.md there) from ``tiny_hf.make_tiny`` models; ours must have the same
   metadata keys, value types and values (except our two provenance keys), the same tensors in the same order,
   the same ggml types, shapes and data bytes (``gguf_diff``, read with ``gguf.GGUFReader`` only);
-* transformers' tokenizer on the source directory for the rebuilt tokenizer's ids (BOS/EOS included);
+* transformers' tokenizer on the source directory for the rebuilt tokenizer's ids (BOS/EOS included), and
+  sentencepiece itself on the source's ``tokenizer.model`` for SentencePiece vocabularies;
 * the source safetensors for the f16 round trip HF -> GGUF -> HF (bit for bit).
 """
 
@@ -35,24 +36,45 @@ DELIBERATE = {"gemma": ("tokenizer.ggml.prefix_token_id", "tokenizer.ggml.suffix
                         "tokenizer.ggml.eot_token_id")}
 
 
+def _default(arch: str) -> dict:
+    """The MANIFEST entry of an architecture's default tiny model (not a variant: no config overrides, the
+    architecture's usual tokenizer)."""
+    return next(v for v in MANIFEST.values() if v["arch"] == arch and "config" not in v
+                and not v["tokenizer"].startswith("sp-"))
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """``tiny(arch)`` or ``tiny(manifest_entry)``: the source model directory (``tiny-<arch>``, the name
+    llama.cpp derived general.name from), built once per module."""
     root = tmp_path_factory.mktemp("tiny")
     cache: dict[str, Path] = {}
 
-    def get(arch: str) -> Path:
-        if arch not in cache:
-            tok = next(v["tokenizer"] for v in MANIFEST.values() if v["arch"] == arch)
-            cache[arch] = make_tiny(arch, root / f"tiny-{arch}", tokenizer=tok)
-        return cache[arch]
+    def get(which) -> Path:
+        m = _default(which) if isinstance(which, str) else which
+        key = json.dumps([m["arch"], m["tokenizer"], m.get("config")], sort_keys=True)
+        if key not in cache:
+            cache[key] = make_tiny(m["arch"], root / str(len(cache)) / f"tiny-{m['arch']}", tokenizer=m["tokenizer"],
+                                   **m.get("config", {}))
+        return cache[key]
 
     return get
 
 
+#: goldens written with 1 KiB chunks (every 2-D tensor split into many pieces); the others fit one default 8 MB
+#: chunk, so both streaming paths are held to llama.cpp's bytes
+_CHUNKED = ("llama-f16.gguf", "llama-q8_0.gguf")
+
+
 @pytest.mark.parametrize("golden", sorted(MANIFEST))
-def test_matches_llama_cpp_converter(golden, tiny, tmp_path):
+def test_matches_llama_cpp_converter(golden, tiny, tmp_path, monkeypatch):
+    """Plain tensors are converted and written a few rows at a time (peak memory: a chunk, not the tensor)."""
+    from exl2fmt.converters import gguf_write
+
+    if golden in _CHUNKED:
+        monkeypatch.setattr(gguf_write, "_CHUNK_BYTES", 1024)
     m = MANIFEST[golden]
-    src = tiny(m["arch"])
+    src = tiny(m)
     out = tmp_path / golden
     convert(src, out, to="gguf", gguf_type=m["type"])
     diffs = gguf_diff(GOLD / golden, out, ignore=OURS_ONLY + DELIBERATE.get(m["arch"], ()))
@@ -152,6 +174,107 @@ def test_rebuilt_tokenizer_gives_the_source_ids(arch, style, adds_bos, tmp_path)
     assert json.loads((back / "special_tokens_map.json").read_text()).get("eos_token") == a.eos_token
 
 
+#: ASCII, accents, CJK and emoji (byte fallback: not in the 384-piece vocabulary), leading/double spaces, tabs,
+#: newlines, special-token strings inside text, the chat markers, empty text
+SP_TEXTS = ["Hello world, the quick brown fox.", "  two  spaces\nand a newline 0123 ", "Caf\u00e9 na\u00efve d\u00e9j\u00e0 "
+            "\u6771\u4eac \U0001f600 \u00df", " leading", "\n\nnew\tline", "a</s>b<s> c <bos><eos>",
+            "<start_of_turn>user\nhi<end_of_turn>", "", "x  "]
+#: (architecture, tiny_hf.write_sp_tokenizer style): Llama 2, Mistral v0.1 with add_eos_token, Gemma 3, Phi-3
+SP_CASES = [("llama", "llama2"), ("mistral", "llama2-eos"), ("gemma3_text", "gemma"), ("phi3", "phi3")]
+
+
+@pytest.mark.parametrize("arch,style", SP_CASES)
+def test_rebuilt_sentencepiece_tokenizer_gives_the_source_ids(arch, style, tiny, tmp_path):
+    """GGUF -> HF for SentencePiece ("llama") vocabularies: the rebuilt tokenizer gives transformers' ids for the
+    source directory (single, pair, without specials; BOS/EOS as the source adds them; decode), names the same
+    special tokens, and agrees with sentencepiece itself on the texts where the two layouts agree.  The GGUF
+    tokenizer metadata of the Llama 2 and Gemma sources is llama.cpp's (goldens llama-sp / gemma3_text-sp)."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    golden = {"llama2": "llama-sp-q8_0.gguf", "gemma": "gemma3_text-sp-q8_0.gguf"}.get(style)
+    src = tiny(MANIFEST[golden]) if golden else make_tiny(arch, tmp_path / f"tiny-{arch}", tokenizer="sp-" + style)
+    g = tmp_path / "m.gguf"
+    convert(src, g, to="gguf", gguf_type="f16")
+    r = gguf.GGUFReader(str(g))
+    assert r.get_field("tokenizer.ggml.model").contents() == "llama"
+    back = tmp_path / "back"
+    rep = convert(g, back, to="fp16")
+    assert not [w for w in rep.warnings if w.startswith("tokenizer")], rep.warnings
+    a, b = AutoTokenizer.from_pretrained(src), AutoTokenizer.from_pretrained(back)
+    adds_eos = style == "llama2-eos"
+    for t in SP_TEXTS:
+        ia, ib = a(t)["input_ids"], b(t)["input_ids"]
+        assert ia == ib, t
+        assert ia[0] == a.bos_token_id
+        assert a(t, add_special_tokens=False)["input_ids"] == b(t, add_special_tokens=False)["input_ids"], t
+        assert a(t, "second part")["input_ids"] == b(t, "second part")["input_ids"], t
+        assert b.decode(ib, skip_special_tokens=True) == a.decode(ia, skip_special_tokens=True), t
+    assert (b("plain text")["input_ids"][-1] == b.eos_token_id) is adds_eos
+    for typ in ("bos", "eos", "unk", "pad"):
+        assert getattr(a, f"{typ}_token") == getattr(b, f"{typ}_token"), typ
+    # byte fallback was exercised: the emoji is four <0xNN> pieces
+    types = r.get_field("tokenizer.ggml.token_type").contents()
+    assert [types[i] for i in b("\U0001f600", add_special_tokens=False)["input_ids"][-4:]] == [6] * 4
+    # the independent oracle: sentencepiece on the source's tokenizer.model (no leading space, no special-token
+    # strings: there transformers' Metaspace layout and sentencepiece differ by design)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
+    for t in ("Hello world, the quick brown fox.", SP_TEXTS[2], "new\tline\n\nx  two  spaces"):
+        assert b(t, add_special_tokens=False)["input_ids"] == sp.encode(t), t
+
+
+def test_phi3_longrope_round_trip(tiny, tmp_path):
+    """Phi-3 long-rope (rope_scaling longrope, long/short factors): the GGUF is llama.cpp's (golden
+    phi3-longrope), and GGUF -> HF puts the factors back into rope_scaling, so at 90 tokens (past the original 64
+    context, where the long factors apply) the rebuilt model gives the source's logits exactly, while the same
+    model without the factors does not."""
+    import torch
+    import transformers
+
+    m = MANIFEST["phi3-longrope-q8_0.gguf"]
+    src = tiny(m)
+    g = tmp_path / "m.gguf"
+    convert(src, g, to="gguf", gguf_type="f16")
+    r = gguf.GGUFReader(str(g))
+    want = m["config"]["rope_scaling"]
+    for kind in ("long", "short"):
+        t = next(t for t in r.tensors if t.name == f"rope_factors_{kind}.weight")
+        assert np.array_equal(np.asarray(t.data), np.float32(want[f"{kind}_factor"]))
+    back = tmp_path / "back"
+    convert(g, back, to="fp16")
+    cfg = json.loads((back / "config.json").read_text())
+    assert cfg["original_max_position_embeddings"] == 64 and cfg["rope_scaling"]["type"] == "longrope"
+    for kind in ("long", "short"):
+        assert np.array_equal(np.float32(cfg["rope_scaling"][f"{kind}_factor"]), np.float32(want[f"{kind}_factor"]))
+    ids = (torch.arange(90).reshape(1, 90) * 7) % 300
+    with torch.no_grad():
+        la = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(ids).logits
+        lb = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()(ids).logits
+        cfg.pop("rope_scaling")
+        (back / "config.json").write_text(json.dumps(cfg))
+        lc = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()(ids).logits
+    assert torch.equal(la, lb)
+    assert not torch.allclose(la[0, 80], lc[0, 80], atol=1e-4)
+
+
+def test_phi3_longrope_bad_factors_are_refused(tiny, tmp_path):
+    """A factor list of the wrong length is CONFIG_VALUE_INVALID naming the rule, before anything is written."""
+    import shutil
+
+    from exl2fmt.errors import ErrorCode, Exl2Error
+
+    src = tmp_path / "tiny-phi3"
+    shutil.copytree(tiny(MANIFEST["phi3-longrope-q8_0.gguf"]), src)
+    cfg = json.loads((src / "config.json").read_text())
+    rp = cfg.get("rope_parameters") or cfg["rope_scaling"]
+    rp["long_factor"] = rp["long_factor"][:5]
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exl2Error) as e:
+        convert(src, tmp_path / "m.gguf", to="gguf", gguf_type="f16")
+    assert e.value.code is ErrorCode.CONFIG_VALUE_INVALID and "rope_dims / 2 = 8.0 entries" in str(e.value)
+    assert not (tmp_path / "m.gguf").exists()
+
+
 #: architectures whose GGUF files transformers' own loader (transformers.integrations.ggml, 5.x) rebuilds
 #: completely.  It also lists qwen3, qwen2_moe, qwen3_moe, gemma2, gemma3 and starcoder2, but its config mapping
 #: drops keys those need (qwen3/qwen3_moe: attention.key_length -> head_dim, so the default 128 is used;
@@ -191,19 +314,6 @@ def test_transformers_gguf_loader_gives_the_source_logits(arch, tiny, tmp_path):
         lg, ls = m_g(ids).logits, m_s(ids).logits
     assert lg.shape == ls.shape
     assert torch.allclose(lg, ls, rtol=0, atol=1e-5 * float(ls.abs().max())), float((lg - ls).abs().max())
-
-
-@pytest.mark.parametrize("golden", ["llama-f16.gguf", "llama-q8_0.gguf"])
-def test_chunked_streaming_writes_the_same_bytes(golden, tiny, tmp_path, monkeypatch):
-    """Plain tensors are converted and written a few rows at a time (peak memory: a chunk, not the tensor);
-    with chunks of 1 KiB every 2-D tensor is split into many pieces and the file still equals llama.cpp's."""
-    from exl2fmt.converters import gguf_write
-
-    monkeypatch.setattr(gguf_write, "_CHUNK_BYTES", 1024)
-    m = MANIFEST[golden]
-    out = tmp_path / golden
-    convert(tiny(m["arch"]), out, to="gguf", gguf_type=m["type"])
-    assert gguf_diff(GOLD / golden, out, ignore=OURS_ONLY) == []
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "gemma2"])
@@ -260,3 +370,61 @@ def test_goldens_are_small_and_listed():
         assert hashlib.sha256((GOLD / name).read_bytes()).hexdigest() == m["sha256"], name
         assert len(m["llama_cpp_commit"]) == 40 and m["command"].startswith("python convert_hf_to_gguf.py")
     assert sum((GOLD / n).stat().st_size for n in files) < 5_000_000
+
+
+def test_sentencepiece_rebuild_bounds_its_work(tmp_path):
+    """A GGUF whose SentencePiece tokens are huge is not handed to the merge recovery (quadratic in a token's
+    length): a warning and no tokenizer files, quickly, instead of minutes of work."""
+    import time
+
+    from exl2fmt.converters.gguf_vocab import rebuild_sentencepiece
+
+    p = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    toks = ["<unk>", "<s>", "</s>", "a" * 20000]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(toks)
+    w.add_token_scores([0.0] * 4)
+    w.add_token_types([2, 3, 3, 1])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    warnings: list[str] = []
+    t0 = time.perf_counter()
+    assert rebuild_sentencepiece(gguf.GGUFReader(str(p)), warnings) == {}
+    assert time.perf_counter() - t0 < 2 and "too long to recover merges" in warnings[0]
+
+
+def test_llama_layout_without_space_prefix(tiny, tmp_path):
+    """transformers' Llama builder always prepends the SentencePiece space; a llama-architecture GGUF that says
+    ``add_space_prefix = false`` is rebuilt without it, as llama.cpp tokenizes it (oracle: sentencepiece on a
+    model trained without the dummy prefix)."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    from exl2fmt.converters.gguf_vocab import rebuild_sentencepiece, spm_vocab
+
+    src = tiny(MANIFEST["gemma3_text-sp-q8_0.gguf"])  # its tokenizer.model has add_dummy_prefix false
+    tokens, scores, types = spm_vocab(src, 384)
+    p = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_add_space_prefix(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    warnings: list[str] = []
+    files = rebuild_sentencepiece(gguf.GGUFReader(str(p)), warnings)
+    assert not warnings and json.loads(files["tokenizer_config.json"])["add_prefix_space"] is False
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    b = AutoTokenizer.from_pretrained(tmp_path)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
+    for t in ("Hello world, the quick brown fox.", "new\tline\n\nx  two  spaces"):
+        assert b(t)["input_ids"] == [2] + sp.encode(t), t

@@ -82,15 +82,22 @@ def _values(name: str, shape: tuple[int, ...]) -> np.ndarray:
     return 0.05 * x
 
 
-def make_tiny(arch: str, dst: Path, dtype: str = "float16", tokenizer: str | None = "spm") -> Path:
-    """A tiny model directory of ``arch`` (a ``model_type``); see the module docstring."""
+def make_tiny(arch: str, dst: Path, dtype: str = "float16", tokenizer: str | None = "spm", **config) -> Path:
+    """A tiny model directory of ``arch`` (a ``model_type``); see the module docstring.  ``config``: keys that
+    override the architecture's tiny config (e.g. ``rope_scaling``).  ``tokenizer="sp-<style>"``: the
+    ``write_sp_tokenizer`` vocabulary of that style (384 pieces, special ids as the style's family has them)."""
+    if tokenizer and tokenizer.startswith("sp-"):
+        config = {"vocab_size": 384, **(dict(bos_token_id=2, eos_token_id=1, pad_token_id=0)
+                                        if tokenizer == "sp-gemma" else {}), **config}
     import torch
     import transformers
     from safetensors.torch import save_file
 
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    cfg = config_class(arch)(**_base(arch))
+    import copy
+
+    cfg = config_class(arch)(**{**_base(arch), **copy.deepcopy(config)})  # config classes edit nested dicts
     cfg.torch_dtype = dtype
     cfg.architectures = [{"gemma3_text": "Gemma3ForCausalLM"}.get(arch, cfg.__class__.__name__.replace(
         "Config", "ForCausalLM"))]
@@ -119,6 +126,8 @@ def make_tiny(arch: str, dst: Path, dtype: str = "float16", tokenizer: str | Non
         write_bpe_tokenizer(dst)
     elif tokenizer == "llama3":
         write_bpe_tokenizer(dst, style="llama3")
+    elif tokenizer and tokenizer.startswith("sp-"):
+        write_sp_tokenizer(dst, style=tokenizer[3:])
     return dst
 
 
@@ -209,4 +218,72 @@ def write_bpe_tokenizer(dst: Path, vocab: int = VOCAB, style: str = "qwen2") -> 
               "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>"
                                "\n{% endfor %}"}
     tok.save(str(dst / "tokenizer.json"))
+    (dst / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
+
+
+#: extra training text for ``write_sp_tokenizer``: accented words become pieces; CJK and emoji stay out of the
+#: vocabulary, so they take the byte-fallback path
+_SP_EXTRA = ["Café naïve déjà vu, über straße façade.", "Élan résumé coöperate.", "    indented code line",
+             "tab\tseparated\tvalues", "line one\nline two\n\nline four"] * 20
+
+
+def write_sp_tokenizer(dst: Path, style: str = "llama2", vocab: int = 384) -> None:
+    """A real SentencePiece BPE vocabulary with byte fallback (``tokenizer.model``) and the ``tokenizer.json`` /
+    ``tokenizer_config.json`` transformers 5 makes of it, laid out like the published repositories:
+
+    * ``llama2`` (Llama 2, Mistral v0.1): ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2, a dummy prefix space, BOS added;
+      ``llama2-eos``: the same with ``add_eos_token`` true;
+    * ``phi3``: the ``llama2`` vocabulary in Phi-3's ``tokenizer.json`` layout (normalizer ``Prepend("\u2581")``
+      + ``Replace(" ", "\u2581")``, no pre-tokenizer; transformers 5 loads model_type phi3 from that file as is);
+    * ``gemma``: ``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2, ``<unk>`` 3, no dummy prefix, the chat markers
+      ``<start_of_turn>`` / ``<end_of_turn>`` as user-defined pieces, BOS added.
+
+    transformers 5 reads a ``tokenizer.model`` only through protobuf; without it, its ``LlamaTokenizer`` /
+    ``GemmaTokenizer`` are given the vocabulary and merges its own ``SentencePieceExtractor`` would extract
+    (pieces in id order, merges from ``generate_merges``), read here with the sentencepiece API."""
+    import io
+
+    import sentencepiece as spm
+    from transformers import GemmaTokenizer, LlamaTokenizer
+    from transformers.tokenization_utils_base import generate_merges
+
+    gemma = style == "gemma"
+    ids = dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3) if gemma else dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+    extra = dict(user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], add_dummy_prefix=False,
+                 pad_piece="<pad>", bos_piece="<bos>", eos_piece="<eos>") if gemma else {}
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(_corpus() + _SP_EXTRA), model_writer=buf,
+                                   vocab_size=vocab, model_type="bpe", byte_fallback=True, character_coverage=1.0,
+                                   num_threads=1, minloglevel=2, split_digits=True,
+                                   allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
+                                   normalization_rule_name="identity", **ids, **extra)
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "tokenizer.model").write_bytes(buf.getvalue())
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    pieces = {sp.IdToPiece(i): i for i in range(sp.GetPieceSize())}
+    merges = generate_merges(pieces)
+    if gemma:
+        from tokenizers import AddedToken
+
+        tok = GemmaTokenizer(vocab=pieces, merges=merges, add_bos_token=True, add_eos_token=False)
+        # user-defined pieces stay whole, as transformers' extractor adds them (not special)
+        tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in ("<start_of_turn>", "<end_of_turn>")])
+    else:
+        tok = LlamaTokenizer(vocab=pieces, merges=merges, legacy=False, add_bos_token=True,
+                             add_eos_token=style == "llama2-eos")
+    if style == "phi3":  # Phi-3's tokenizer.json: the prefix space and spaces from a normalizer, no pre-tokenizer
+        from tokenizers import normalizers
+
+        tok.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                                                 normalizers.Replace(" ", "\u2581")])
+        tok.backend_tokenizer.pre_tokenizer = None
+    tok.save_pretrained(str(dst))
+    tc = json.loads((dst / "tokenizer_config.json").read_text())
+    tc.update(add_bos_token=True, add_eos_token=style == "llama2-eos")
+    # the published repositories (saved by transformers 4) list their added tokens here; llama.cpp's converter
+    # types them from this table (special -> CONTROL, else USER_DEFINED); transformers 5 no longer writes it
+    tc["added_tokens_decoder"] = {str(a["id"]): {k: a[k] for k in ("content", "lstrip", "normalized", "rstrip",
+                                                                   "single_word", "special")}
+                                  for a in json.loads((dst / "tokenizer.json").read_text())["added_tokens"]}
     (dst / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
