@@ -27,10 +27,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from tiny_models import DENSE, make_tiny  # noqa: E402
+from tiny_models import DENSE, MOE, make_tiny  # noqa: E402
 
 DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             vocab_size=512)
+#: MoE: 4 experts of width 128 (Qwen3-MoE: moe_intermediate_size), top-2 routing
+MOE_DIMS = {"mixtral": dict(DIMS, intermediate_size=128),
+            "qwen3_moe": dict(DIMS, moe_intermediate_size=128)}
 CLI = [sys.executable, "-m", "exl2fmt.cli.app"]
 
 
@@ -73,22 +76,28 @@ def kl(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> float:
 def rtn_model(d: Path, bits: int = 4, group_size: int = 128):
     from converters.gptq_quant import reconstruct, rtn_quantize
 
+    def rtn(w: np.ndarray) -> np.ndarray:          # w float32 [N, K] -> its RTN reconstruction
+        codes, scales, zeros, g_idx = rtn_quantize(w, bits, min(group_size, w.shape[1]), sym=False)
+        wq = np.empty_like(w.T)
+        for g in range(scales.shape[0]):
+            rows = np.nonzero(g_idx == g)[0]
+            wq[rows] = reconstruct(codes[rows], scales[g], zeros[g])
+        return np.ascontiguousarray(wq.T)
+
     m = load_dense(d)
     with torch.no_grad():
         for name, mod in m.model.layers.named_modules():
             if isinstance(mod, torch.nn.Linear):
-                w = mod.weight.numpy()
-                codes, scales, zeros, g_idx = rtn_quantize(w, bits, group_size, sym=False)
-                wq = np.empty_like(w.T)
-                for g in range(scales.shape[0]):
-                    rows = np.nonzero(g_idx == g)[0]
-                    wq[rows] = reconstruct(codes[rows], scales[g], zeros[g])
-                mod.weight.copy_(torch.from_numpy(np.ascontiguousarray(wq.T)))
+                mod.weight.copy_(torch.from_numpy(rtn(mod.weight.numpy())))
+            for pname, p in mod.named_parameters(recurse=False):
+                if p.dim() == 3:            # fused MoE experts [E, N, K]: each expert's projection on its own
+                    # (gate_up_proj's gate and up rows are independent rows of the same groups along K)
+                    p.copy_(torch.stack([torch.from_numpy(rtn(p[e].numpy())) for e in range(p.shape[0])]))
     return m
 
 
 def one(arch: str, work: Path, rows: int, length: int) -> dict:
-    src = make_tiny(arch, work / arch / "src", **DIMS)
+    src = make_tiny(arch, work / arch / "src", **MOE_DIMS.get(arch, DIMS))
     rng = np.random.default_rng(0)
     cal = work / arch / "cal.npy"
     np.save(cal, rng.integers(0, DIMS["vocab_size"], (rows, length)))
