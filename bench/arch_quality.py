@@ -135,7 +135,7 @@ def one(arch: str, work: Path, rows: int, length: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", nargs="*", default=list(DENSE))
+    ap.add_argument("--arch", nargs="*", default=list(DENSE + MOE))
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--length", type=int, default=64)
     ap.add_argument("--record", action="store_true")

@@ -28,6 +28,11 @@ is one of them, else a small per-architecture map (Starcoder2 ``c_fc``/``c_proj`
 ``linear_key(i, name)`` gives the checkpoint key of the module (``model.layers.3.mlp.c_fc``).  Fused projections
 (Phi-3 ``qkv_proj``, ``gate_up_proj``) are split into q/k/v and gate/up for EXL2, as ExLlamaV2 stores them
 (``split_fused``), and kept fused for GPTQ, the layout transformers and GPTQ loaders expect.
+
+Mixture-of-experts blocks (``moe.py``): the fused 3-D expert parameters are built from the checkpoint's per-expert
+tensors, every expert projection is a linear of its own (``experts.3.gate_proj``, checkpoint key
+``...block_sparse_moe.experts.3.w1`` for Mixtral), run on the tokens the model's router sends it, and the block's
+measurement key is ExLlamaV2's ``block_sparse_moe``.  The router stays 16-bit.
 """
 
 from __future__ import annotations
@@ -620,10 +625,10 @@ class _LayerRunner:
         if lay is not None:
             mod = self.layer.get_submodule(lay.path)
             I = lay.inter
-            for e in range(lay.num_experts):
-                out[lay.name(e, "gate_proj")] = (mod.gate_up_proj.data[e, :I].clone(), None)
-                out[lay.name(e, "up_proj")] = (mod.gate_up_proj.data[e, I:].clone(), None)
-                out[lay.name(e, "down_proj")] = (mod.down_proj.data[e].clone(), None)
+            for e in range(lay.num_experts):      # views of the fused parameters (contiguous row blocks)
+                out[lay.name(e, "gate_proj")] = (mod.gate_up_proj.data[e, :I], None)
+                out[lay.name(e, "up_proj")] = (mod.gate_up_proj.data[e, I:], None)
+                out[lay.name(e, "down_proj")] = (mod.down_proj.data[e], None)
         return out
 
     def forward(self, h: torch.Tensor, subs: Mapping[str, Linear] | None = None, capture: dict | None = None,
