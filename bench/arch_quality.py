@@ -118,7 +118,14 @@ def one(arch: str, work: Path, rows: int, length: int) -> dict:
         vdoc = json.loads(val.stdout) if val.stdout.strip().startswith("{") else {}
         from exl2fmt.inspect import inspect_model
 
-        bpw = inspect_model(q, layers=False)["summary"]["bpw"]["decoder"]
+        ins = inspect_model(q)
+        bpw = ins["summary"]["bpw"]["decoder"]
+        # without MoE routers (16-bit, outside ExLlamaV2's budget too), recomputed from inspect's layer rows
+        kept = [r for r in ins["layers"] if r["block"] not in (None, "head")
+                and not (r["format"] == "dense" and r["key"].endswith(".gate"))]
+        bpw_nr = sum(r["stored_bytes"] * 8 for r in kept) / sum(
+            r["in_features"] * r["out_features_stored"] + (r["out_features_stored"] if r["bias"] else 0)
+            for r in kept)
         fp = work / arch / f"{tgt}-fp16"
         rc2, _, _, tail2 = run_child(["convert", q, fp, "--to", "fp16"])
         if rc2 != 0:
@@ -126,7 +133,7 @@ def one(arch: str, work: Path, rows: int, length: int) -> dict:
             continue
         with torch.no_grad():
             k = kl(ref_logits, load_dense(fp)(held).logits)
-        row[tgt] = {"bpw": bpw, "validate": "PASS" if val.returncode == 0 else f"FAIL {vdoc.get('counts')}",
+        row[tgt] = {"bpw": bpw, "bpw_no_router": bpw_nr, "validate": "PASS" if val.returncode == 0 else f"FAIL {vdoc.get('counts')}",
                     "kl": k, "seconds": secs, "peak_rss_mb": rss / 2**20, "calibrated": not weight_only}
     with torch.no_grad():
         row["rtn_kl"] = kl(ref_logits, rtn_model(src)(held).logits)
@@ -151,7 +158,9 @@ def main() -> None:
                 if "error" in x:
                     cells += ["ERROR " + x["error"].splitlines()[-1][:60]] + [""] * 4
                 else:
-                    cells += [f"{x['bpw']:.4f}" + ("" if x["calibrated"] else " (weight-only)"), x["validate"],
+                    b = f"{x['bpw']:.4f}" + (f" ({x['bpw_no_router']:.4f} w/o routers)"
+                                             if abs(x["bpw_no_router"] - x["bpw"]) > 1e-6 else "")
+                    cells += [b + ("" if x["calibrated"] else " (weight-only)"), x["validate"],
                               f"{x['kl']:.5f}", f"{x['seconds']:.0f}", f"{x['peak_rss_mb']:.0f}"]
             cells.append(f"{r['rtn_kl']:.5f}")
             lines.append("| " + " | ".join(cells) + " |")
