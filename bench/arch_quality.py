@@ -74,7 +74,7 @@ def kl(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> float:
 
 
 def rtn_model(d: Path, bits: int = 4, group_size: int = 128):
-    from converters.gptq_quant import reconstruct, rtn_quantize
+    from exl2fmt.converters.gptq_quant import reconstruct, rtn_quantize
 
     def rtn(w: np.ndarray) -> np.ndarray:          # w float32 [N, K] -> its RTN reconstruction
         codes, scales, zeros, g_idx = rtn_quantize(w, bits, min(group_size, w.shape[1]), sym=False)
