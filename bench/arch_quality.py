@@ -27,10 +27,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from tiny_models import DENSE, make_tiny  # noqa: E402
+from tiny_models import DENSE, MOE, make_tiny  # noqa: E402
 
 DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             vocab_size=512)
+#: MoE: 4 experts of width 128 (Qwen3-MoE: moe_intermediate_size), top-2 routing
+MOE_DIMS = {"mixtral": dict(DIMS, intermediate_size=128),
+            "qwen3_moe": dict(DIMS, moe_intermediate_size=128)}
 CLI = [sys.executable, "-m", "exl2fmt.cli.app"]
 
 
@@ -71,24 +74,30 @@ def kl(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> float:
 
 
 def rtn_model(d: Path, bits: int = 4, group_size: int = 128):
-    from converters.gptq_quant import reconstruct, rtn_quantize
+    from exl2fmt.converters.gptq_quant import reconstruct, rtn_quantize
+
+    def rtn(w: np.ndarray) -> np.ndarray:          # w float32 [N, K] -> its RTN reconstruction
+        codes, scales, zeros, g_idx = rtn_quantize(w, bits, min(group_size, w.shape[1]), sym=False)
+        wq = np.empty_like(w.T)
+        for g in range(scales.shape[0]):
+            rows = np.nonzero(g_idx == g)[0]
+            wq[rows] = reconstruct(codes[rows], scales[g], zeros[g])
+        return np.ascontiguousarray(wq.T)
 
     m = load_dense(d)
     with torch.no_grad():
         for name, mod in m.model.layers.named_modules():
             if isinstance(mod, torch.nn.Linear):
-                w = mod.weight.numpy()
-                codes, scales, zeros, g_idx = rtn_quantize(w, bits, group_size, sym=False)
-                wq = np.empty_like(w.T)
-                for g in range(scales.shape[0]):
-                    rows = np.nonzero(g_idx == g)[0]
-                    wq[rows] = reconstruct(codes[rows], scales[g], zeros[g])
-                mod.weight.copy_(torch.from_numpy(np.ascontiguousarray(wq.T)))
+                mod.weight.copy_(torch.from_numpy(rtn(mod.weight.numpy())))
+            for pname, p in mod.named_parameters(recurse=False):
+                if p.dim() == 3:            # fused MoE experts [E, N, K]: each expert's projection on its own
+                    # (gate_up_proj's gate and up rows are independent rows of the same groups along K)
+                    p.copy_(torch.stack([torch.from_numpy(rtn(p[e].numpy())) for e in range(p.shape[0])]))
     return m
 
 
 def one(arch: str, work: Path, rows: int, length: int) -> dict:
-    src = make_tiny(arch, work / arch / "src", **DIMS)
+    src = make_tiny(arch, work / arch / "src", **MOE_DIMS.get(arch, DIMS))
     rng = np.random.default_rng(0)
     cal = work / arch / "cal.npy"
     np.save(cal, rng.integers(0, DIMS["vocab_size"], (rows, length)))
@@ -109,7 +118,14 @@ def one(arch: str, work: Path, rows: int, length: int) -> dict:
         vdoc = json.loads(val.stdout) if val.stdout.strip().startswith("{") else {}
         from exl2fmt.inspect import inspect_model
 
-        bpw = inspect_model(q, layers=False)["summary"]["bpw"]["decoder"]
+        ins = inspect_model(q)
+        bpw = ins["summary"]["bpw"]["decoder"]
+        # without MoE routers (16-bit, outside ExLlamaV2's budget too), recomputed from inspect's layer rows
+        kept = [r for r in ins["layers"] if r["block"] not in (None, "head")
+                and not (r["format"] == "dense" and r["key"].endswith(".gate"))]
+        bpw_nr = sum(r["stored_bytes"] * 8 for r in kept) / sum(
+            r["in_features"] * r["out_features_stored"] + (r["out_features_stored"] if r["bias"] else 0)
+            for r in kept)
         fp = work / arch / f"{tgt}-fp16"
         rc2, _, _, tail2 = run_child(["convert", q, fp, "--to", "fp16"])
         if rc2 != 0:
@@ -117,7 +133,7 @@ def one(arch: str, work: Path, rows: int, length: int) -> dict:
             continue
         with torch.no_grad():
             k = kl(ref_logits, load_dense(fp)(held).logits)
-        row[tgt] = {"bpw": bpw, "validate": "PASS" if val.returncode == 0 else f"FAIL {vdoc.get('counts')}",
+        row[tgt] = {"bpw": bpw, "bpw_no_router": bpw_nr, "validate": "PASS" if val.returncode == 0 else f"FAIL {vdoc.get('counts')}",
                     "kl": k, "seconds": secs, "peak_rss_mb": rss / 2**20, "calibrated": not weight_only}
     with torch.no_grad():
         row["rtn_kl"] = kl(ref_logits, rtn_model(src)(held).logits)
@@ -126,7 +142,7 @@ def one(arch: str, work: Path, rows: int, length: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", nargs="*", default=list(DENSE))
+    ap.add_argument("--arch", nargs="*", default=list(DENSE + MOE))
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--length", type=int, default=64)
     ap.add_argument("--record", action="store_true")
@@ -142,7 +158,9 @@ def main() -> None:
                 if "error" in x:
                     cells += ["ERROR " + x["error"].splitlines()[-1][:60]] + [""] * 4
                 else:
-                    cells += [f"{x['bpw']:.4f}" + ("" if x["calibrated"] else " (weight-only)"), x["validate"],
+                    b = f"{x['bpw']:.4f}" + (f" ({x['bpw_no_router']:.4f} w/o routers)"
+                                             if abs(x["bpw_no_router"] - x["bpw"]) > 1e-6 else "")
+                    cells += [b + ("" if x["calibrated"] else " (weight-only)"), x["validate"],
                               f"{x['kl']:.5f}", f"{x['seconds']:.0f}", f"{x['peak_rss_mb']:.0f}"]
             cells.append(f"{r['rtn_kl']:.5f}")
             lines.append("| " + " | ".join(cells) + " |")

@@ -168,25 +168,6 @@ def test_validate_still_catches_a_wrong_expert_width(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_model_without_calibration_keeps_its_router_16_bit_and_validates(tiny, tmp_path):
-    from exl2fmt.container import open_model
-    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
-    from exl2fmt.validate import validate_model
-
-    d = tiny("qwen3_moe")
-    ids = tmp_path / "ids.npy"
-    np.save(ids, np.random.default_rng(0).integers(0, 160, (2, 32)))
-    r = quantize_model(d, tmp_path / "q", QuantOptions(target="gptq", bits=4, group_size=32, calibration=str(ids),
-                                                       rows=2, length=32, device="cpu"))
-    assert any("weight-only" in w for w in r.warnings)
-    m = open_model(tmp_path / "q")
-    names = set(m.names())
-    m.close()
-    assert "model.layers.0.mlp.gate.weight" in names and "model.layers.0.mlp.experts.3.down_proj.qweight" in names
-    assert not validate_model(tmp_path / "q", deep=True).failed
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["starcoder2", "olmo2", "phi3"])
 def test_calibrated_exl2_on_other_architectures_round_trips_its_measurement(tiny, tmp_path, arch):
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model

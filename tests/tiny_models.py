@@ -42,6 +42,9 @@ OTHER = ("olmo2", "stablelm")
 #: the architectures the calibrated quantizer handles today (dense decoder layers of nn.Linear; Phi-3 fused)
 DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite", "starcoder2", "phi3")
 
+#: mixture-of-experts architectures (transformers' fused 3-D experts; per-expert tensors in the checkpoint)
+MOE = ("mixtral", "qwen3_moe")
+
 
 def make_config(arch: str, **overrides):
     import transformers
@@ -50,9 +53,15 @@ def make_config(arch: str, **overrides):
     return getattr(transformers, cls_name)(**{**BASE, **extra, **overrides})
 
 
-def make_tiny(arch: str, directory: "str | Path", seed: int = 0, std: float = 0.05, **overrides) -> Path:
+def make_tiny(arch: str, directory: "str | Path", seed: int = 0, std: float = 0.05, starved_expert: int | None = None,
+              **overrides) -> Path:
     """Save a seeded random fp16 ``arch`` model in ``directory`` (created) and return it.  Weights are drawn
-    N(0, std) (norm weights around their neutral value), so activations are not vanishingly small."""
+    N(0, std) (norm weights around their neutral value), so activations are not vanishingly small.
+
+    ``starved_expert`` (MoE models): no token is routed to this expert.  Every embedding gets a large constant
+    in feature 0, which the small random layers leave nearly unchanged, so every router input has a large
+    positive feature 0; the expert's router row gets a large negative weight there, so its logit is far below
+    every other expert's for any token."""
     import torch
     import transformers
 
@@ -67,6 +76,10 @@ def make_tiny(arch: str, directory: "str | Path", seed: int = 0, std: float = 0.
                 p.copy_(neutral + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(std * torch.randn(p.shape, generator=g))
+        if starved_expert is not None:
+            model.get_input_embeddings().weight[:, 0] = 4.0
+            for layer in model.model.layers:
+                layer.mlp.gate.weight[starved_expert, 0] = -4.0
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     model.to(torch.float16).save_pretrained(d)

@@ -28,6 +28,11 @@ is one of them, else a small per-architecture map (Starcoder2 ``c_fc``/``c_proj`
 ``linear_key(i, name)`` gives the checkpoint key of the module (``model.layers.3.mlp.c_fc``).  Fused projections
 (Phi-3 ``qkv_proj``, ``gate_up_proj``) are split into q/k/v and gate/up for EXL2, as ExLlamaV2 stores them
 (``split_fused``), and kept fused for GPTQ, the layout transformers and GPTQ loaders expect.
+
+Mixture-of-experts blocks (``moe.py``): the fused 3-D expert parameters are built from the checkpoint's per-expert
+tensors, every expert projection is a linear of its own (``experts.3.gate_proj``, checkpoint key
+``...block_sparse_moe.experts.3.w1`` for Mixtral), run on the tokens the model's router sends it, and the block's
+measurement key is ExLlamaV2's ``block_sparse_moe``.  The router stays 16-bit.
 """
 
 from __future__ import annotations
@@ -43,13 +48,16 @@ import torch.nn.functional as F
 
 from ..errors import ErrorCode, Exl2Error
 from .forward import WeightSource, dense_linear
+from .moe import EXL2_FILE_NAMES, ROLES, find_experts, pad_expert_hessian, routed_forward
+from .qparams import measurement_key
 
 __all__ = ["HFModel", "LayerBlock", "EXL2_ARCHS"]
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 #: model_type values whose EXL2 output ExLlamaV2 loads (others are calibrated too, with a warning).
-EXL2_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite", "starcoder2", "phi3")
+EXL2_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite", "starcoder2", "phi3",
+              "mixtral", "qwen3_moe")
 
 # module leaf name -> EXL2 setting name (the option tables name q/k/v/o and gate/up/down)
 _ROLE = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "o_proj",
@@ -218,15 +226,32 @@ class HFModel:
                 self.key_of[role] = f"{parent}.{role}" if rows is not None else path
                 if rows is not None:
                     self.part_of[role] = rows
-        others = [n for n, p in layer.named_parameters() if p.dim() >= 3]
-        if others:
-            raise _cfg_error(f"{self.arch}: the decoder layer holds fused expert parameters ({others[0]}); mixture-"
-                             "of-experts blocks are not calibrated yet")
+        # fused 3-D expert parameters (transformers 5's MoE blocks): one linear per expert projection
+        self.experts = find_experts(self.arch, layer, self.src, self.layer_prefix(0))
+        self.expert_names: tuple[str, ...] = ()
+        if self.experts is not None:
+            lay = self.experts
+            self.expert_names = tuple(lay.name(e, r) for e in range(lay.num_experts) for r in ROLES)
+            for e in range(lay.num_experts):
+                for r in ROLES:
+                    n = lay.name(e, r)
+                    self.kind_of[n], self.child_of[n] = "mlp", lay.block.split(".")[0]
+                    self.key_of[n] = lay.ckpt_key(e, r)
+        sig = self._layer_signature(layer)
+        for i in range(1, self.num_layers):
+            if self._layer_signature(self.layers[i]) != sig:
+                raise _cfg_error(f"{self.arch}: decoder layer {i} is built differently from layer 0 (mixed dense and "
+                                 "mixture-of-experts layers are not calibrated)")
         order = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
         self.names = {k: tuple(r for r in order if r in self.path_of and self.kind_of[r] == k)
                       for k in ("attn", "mlp")}
+        self.names["mlp"] += self.expert_names
         if not self.names["attn"] or not self.names["mlp"]:
             raise _cfg_error(f"{self.arch}: expected attention and MLP linears in the decoder layer")
+
+    @staticmethod
+    def _layer_signature(layer: nn.Module) -> tuple:
+        return tuple(sorted((n, tuple(p.shape)) for n, p in layer.named_parameters()))
 
     @staticmethod
     def _split(leaf: str, mod: nn.Linear, c) -> list | None:
@@ -247,10 +272,32 @@ class HFModel:
     def source_keys(self, i: int) -> list[str]:
         """Checkpoint keys (without ``.weight``/``.bias``) of the source modules that layer ``i``'s quantized
         linears replace (the fused module itself when it is written split)."""
-        return sorted({f"{self.layer_prefix(i)}.{self.path_of[n]}" for n in self.path_of})
+        return sorted({f"{self.layer_prefix(i)}.{self.path_of[n]}" for n in self.path_of}
+                      | {self.linear_key(i, n) for n in self.expert_names})
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.layers_path}.{i}"
+
+    def block_key(self, i: int, kind: str) -> str:
+        """The block's key in measurement.json: ``model.layers.3.self_attn`` / ``.mlp``, and for a
+        mixture-of-experts block ``.block_sparse_moe`` (ExLlamaV2's key for every MoE architecture)."""
+        if kind == "mlp" and self.experts is not None:
+            return f"{self.layer_prefix(i)}.block_sparse_moe"
+        return measurement_key(self.layer_prefix(i), kind)
+
+    def measurement_names(self, kind: str) -> tuple[tuple[str, str], ...]:
+        """(name in measurement.json, EXL2 setting name) of the block's options: the linears' own names, and for
+        a MoE block ExLlamaV2's ``w1``/``w3``/``w2`` (one setting for every expert's gate/up/down)."""
+        if kind == "mlp" and self.experts is not None:
+            return tuple((EXL2_FILE_NAMES[r], r) for r in ROLES)
+        return tuple((n, n) for n in self.names[kind])
+
+    def role(self, name: str) -> str:
+        """The EXL2 setting name of linear ``name`` (``experts.3.gate_proj`` -> ``gate_proj``)."""
+        return name.rpartition(".")[2]
+
+    def _ckpt_param(self, param: str) -> str:
+        return self.experts.ckpt_param(param) if self.experts is not None else param
 
     def linear_key(self, i: int, name: str) -> str:
         return f"{self.layer_prefix(i)}.{self.key_of[name]}"
@@ -260,11 +307,15 @@ class HFModel:
 
     def linear_shape(self, name: str) -> tuple[int, int]:
         """(N out_features, K in_features) of the linear ``name`` (layer 0's; layers are uniform)."""
+        if name in self.expert_names:
+            return self.experts.shape(self.role(name))
         m = self.layers[0].get_submodule(self.path_of[name])
         a, b = self.part_of.get(name, (0, m.out_features))
         return int(b - a), int(m.in_features)
 
     def has_bias(self, name: str) -> bool:
+        if name in self.expert_names:
+            return False
         return self.layers[0].get_submodule(self.path_of[name]).bias is not None
 
     def groups(self, kind: str) -> list[tuple[str, ...]]:
@@ -282,9 +333,14 @@ class HFModel:
         """Every parameter of every decoder layer, the embeddings, final norm and head exist with the shapes
         transformers builds from the config (``TENSOR_NOT_FOUND`` / ``CONFIG_MISMATCH`` naming the tensor)."""
         want: dict[str, tuple] = {}
+        lay = self.experts
+        fused = {f"{lay.path}.gate_up_proj", f"{lay.path}.down_proj"} if lay is not None else set()
         for i, layer in enumerate(self.layers):
             for n, p in layer.named_parameters():
-                want[f"{self.layer_prefix(i)}.{n}"] = tuple(p.shape)
+                if n not in fused:
+                    want[f"{self.layer_prefix(i)}.{self._ckpt_param(n)}"] = tuple(p.shape)
+            for n in self.expert_names:       # the fused expert parameters are stored one tensor per expert
+                want[f"{self.linear_key(i, n)}.weight"] = self.linear_shape(n)
         for n, p in self.norm_module.named_parameters():
             want[f"{self.norm_path}.{n}"] = tuple(p.shape)
         want[self.embed_name] = tuple(self.embed_module.weight.shape)
@@ -303,10 +359,14 @@ class HFModel:
         """Load ``module``'s parameters from the checkpoint (float32 on ``device``); returns what ``_free``
         needs to put the meta parameters back."""
         saved = []
+        lay = self.experts if any(module is m for m in self.layers) else None
         for n, p in list(module.named_parameters()):
             owner, _, leaf = n.rpartition(".")
             sub = module.get_submodule(owner) if owner else module
-            t = self.src.get(f"{prefix}.{n}", torch.float32, device)
+            if lay is not None and owner == lay.path:
+                t = lay.fused(self.src, prefix, leaf, device)
+            else:
+                t = self.src.get(f"{prefix}.{self._ckpt_param(n) if lay is not None else n}", torch.float32, device)
             saved.append((sub, leaf, sub._parameters[leaf]))
             sub._parameters[leaf] = nn.Parameter(t, requires_grad=False)
         return saved
@@ -458,6 +518,10 @@ class HFModel:
             else:
                 reps.append((x, kind, len(groups[kind])))
                 groups[kind].append((name,))
+        if self.experts is not None:       # each expert's gate and up read its routed tokens; down its own input
+            for e in range(self.experts.num_experts):
+                g, u, d = (self.experts.name(e, r) for r in ROLES)
+                groups["mlp"] += [(g, u), (d,)]
         missing = [n for n in self.path_of if not any(n in grp for k in groups for grp in groups[k])]
         if missing:
             raise _cfg_error(f"{self.arch}: the probe forward never ran {missing[0]}")
@@ -524,7 +588,7 @@ class HFModel:
         B, T = h.shape[:2]
         for i in range(self.num_layers):
             r = self.runner(i, dev)
-            subs = {n: f for n in self.path_of if (f := get(self.linear_key(i, n))) is not None}
+            subs = {n: f for n in (*self.path_of, *self.expert_names) if (f := get(self.linear_key(i, n))) is not None}
             h = r.forward(h, subs, B_T=(B, T))
         self.release()
         return self.logits(h, get("lm_head"))
@@ -538,6 +602,7 @@ class _LayerRunner:
         self.layer = eng.layers[i]
         self.saved = eng._materialize(self.layer, eng.layer_prefix(i), device)
         self.attn_cache: list | None = None
+        self.routed: list = []          # per forward with the experts driven: tokens routed to each expert
 
     def free(self) -> None:
         self.eng._free(self.saved)
@@ -556,6 +621,14 @@ class _LayerRunner:
                 a, e = self.eng.part_of[n]
                 w, b = w[a:e].clone(), None if b is None else b[a:e].clone()
             out[n] = (w, b)
+        lay = self.eng.experts
+        if lay is not None:
+            mod = self.layer.get_submodule(lay.path)
+            I = lay.inter
+            for e in range(lay.num_experts):      # views of the fused parameters (contiguous row blocks)
+                out[lay.name(e, "gate_proj")] = (mod.gate_up_proj.data[e, :I], None)
+                out[lay.name(e, "up_proj")] = (mod.gate_up_proj.data[e, I:], None)
+                out[lay.name(e, "down_proj")] = (mod.down_proj.data[e], None)
         return out
 
     def forward(self, h: torch.Tensor, subs: Mapping[str, Linear] | None = None, capture: dict | None = None,
@@ -595,6 +668,11 @@ class _LayerRunner:
                 return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
             mod.forward = fwd
             patched.append(mod)
+        lay = eng.experts
+        if lay is not None and (capture is not None or any(n in (subs or {}) for n in eng.expert_names)):
+            experts = self.layer.get_submodule(lay.path)
+            experts.forward = routed_forward(experts, lay, subs, capture, self.routed)
+            patched.append(experts)
         attn = self.layer.get_submodule(eng.structure.attn_child)
         if replay_attn is not None:
             attn.forward = lambda *a, **k: replay_attn
@@ -634,6 +712,10 @@ class LayerBlock:
     def __init__(self, runner: _LayerRunner, kind: str, batches: list[slice]):
         self.r, self.kind, self.batches = runner, kind, batches
         self.names = runner.eng.linear_names(kind)
+        #: MoE blocks: tokens routed to each expert in the last sweep that drove the experts (None otherwise)
+        self.expert_tokens: list[int] | None = None
+        #: MoE blocks: expert linear -> prior tokens its Hessian was padded with (moe.pad_expert_hessian)
+        self.padded: dict[str, int] = {}
 
     def owner(self, name: str) -> str:
         """The linear whose input Hessian ``name`` shares (the first of its group)."""
@@ -648,6 +730,14 @@ class LayerBlock:
         y = out if out is not None else torch.empty_like(h)
         if self.kind == "attn" and record:
             self.r.attn_cache = []
+        eng, lay = self.r.eng, self.r.eng.experts
+        experts = [o for o in (hessians or {}) if o in eng.expert_names] if self.kind == "mlp" else []
+        prior = None
+        if any(eng.role(o) != "down_proj" for o in experts):
+            from .gptq import HessianAccumulator
+
+            prior = HessianAccumulator(lay.hidden, h.device)      # all tokens entering the MoE block
+        self.r.routed = []
         for bi, sl in enumerate(self.batches):
             cap = {} if hessians else None
             if self.kind == "attn":
@@ -660,6 +750,12 @@ class LayerBlock:
             if hessians:
                 for owner, acc in hessians.items():
                     acc.add(cap[owner])
+                if prior is not None:
+                    prior.add(cap[lay.path])
+        if self.r.routed:
+            self.expert_tokens = [sum(c[e] for c in self.r.routed) for e in range(lay.num_experts)]
+        for o in experts:                # experts with fewer routed tokens than input features: padded (moe.py)
+            self.padded[o] = pad_expert_hessian(hessians[o], None if eng.role(o) == "down_proj" else prior)
         return y
 
     def next_input(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -192,6 +192,12 @@ class QuantReport:
         if self.calibration_ppl is not None:
             ref = "" if self.calibration_ppl_fp16 is None else f" (FP16 {self.calibration_ppl_fp16:.3f})"
             out.append(f"calibration perplexity of the quantized model: {self.calibration_ppl:.3f}{ref}")
+        moe = [b["expert_tokens"] for b in self.blocks if b.get("expert_tokens") is not None]
+        if moe:
+            flat = sorted(n for t in moe for n in t)
+            padded = sum(len(b.get("expert_hessian_padded") or ()) for b in self.blocks)
+            out.append(f"experts: {len(flat)} in {len(moe)} MoE blocks saw {flat[0]}-{flat[-1]} calibration tokens "
+                       f"each (median {flat[len(flat) // 2]}); {padded} expert Hessians padded for too few tokens")
         out.append("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()))
         return out
 
@@ -208,8 +214,17 @@ def _linears(spec, kind):
 
 
 def _opt_layers(opt, names) -> list:
-    """(name, QParams) of an option for the linears the block has (Starcoder2's MLP has no gate_proj)."""
+    """(name, QParams) of an option for the linears the block has (Starcoder2's MLP has no gate_proj; a MoE
+    block's ``experts.3.gate_proj`` takes the option's ``gate_proj``)."""
     return [(n, opt.get(n)) for n in names]
+
+
+def _file_option(spec, kind, opt):
+    """The option as measurement.json names it: one setting per linear of the block, or for a MoE block one per
+    expert projection role (ExLlamaV2's ``w1``/``w3``/``w2``, applied to every expert)."""
+    from .qparams import Option
+
+    return Option(tuple((f, opt.get(role)) for f, role in spec.measurement_names(kind)))
 
 
 def _batches(rows: int, length: int, batch_tokens: int) -> list[slice]:
@@ -408,7 +423,6 @@ class _VariantCache:
 def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progress, report) -> dict:
     from . import forward as F
     from .gptq import HessianAccumulator
-    from .qparams import measurement_key
 
     device = torch.device(o.device)
     blocks = _blocks(spec)
@@ -420,7 +434,7 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
     measured = work.job["measured"]
     for bi in range(start, len(blocks)):
         i, kind = blocks[bi]
-        key = measurement_key(spec.layer_prefix(i), kind)
+        key = spec.block_key(i, kind)
         blk = spec.block(i, kind, batches, device)
         W = blk.weights(device)
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
@@ -470,19 +484,19 @@ def _write_measurement_file(path: Path, spec, measured: dict, options_of) -> Non
     """ExLlamaV2's ``measurement.json`` from ``measured`` {block key: [[option index, bits, accuracy]]}: each
     row's ``total_bits`` is this model's exact cost of the setting, the rows in ascending cost
     (``qparams.write_measurement``), ``last_module_idx`` counted as ExLlamaV2 counts modules."""
-    from .qparams import Option, exllamav2_last_module_idx, measurement_key, write_measurement
+    from .qparams import exllamav2_last_module_idx, write_measurement
 
     rows_by_key = {}
-    order = [measurement_key(spec.layer_prefix(i), k) for i, k in _blocks(spec)]  # block order, however the
+    order = [spec.block_key(i, k) for i, k in _blocks(spec)]  # block order, however the
     for key in [k for k in order if k in measured] + [k for k in measured if k not in order]:  # run was resumed
         rows = measured[key]
         kind = "attn" if key.endswith("self_attn") else "mlp"
         opts = options_of(kind)
         out = []
         for j, _, acc in rows:
-            opt = Option(tuple(_opt_layers(opts[j], _linears(spec, kind))))  # only the linears the block has
+            opt = _file_option(spec, kind, opts[j])          # only the linears the block has
             bits = 0
-            for n, qp in opt.layers:
+            for n, qp in _opt_layers(opts[j], _linears(spec, kind)):     # every expert's linears, for MoE
                 N, K = spec.linear_shape(n)
                 bits += qp.total_bits(K, N, spec.has_bias(n))
             out.append((opt, bits, acc))
@@ -508,13 +522,12 @@ def _release_memory() -> None:
 
 
 def _optimize(spec, src, measured, options_of, o: QuantOptions, report) -> dict:
-    from .qparams import measurement_key
     from .solver import solve
 
     keys, slots = [], []
     numel = 0
     for i, kind in _blocks(spec):
-        key = measurement_key(spec.layer_prefix(i), kind)
+        key = spec.block_key(i, kind)
         opts = options_of(kind)
         rows = measured[key]
         costs = []
@@ -576,7 +589,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
     from . import forward as F
     from .gptq import (EXL2_PERCDAMP, GPTQ_PERCDAMP, HessianAccumulator, prepare, quantize_exl2,
                        quantize_gptq)
-    from .qparams import QParams, measurement_key
+    from .qparams import QParams
 
     device = torch.device(o.device)
     blocks = _blocks(spec)
@@ -598,7 +611,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         if o.target == "exl2":
             ov = strategy["overrides"].get(key)
             qp = QParams.from_json(ov, key) if ov is not None else \
-                options_of(kind)[strategy["options"][measurement_key(spec.layer_prefix(i), kind)]].get(n)
+                options_of(kind)[strategy["options"][spec.block_key(i, kind)]].get(n)
             r = quantize_exl2(w, prep, qp.bits_rows(w.shape[1]), bool(o.refine_scales))
         else:
             r = quantize_gptq(w, prep, o.bits, o.group_size, sym=o.sym)
@@ -635,10 +648,13 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         y_q = blk.sweep(h, lin, record=True)     # the MLP half replays this (quantized) attention result
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         y_d = blk.sweep(h, dense)
-        key = measurement_key(spec.layer_prefix(i), kind)
+        key = spec.block_key(i, kind)
         work.job.setdefault("blocks", {})[key] = {
             "block": key, "option": None if strategy is None else strategy["options"].get(key),
             "rfn_error": _rel_err_rows(y_q, y_d)}
+        if blk.expert_tokens is not None:      # MoE: calibration tokens routed to each expert (quantized model)
+            work.job["blocks"][key].update(expert_tokens=blk.expert_tokens, expert_hessian_padded={
+                spec.linear_key(i, n): pad for n, pad in blk.padded.items() if pad})
         for n in blk.names:
             k = spec.linear_key(i, n)
             if k not in work.job["quantized"]:
@@ -652,7 +668,9 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         if kind == "mlp":
             work.snapshot("quant", bi + 1, {"h": h, "h_ref": h_ref})
         if progress:
-            progress("quantize", (bi + 1) * 10, len(blocks) * 10, key)
+            tokens = work.job["blocks"][key].get("expert_tokens")
+            progress("quantize", (bi + 1) * 10, len(blocks) * 10,
+                     key if tokens is None else f"{key} tokens per expert {' '.join(map(str, tokens))}")
 
     # the head (EXL2 only; GPTQ keeps a dense head, as GPTQ tools do)
     if progress:
@@ -691,7 +709,15 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
     # per-layer and per-block results, in model order, including those of an interrupted run's blocks
     order = [spec.linear_key(i, n) for i, k in blocks for n in _linears(spec, k)] + ["lm_head"]
     report.layers = [LayerResult(**work.job["layers"][k]) for k in order if k in work.job["layers"]]
-    report.blocks = [work.job["blocks"][measurement_key(spec.layer_prefix(i), k)] for i, k in blocks]
+    report.blocks = [work.job["blocks"][spec.block_key(i, k)] for i, k in blocks]
+    for b in report.blocks:
+        few = sorted({int(m.group(1)) for k in b.get("expert_hessian_padded") or ()
+                      if (m := re.search(r"\.experts\.(\d+)\.", k))})
+        if few:
+            report.warnings.append(f"{b['block']}: expert(s) {', '.join(map(str, few))} saw fewer calibration tokens "
+                                   "than some projection's input features (" + ", ".join(
+                                       str(b["expert_tokens"][e]) for e in few) + " tokens); those Hessians were "
+                                   "padded with the all-token Hessian (gate/up) or the identity (down)")
     report.calibration_ppl = _calibration_ppl(spec, src, h, ids, head)
     a, q = report.calibration_ppl_fp16, report.calibration_ppl
     if not (math.isfinite(q) and q <= _PPL_WARN_RATIO * a):
@@ -908,10 +934,23 @@ def _verify(tmp: Path, work: _Work, layer_keys: list[str], o: QuantOptions, repo
 
 
 def _measured_decoder_bpw(path: Path) -> float:
-    """The decoder linears' bpw as ``exl2fmt inspect`` reports it (headers only)."""
+    """The decoder linears' bpw as ``exl2fmt inspect`` reports it (headers only), without MoE routers: they stay
+    16-bit and ExLlamaV2's budget does not count them either (its MoE block's numel is the experts' alone)."""
     from ..inspect import inspect_model
 
-    return inspect_model(path, layers=False)["summary"]["bpw"]["decoder"]
+    rep = inspect_model(path, layers=True)
+    routers = [r for r in rep["layers"] if r["block"] not in (None, "head") and r["format"] == "dense"
+               and _ROUTER.search(r["key"])]
+    if not routers:
+        return rep["summary"]["bpw"]["decoder"]
+    bits = numel = 0
+    for r in rep["layers"]:
+        if r["block"] in (None, "head") or r in routers:
+            continue
+        n = r["out_features_stored"]            # inspect's convention: K x N_pad (+ N_pad with a bias)
+        bits += r["stored_bytes"] * 8
+        numel += r["in_features"] * n + (n if r["bias"] else 0)
+    return bits / numel
 
 
 # ------------------------------------------------------------------------------------------------ weight-only
@@ -1054,7 +1093,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
     from . import forward as F
     from .calib import load_calibration
     from .hf_engine import EXL2_ARCHS, HFModel
-    from .qparams import Option, block_options, measurement_key, read_measurement
+    from .qparams import block_options, read_measurement
 
     t0 = time.monotonic()
     o = options.resolved()
@@ -1076,9 +1115,13 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
             return _weight_only(model, src_p, dst_p, o, force, progress, config, str(e.message), t0)
         spec.check_weights()
         if o.target == "exl2" and o.measurement:       # a file for another model is refused before any work
-            names = {measurement_key(spec.layer_prefix(i), k): _linears(spec, k) for i, k in _blocks(spec)}
-            shapes = {n: (*spec.linear_shape(n)[::-1], spec.has_bias(n)) for k in ("attn", "mlp")
-                      for n in _linears(spec, k)}
+            names = {spec.block_key(i, k): tuple(f for f, _ in spec.measurement_names(k)) for i, k in _blocks(spec)}
+            shapes = {}             # file name -> [(K, N, has_bias)] of the linears that take its setting
+            for k in ("attn", "mlp"):
+                files = dict((r, f) for f, r in spec.measurement_names(k))
+                for n in _linears(spec, k):
+                    shapes.setdefault(files.get(n, files.get(spec.role(n))), []).append(
+                        (*spec.linear_shape(n)[::-1], spec.has_bias(n)))
             loaded = read_measurement(o.measurement, names, shapes=shapes, num_layers=spec.num_layers)
         tok = src_p / "tokenizer.json"
         if o.calibration is None and not tok.exists():
@@ -1121,7 +1164,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                     opts = options_of(kind)
                     index: dict = {}         # by the settings of the linears the block has (first option wins)
                     for j, opt in enumerate(opts):
-                        index.setdefault(Option(tuple(_opt_layers(opt, _linears(spec, kind)))), j)
+                        index.setdefault(_file_option(spec, kind, opt), j)
                     seen = {}
                     for opt, tb, acc in rows:
                         if opt in index and index[opt] not in seen:

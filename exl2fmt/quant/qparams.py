@@ -97,7 +97,10 @@ class Option:
     layers: tuple[tuple[str, QParams], ...]
 
     def get(self, name: str) -> QParams:
-        return dict(self.layers)[name]
+        """The setting of linear ``name``; a dotted name (a MoE block's ``experts.3.gate_proj``) takes the
+        setting of its last part (``gate_proj``)."""
+        d = dict(self.layers)
+        return d[name] if name in d else d[name.rpartition(".")[2]]
 
 
 def _q(spec: str) -> QParams:
@@ -299,7 +302,7 @@ def write_measurement(path: str | os.PathLike, measured: dict[str, list[tuple[Op
     os.replace(tmp, path)
 
 
-_BLOCK_KEY = re.compile(r"^(.*)\.(\d+)\.(self_attn|mlp)$")
+_BLOCK_KEY = re.compile(r"^(.*)\.(\d+)\.(self_attn|mlp|block_sparse_moe)$")
 
 #: A measured row's ``total_bits`` may differ from this model's cost of the same setting by this fraction
 #: (ExLlamaV2 and exl2fmt count the same bits; the margin covers a bias counted once more or less).  A file
@@ -316,7 +319,8 @@ def read_measurement(path: str | os.PathLike, layer_names: dict[str, tuple[str, 
     one option, and every option must name exactly those layers.  Other keys (norms, head: ``null``) are
     ignored.  Rows come back in the file's order.
 
-    With ``num_layers`` and ``shapes`` (linear name -> (K in, N out, has_bias) of this model), a file measured on
+    With ``num_layers`` and ``shapes`` (linear name -> (K in, N out, has_bias) of this model, or a list of them
+    for a name whose setting several linears take: a MoE block's ``w1`` for every expert's gate), a file measured on
     another model is refused with ``MEASUREMENT_MODEL_MISMATCH`` before any work: blocks of layers this model
     does not have, or ``total_bits`` that are not this model's cost of the row's setting (other shapes)."""
     p = os.fspath(path)
@@ -359,7 +363,8 @@ def read_measurement(path: str | os.PathLike, layer_names: dict[str, tuple[str, 
                      and 0 <= tb < 2 ** 63)
             tb = int(tb) if tb_ok else -1
             if shapes is not None and tb > 0:
-                ours = sum(qp.total_bits(*shapes[n]) for n, qp in opt.layers)
+                ours = sum(qp.total_bits(*sh) for n, qp in opt.layers
+                           for sh in (shapes[n] if isinstance(shapes[n], list) else [shapes[n]]))
                 if abs(tb - ours) > MEASUREMENT_COST_TOLERANCE * ours:
                     raise Exl2Error(ErrorCode.MEASUREMENT_MODEL_MISMATCH, f"{where}: total_bits {tb} but this "
                                     f"model's layers cost {ours} bits with that setting: the file was measured "
