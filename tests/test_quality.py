@@ -26,7 +26,7 @@ def _quality():
 
 def test_quality_ordering_on_trained_weights(tmp_path):
     q = _quality()
-    res = q.run(tmp_path, exl2_bits=(6.0, 4.15, 3.0), rows_cal=8, length_cal=256, rows_eval=12, length_eval=256,
+    res = q.run(tmp_path, exl2_bits=(6.0, 4.15, 3.0), rows_cal=8, length_cal=128, rows_eval=12, length_eval=256,
                 log=lambda *a: None)
     kl = {k: v["kl_mean"] for k, v in res.items()}
     assert kl["EXL2 6.0"] < kl["EXL2 4.15"] < kl["EXL2 3.0"], kl

@@ -295,20 +295,32 @@ def _opts(ids, **kw):
     return QuantOptions(**base)
 
 
-def test_exl2_pipeline_hits_the_budget_validates_and_is_reproducible(tiny_llama, tmp_path):
+@pytest.fixture(scope="module")
+def exl2_default(tiny_llama, tmp_path_factory):
+    """One default run (3.5 bpw, measurement saved), shared by the tests that only read its output:
+    ``(report, output dir, measurement.json, the source's files before the run)``."""
+    from exl2fmt.quant.pipeline import quantize_model
+
+    src, ids = tiny_llama
+    before = _files(src)
+    d = tmp_path_factory.mktemp("exl2-default")
+    m = d / "m.json"
+    r = quantize_model(src, d / "a", _opts(ids, save_measurement=str(m)))
+    return r, d / "a", m, before
+
+
+def test_exl2_pipeline_hits_the_budget_validates_and_is_reproducible(tiny_llama, exl2_default, tmp_path):
     from exl2fmt.quant.pipeline import quantize_model
     from exl2fmt.validate import validate_model
 
     src, ids = tiny_llama
-    before = _files(src)
-    m = tmp_path / "m.json"
-    r = quantize_model(src, tmp_path / "a", _opts(ids, save_measurement=str(m)))
+    r, a_dir, m, before = exl2_default
     assert 3.48 <= r.decoder_bpw <= 3.5
-    rep = validate_model(tmp_path / "a", deep=True)
+    rep = validate_model(a_dir, deep=True)
     assert not rep.failed and rep.counts().get("warn", 0) == 0, rep.as_dict()
-    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    cfg = json.loads((a_dir / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "exl2" and cfg["quantization_config"]["bits"] == 3.5
-    manifest = json.loads((tmp_path / "a" / "exl2fmt-manifest.json").read_text())
+    manifest = json.loads((a_dir / "exl2fmt-manifest.json").read_text())
     assert len(manifest["layers"]) == 2 * 7 + 1
     # the FP16 calibration perplexity against the whole-model forward (oracle), the quantized one near it
     transformers = pytest.importorskip("transformers")
@@ -321,17 +333,17 @@ def test_exl2_pipeline_hits_the_budget_validates_and_is_reproducible(tiny_llama,
     assert ppl["quantized"] == r.calibration_ppl and 0.9 < ppl["quantized"] / ppl["fp16"] < 1.5
     assert not any("perplexity" in w for w in r.warnings)
     assert _files(src) == before                                     # the source is never modified
-    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no work dir or partial dir left
+    assert not any(p.name.startswith(".") for p in a_dir.parent.iterdir())  # no work dir or partial dir left
     # same inputs -> byte-identical output; the saved measurement reproduces it without measuring
     quantize_model(src, tmp_path / "b", _opts(ids))
-    assert _files(tmp_path / "a") == _files(tmp_path / "b")
+    assert _files(a_dir) == _files(tmp_path / "b")
     quantize_model(src, tmp_path / "c", _opts(ids, measurement=str(m)))
-    a, c = _files(tmp_path / "a"), _files(tmp_path / "c")
+    a, c = _files(a_dir), _files(tmp_path / "c")
     ma, mc = (json.loads(x.pop("exl2fmt-manifest.json")) for x in (a, c))   # the manifest names its options
     assert a == c and ma["layers"] == mc["layers"] and mc["options"]["measurement"] == str(m)
     # existing output: refused without force
     with pytest.raises(Exl2Error) as e:
-        quantize_model(src, tmp_path / "a", _opts(ids))
+        quantize_model(src, a_dir, _opts(ids))
     assert e.value.code is ErrorCode.OUTPUT_EXISTS
 
 
@@ -512,22 +524,23 @@ def test_calibration_perplexity_in_chunks_equals_the_whole_logit_computation(tin
     src.close()
 
 
-def test_exl2_pipeline_writes_shards_with_an_index(tiny_llama, tmp_path):
+def test_exl2_pipeline_writes_shards_with_an_index(tiny_llama, exl2_default, tmp_path):
     """A small --shard-size splits the output; the index maps every tensor to the shard that holds it and the
-    sharded model holds the same tensors, byte for byte, as the single-file one."""
+    sharded model holds the same tensors, byte for byte, as the single-file one (the shared default run; the
+    sharded run reuses its measurement, which gives the same model - test_exl2_pipeline_hits_the_budget...)."""
     from exl2fmt.container import open_model
     from exl2fmt.quant.pipeline import quantize_model
     from exl2fmt.validate import validate_model
 
     src, ids = tiny_llama
-    quantize_model(src, tmp_path / "one", _opts(ids))
-    quantize_model(src, tmp_path / "many", _opts(ids, shard_size=60_000))
+    _, one, m, _ = exl2_default
+    quantize_model(src, tmp_path / "many", _opts(ids, shard_size=60_000, measurement=str(m)))
     shards = sorted(p.name for p in (tmp_path / "many").glob("output-*.safetensors"))
     assert len(shards) > 2 and not (tmp_path / "many" / "output.safetensors").exists()
     index = json.loads((tmp_path / "many" / "output.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == set(shards)
     assert not validate_model(tmp_path / "many", deep=True).failed
-    a, b = open_model(tmp_path / "one"), open_model(tmp_path / "many")
+    a, b = open_model(one), open_model(tmp_path / "many")
     try:
         assert sorted(a.names()) == sorted(b.names()) == sorted(index["weight_map"])
         for n in a.names():
