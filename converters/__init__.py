@@ -353,8 +353,8 @@ def _quantize(src, dst, target, bits, group_size, sym, size, force, progress, qu
 
 def _gguf_to_quantized(src, dst, target, bits, group_size, sym, size, force, progress, quant):
     """GGUF -> EXL2 / GPTQ: decode to a temporary FP16 directory next to DST (verified like any conversion),
-    quantize that, remove it.  The quantizer's calibration needs the rebuilt tokenizer.json (byte-level BPE
-    vocabularies) or ``--calibration`` token ids."""
+    quantize that, remove it.  The quantizer's calibration needs the rebuilt tokenizer.json (byte-level BPE and,
+    with transformers 5, SentencePiece vocabularies) or ``--calibration`` token ids."""
     import shutil
     import tempfile
 

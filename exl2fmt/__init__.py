@@ -14,7 +14,7 @@ in numba, torch or triton before they are needed):
 * ``open_model(path) -> ModelFiles``                hardened safetensors container (file or directory)
 * ``load_layer(model, key)``                        ``Exl2Linear`` / ``GptqLinear`` / ``DenseLinear``
 * ``Exl2Error``, ``ErrorCode``, ``Issue``           the one exception type and its stable codes
-* ``Format``                                        layer formats (``exl2``, ``gptq``, ``dense``)
+* ``Format``                                        layer formats (``exl2``, ``gptq``, ``dense``; ``awq``, ``exl3`` recognised only)
 
 Example (the bundled sample model: 15 EXL2 layers of a tiny Llama)::
 
