@@ -41,9 +41,14 @@ def test_quality_ordering_on_trained_weights(tmp_path):
     assert top1["EXL2 6.0"] > top1["EXL2 3.0"] and top1["EXL2 4.15"] > top1["RTN 4b g128"], top1
 
 
+@pytest.mark.slow
 def test_gptq_default_order_keeps_g_idx_monotone_at_act_order_quality(tmp_path):
     """The GPTQ default (--order static) stores g_idx = k // group_size, which vLLM's Marlin kernels run without
-    reordering, and is within 5% of full act-order (non-monotone g_idx) in KL on the trained fixture."""
+    reordering, and is within 5% of full act-order (non-monotone g_idx) in KL on the trained fixture.
+
+    A quality A/B (two GPTQ runs and an evaluation, ~40 s): a benchmark, run with ``-m slow`` (the harness is
+    ``bench/quality.py``'s ``gptq_orders``); the monotone g_idx itself is checked in the fast suite by
+    ``test_interop.py::test_static_order_matches_the_textbook_algorithm_and_keeps_g_idx_monotone``."""
     res = _quality().gptq_orders(tmp_path, orders=("act", None), rows_cal=8, length_cal=256, rows_eval=12,
                                  length_eval=256, log=lambda *a: None)
     act, default = res["GPTQ 4b g128 act"], res["GPTQ 4b g128 default"]
