@@ -198,7 +198,7 @@ def _ids(tmp_path, rows=4, length=32):
 @pytest.mark.parametrize("arch", MOE)
 def test_calibrated_gptq_moe_with_a_starved_expert_validates(tiny, tmp_path, arch):
     from exl2fmt.container import open_model
-    from exl2fmt.layers import layer_from_tensors
+    from exl2fmt.formats import layer_from_tensors
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
     from exl2fmt.validate import validate_model
 
