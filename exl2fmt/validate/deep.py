@@ -12,7 +12,7 @@ import os
 
 from ..errors import ErrorCode, Exl2Error
 from .report import CheckId, LayerResult, PassCode, Report, Status
-from .statistics import compare_weights, nonfinite_count, to_f32, weight_stats
+from .statistics import compare_weights, nonfinite_count, weight_stats
 
 __all__ = ["REFERENCE_THRESHOLDS", "reference_threshold", "deep_pass"]
 
@@ -195,7 +195,9 @@ def _compare_reference(rep: Report, res: LayerResult, layer, fmt: str, w, ref_mo
                 f"{list(info.shape)} cannot be compared with the dequantized float16 {list(w.shape)}",
                 tensor=key, file=info.file)
         return 0
-    ref = to_f32(ref_model.get(name), info.dtype)
+    from ..formats.common import as_float32
+
+    ref = as_float32(ref_model.get(name), info.dtype)
     m = compare_weights(w, ref)
     fr = _layer_bits_fractions(layer, fmt)
     thr = reference_threshold(fr)

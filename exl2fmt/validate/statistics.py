@@ -8,14 +8,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["to_f32", "nonfinite_count", "weight_stats", "compare_weights", "CHUNK_ELEMS"]
-
-
-def to_f32(a, st_dtype: str):
-    """float32 copy of a stored float tensor ``a`` (safetensors dtype ``st_dtype``; BF16 arrives as uint16 bits)."""
-    from ..formats.common import as_float32
-
-    return as_float32(a, st_dtype)
+__all__ = ["nonfinite_count", "weight_stats", "compare_weights", "CHUNK_ELEMS"]
 
 
 #: Elements per chunk of the chunked passes (bounded temporary memory).
