@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+from .lazynp import np  # numpy on first use: inspect reads headers only
 
 from .errors import ErrorCode, Exl2Error
 from .layout import BIT_WIDTHS, MAX_INT16, MAX_K, ROW_MULTIPLE
 
-__all__ = ["GroupTable", "decode_q_groups", "encode_q_groups", "group_table_from_rows"]
+__all__ = ["GroupTable", "decode_q_groups", "q_groups_plan", "encode_q_groups", "group_table_from_rows"]
 
 
 @dataclass(frozen=True)
@@ -87,20 +87,18 @@ def encode_q_groups(bits_rows) -> np.ndarray:
     return out
 
 
-def decode_q_groups(q_groups: np.ndarray, q_weight_rows: int, *, tensor: str | None = None,
-                    file: str | None = None, require_multiple_of_32: bool = True) -> GroupTable:
-    """Decode and check ``q_groups`` against the number of rows of ``q_weight``.
+def q_groups_plan(values, q_weight_rows: int, *, tensor: str | None = None, file: str | None = None,
+                  require_multiple_of_32: bool = True) -> list[tuple[int, int]]:
+    """The checks of ``decode_q_groups`` on plain Python ints; returns [(bits, rows)] per group.
 
-    ``q_groups``: integer array of shape (2G,), as stored (int16).  ``q_weight_rows``: q_weight.shape[0].
-    Raises ``Exl2Error`` (GROUPS_*) naming the first broken rule.  Does not check K against q_invperm.
+    ``values``: the q_groups entries as ints (a list, or the int16 values unpacked from the tensor's bytes).
+    Needs no numpy (inspect reads only headers and q_groups).  Python ints cannot overflow, so a hostile
+    q_weight row count fails a limit check instead of wrapping.  Raises ``Exl2Error`` (GROUPS_*).
     """
     def fail(code, msg):
         raise Exl2Error(code, msg, tensor=tensor, file=file)
 
-    # The checks run on Python ints (one ``tolist``): G is a few hundred and inspect decodes every layer of a
-    # model, so per-element numpy scalar indexing would dominate its run time.  Python ints cannot overflow,
-    # so a hostile q_weight row count fails a limit check instead of wrapping.
-    vals = np.asarray(q_groups).astype(np.int64).ravel().tolist()
+    vals = list(values)
     if not vals or len(vals) % 2:
         fail(ErrorCode.SLOT_SHAPE, f"q_groups has {len(vals)} entries; expected an even, non-zero count (2G)")
     G = len(vals) // 2
@@ -143,10 +141,18 @@ def decode_q_groups(q_groups: np.ndarray, q_weight_rows: int, *, tensor: str | N
     K = sum(rows)
     if K > MAX_K:
         fail(ErrorCode.GROUPS_LIMIT, f"K = {K} input rows; at most {MAX_K} allowed (uint16 permutations)")
-    row_start = [0] * G
-    for g in range(1, G):
-        row_start[g] = row_start[g - 1] + rows[g - 1]
-    i64 = np.int64
-    return GroupTable(bits=np.array(bits, dtype=i64), qrow=np.array(qrow, dtype=i64),
-                      qrows=np.array(qrows, dtype=i64), row_start=np.array(row_start, dtype=i64),
-                      rows=np.array(rows, dtype=i64))
+    return list(zip(bits, rows))
+
+
+def decode_q_groups(q_groups: np.ndarray, q_weight_rows: int, *, tensor: str | None = None,
+                    file: str | None = None, require_multiple_of_32: bool = True) -> GroupTable:
+    """Decode and check ``q_groups`` against the number of rows of ``q_weight``.
+
+    ``q_groups``: integer array of shape (2G,), as stored (int16).  ``q_weight_rows``: q_weight.shape[0].
+    Raises ``Exl2Error`` (GROUPS_*) naming the first broken rule (``q_groups_plan``).  Does not check K against
+    q_invperm.
+    """
+    # one tolist, then Python ints: G is a few hundred, and numpy scalar indexing per group would dominate
+    vals = np.asarray(q_groups).astype(np.int64).ravel().tolist()
+    return group_table_from_rows(q_groups_plan(vals, q_weight_rows, tensor=tensor, file=file,
+                                               require_multiple_of_32=require_multiple_of_32))

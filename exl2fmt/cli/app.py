@@ -4,9 +4,11 @@ Each command calls one library function (``exl2fmt.inspect.inspect_model``, ``ex
 ``exl2fmt.sample.write_sample``, ``exl2fmt.dequantize_layer``) and hands the result to the one output sink
 (``exl2fmt.cli.output.Output``).  Exceptions become a message and an exit code in ``exl2fmt.cli.errors``.
 
-Start-up cost matters (``inspect`` of a 70B model must take well under 1.5 s): this module imports only typer
-and exl2fmt.errors at import time; numpy, rich, the container and numba are imported inside the commands
-that need them, and torch/triton only for ``validate --kernel`` / ``--run``.
+Start-up cost matters (``inspect`` of a 70B model: at most 5x a bare Python process that parses the same headers,
+bench/bench_inspect.py): this module imports only typer and exl2fmt.errors at import time; rich, the container
+and numba are imported inside the commands that need them, numpy on the first array (``inspect`` reads q_groups
+as bytes and never imports it), typer's pydantic adapters only for values that need one (``_lazy_coercion``),
+and torch/triton only for ``validate --kernel`` / ``--run``.
 """
 
 from __future__ import annotations
