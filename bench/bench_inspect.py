@@ -161,10 +161,44 @@ def build_70b(d: Path, n_shards: int = 8) -> dict:
             "disk_bytes": sum(os.stat(d / f).st_blocks * 512 for f in set(weight_map.values()))}
 
 
-def run(cmd, **kw):
+# Child processes get bytecode caching like an installed package (pip compiles .pyc files at install): with
+# PYTHONDONTWRITEBYTECODE set, every run would recompile exl2fmt's sources and time the compiler.
+_PYC = tempfile.mkdtemp(prefix="exl2fmt-bench-pyc-")
+CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+CHILD_ENV["PYTHONPYCACHEPREFIX"] = _PYC
+
+# The floor of issue 18: a bare Python process that opens the same shards, reads each 8-byte length and JSON
+# header and parses it (what any safetensors reader must do, with no checks, no tool and no output).
+BARE_FLOOR = r"""
+import json, os, struct, sys
+d = sys.argv[1]
+n = 0
+for f in sorted(os.listdir(d)):
+    if f.endswith(".safetensors"):
+        with open(os.path.join(d, f), "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            n += len(json.loads(fh.read(size)))
+print(n)
+"""
+
+
+def run(cmd, cwd=None, **kw):
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(ROOT), **kw)
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(cwd or ROOT), env=CHILD_ENV,
+                       **kw)
     return time.perf_counter() - t0, p
+
+
+def interleaved(cmds: dict, reps: int = 7, cwd=None) -> dict:
+    """{name: (median s, min s, last CompletedProcess)}: one warm-up each, then ``reps`` rounds, the commands
+    interleaved within each round (so load changes hit them alike)."""
+    last = {k: run(c, cwd=cwd)[1] for k, c in cmds.items()}
+    times = {k: [] for k in cmds}
+    for _ in range(reps):
+        for k, c in cmds.items():
+            t, last[k] = run(c, cwd=cwd)
+            times[k].append(t)
+    return {k: (statistics.median(v), min(v), last[k]) for k, v in times.items()}
 
 
 def timed(cmd, reps=5):
@@ -314,6 +348,10 @@ def main():
     ap.add_argument("--keep", help="build the models in this directory and keep them")
     ap.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
     ap.add_argument("--deep-mb", type=int, default=300, help="size of the real shard for the --deep test")
+    ap.add_argument("--skip-deep", action="store_true", help="only the 70B-shaped inspect/validate timings")
+    ap.add_argument("--reps", type=int, default=7, help="rounds of the interleaved inspect timings")
+    ap.add_argument("--compare-python", metavar="PY", help="also time the commands with this interpreter (e.g. a "
+                    "venv holding the tree before a change), interleaved, and compare their stdout")
     args = ap.parse_args()
 
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="exl2fmt-bench-"))
@@ -330,9 +368,21 @@ def main():
         print(f"built {info['tensors']} tensors in {info['shards']} shards: {info['logical_bytes'] / 1e9:.1f} GB "
               f"logical, {info['disk_bytes'] / 1e6:.1f} MB on disk ({t_build:.1f} s)")
 
-        r_inspect = timed([*EXE, "inspect", str(d70)])
-        r_json = timed([*EXE, "inspect", str(d70), "--json"])
-        r_validate = timed([*EXE, "validate", str(d70)])
+        # issue 18: inspect against the bare floor, side by side (and against --compare-python, e.g. the tree before
+        # the change, in the same rounds); run from a neutral directory so each interpreter finds its own exl2fmt
+        cmds = {"bare": [sys.executable, "-c", BARE_FLOOR, str(d70)],
+                "json": [*EXE, "inspect", str(d70), "--json"], "human": [*EXE, "inspect", str(d70)],
+                "validate": [*EXE, "validate", str(d70)]}
+        if args.compare_python:
+            for k in ("json", "human", "validate"):
+                cmds["before " + k] = [args.compare_python, *cmds[k][1:]]
+        floor = interleaved(cmds, reps=args.reps, cwd=tempfile.gettempdir())
+        for k, r in floor.items():
+            if r[2].returncode != 0:
+                raise SystemExit(f"{k} failed: {r[2].stderr.decode()[-2000:]}")
+        if args.compare_python:
+            same = {k: floor[k][2].stdout == floor["before " + k][2].stdout for k in ("json", "human", "validate")}
+        r_inspect, r_json, r_validate = floor["human"], floor["json"], floor["validate"]
         for name, r in (("inspect", r_inspect), ("inspect --json", r_json), ("validate", r_validate)):
             print(f"{name:16s} median {r[0]:.3f} s  min {r[1]:.3f} s  exit {r[2].returncode}")
         rep = json.loads(r_json[2].stdout)
@@ -343,6 +393,21 @@ def main():
         print("heavy imports:", heavy)
         t_help = timed([*EXE, "--help"])
 
+        b = floor["bare"]
+        lines = ["| command | median | min | median / bare floor | target |", "|---|---:|---:|---:|---:|"]
+        labels = {"bare": "bare floor: `python -c` reading + json-parsing the 8 headers",
+                  "json": "`exl2fmt inspect DIR --json`", "human": "`exl2fmt inspect DIR` (561-row table)",
+                  "validate": "`exl2fmt validate DIR` (structural)"}
+        for k, r in floor.items():
+            name = labels.get(k) or f"before: {labels[k.split(' ', 1)[1]]}"
+            tgt = "<= 5x" if k in ("json", "human") else ""
+            lines.append(f"| {name} | {r[0] * 1e3:.0f} ms | {r[1] * 1e3:.0f} ms | {r[0] / b[0]:.1f}x | {tgt} |")
+        floor_table = "\n".join(lines)
+        print(floor_table)
+        if args.compare_python:
+            print("identical stdout before/after:", same)
+        if args.skip_deep:
+            return
         deep = deep_bench(base, args.deep_mb)
         print(json.dumps(deep, indent=1))
 
@@ -357,7 +422,7 @@ load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end: the 
 80 blocks x 7 linears + lm_head = {s['linear_layers']} EXL2 layers, {info['tensors']} tensors in {info['shards']} shards + index,
 {info['logical_bytes'] / 1e9:.1f} GB of tensor data declared, {info['disk_bytes'] / 1e6:.1f} MB actually on disk (sparse; the
 q_groups vectors, norms and q_scale_max are real data). Measured: {s['parameters'] / 1e9:.2f} B logical parameters,
-decoder {s['bpw']['decoder']:.3f} bpw, head {s['bpw']['head']:.3f} bpw. Wall clock of the whole CLI process, median of 5 after a warm-up:
+decoder {s['bpw']['decoder']:.3f} bpw, head {s['bpw']['head']:.3f} bpw. Wall clock of the whole CLI process, median of {args.reps} after a warm-up (interleaved with the bare floor):
 
 | command | median | min | target | exit |
 |---|---:|---:|---:|---:|
@@ -365,6 +430,10 @@ decoder {s['bpw']['decoder']:.3f} bpw, head {s['bpw']['head']:.3f} bpw. Wall clo
 | `exl2fmt inspect DIR --json` | {r_json[0]:.3f} s | {r_json[1]:.3f} s | <= 1.5 s | {r_json[2].returncode} |
 | `exl2fmt validate DIR` (structural) | {r_validate[0]:.3f} s | {r_validate[1]:.3f} s | <= 1.5 s | {r_validate[2].returncode} |
 | `exl2fmt --help` (start-up floor) | {t_help[0]:.3f} s | {t_help[1]:.3f} s | | {t_help[2].returncode} |
+
+Against the bare floor (issue 18), same rounds:
+
+{floor_table}
 
 Structural validate result on it: {vdoc['result']} ({vdoc['counts']['pass']} passed, {vdoc['counts']['warn']} warnings,
 {vdoc['counts']['fail']} failed).

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+from .lazynp import np  # numpy on first use: inspect reads headers only
 
 from .errors import ErrorCode, Exl2Error
 from .layout import BIT_WIDTHS, MAX_INT16, MAX_K, ROW_MULTIPLE
 
-__all__ = ["GroupTable", "decode_q_groups", "encode_q_groups", "group_table_from_rows"]
+__all__ = ["GroupTable", "decode_q_groups", "q_groups_plan", "encode_q_groups", "group_table_from_rows"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class GroupTable:
         return int(self.qrows.sum())
 
     def bits_rows(self) -> list[tuple[int, int]]:
-        return [(int(b), int(r)) for b, r in zip(self.bits, self.rows)]
+        return list(zip(self.bits.tolist(), self.rows.tolist()))
 
     def rows_per_bits(self) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -87,58 +87,72 @@ def encode_q_groups(bits_rows) -> np.ndarray:
     return out
 
 
+def q_groups_plan(values, q_weight_rows: int, *, tensor: str | None = None, file: str | None = None,
+                  require_multiple_of_32: bool = True) -> list[tuple[int, int]]:
+    """The checks of ``decode_q_groups`` on plain Python ints; returns [(bits, rows)] per group.
+
+    ``values``: the q_groups entries as ints (a list, or the int16 values unpacked from the tensor's bytes).
+    Needs no numpy (inspect reads only headers and q_groups).  Python ints cannot overflow, so a hostile
+    q_weight row count fails a limit check instead of wrapping.  Raises ``Exl2Error`` (GROUPS_*).
+    """
+    def fail(code, msg):
+        raise Exl2Error(code, msg, tensor=tensor, file=file)
+
+    vals = list(values)
+    if not vals or len(vals) % 2:
+        fail(ErrorCode.SLOT_SHAPE, f"q_groups has {len(vals)} entries; expected an even, non-zero count (2G)")
+    G = len(vals) // 2
+    if G > MAX_INT16:
+        fail(ErrorCode.GROUPS_LIMIT, f"{G} groups; at most {MAX_INT16} allowed")
+    bits = vals[0::2]
+    qrow = vals[1::2]
+    for g, b in enumerate(bits):
+        if b not in BIT_WIDTHS:
+            fail(ErrorCode.GROUPS_BITS, f"group {g} has bit width {b}; allowed: 2, 3, 4, 5, 6, 8")
+    # tiers: non-increasing, each width contiguous (non-increasing already implies contiguity)
+    for g in range(1, G):
+        if bits[g] > bits[g - 1]:
+            fail(ErrorCode.GROUPS_ORDER,
+                 f"group {g} has {bits[g]} bits after a {bits[g - 1]}-bit group; "
+                 "bit widths must be non-increasing (8, 6, 5, 4, 3, 2)")
+    if qrow[0] != 0:
+        fail(ErrorCode.GROUPS_QROW, f"group 0 starts at q_weight row {qrow[0]}; expected 0")
+    nxt = qrow[1:] + [int(q_weight_rows)]
+    qrows = [n - q for n, q in zip(nxt, qrow)]
+    for g in range(G):
+        if qrow[g] < 0 or qrow[g] > MAX_INT16:
+            fail(ErrorCode.GROUPS_LIMIT, f"group {g} starts at q_weight row {qrow[g]}; allowed 0..{MAX_INT16}")
+        if qrows[g] <= 0:
+            where = f"group {g + 1} at row {nxt[g]}" if g + 1 < G else f"end of q_weight ({q_weight_rows} rows)"
+            fail(ErrorCode.GROUPS_QROW,
+                 f"group {g} starts at q_weight row {qrow[g]} but the {where} does not lie after it")
+        if (qrows[g] * 32) % bits[g]:
+            fail(ErrorCode.GROUPS_ROWS,
+                 f"group {g}: {qrows[g]} packed rows at {bits[g]} bits is not a whole number of input rows")
+    rows = [q * 32 // b for q, b in zip(qrows, bits)]
+    for g in range(G):
+        unit = BIT_WIDTHS[bits[g]].rows_per_unit
+        need = ROW_MULTIPLE if require_multiple_of_32 else unit
+        if rows[g] % need:
+            fail(ErrorCode.GROUPS_ROWS,
+                 f"group {g} holds {rows[g]} input rows at {bits[g]} bits; must be a multiple of {need}")
+        if rows[g] > MAX_INT16:
+            fail(ErrorCode.GROUPS_LIMIT, f"group {g} holds {rows[g]} rows; at most {MAX_INT16} allowed")
+    K = sum(rows)
+    if K > MAX_K:
+        fail(ErrorCode.GROUPS_LIMIT, f"K = {K} input rows; at most {MAX_K} allowed (uint16 permutations)")
+    return list(zip(bits, rows))
+
+
 def decode_q_groups(q_groups: np.ndarray, q_weight_rows: int, *, tensor: str | None = None,
                     file: str | None = None, require_multiple_of_32: bool = True) -> GroupTable:
     """Decode and check ``q_groups`` against the number of rows of ``q_weight``.
 
     ``q_groups``: integer array of shape (2G,), as stored (int16).  ``q_weight_rows``: q_weight.shape[0].
-    Raises ``Exl2Error`` (GROUPS_*) naming the first broken rule.  Does not check K against q_invperm.
+    Raises ``Exl2Error`` (GROUPS_*) naming the first broken rule (``q_groups_plan``).  Does not check K against
+    q_invperm.
     """
-    def fail(code, msg):
-        raise Exl2Error(code, msg, tensor=tensor, file=file)
-
-    qg = np.asarray(q_groups).astype(np.int64).ravel()
-    if qg.size == 0 or qg.size % 2:
-        fail(ErrorCode.SLOT_SHAPE, f"q_groups has {qg.size} entries; expected an even, non-zero count (2G)")
-    G = qg.size // 2
-    if G > MAX_INT16:
-        fail(ErrorCode.GROUPS_LIMIT, f"{G} groups; at most {MAX_INT16} allowed")
-    bits = qg[0::2].copy()
-    qrow = qg[1::2].copy()
-    for g in range(G):
-        if int(bits[g]) not in BIT_WIDTHS:
-            fail(ErrorCode.GROUPS_BITS, f"group {g} has bit width {int(bits[g])}; allowed: 2, 3, 4, 5, 6, 8")
-    # tiers: non-increasing, each width contiguous (non-increasing already implies contiguity)
-    for g in range(1, G):
-        if bits[g] > bits[g - 1]:
-            fail(ErrorCode.GROUPS_ORDER,
-                 f"group {g} has {int(bits[g])} bits after a {int(bits[g - 1])}-bit group; "
-                 "bit widths must be non-increasing (8, 6, 5, 4, 3, 2)")
-    if qrow[0] != 0:
-        fail(ErrorCode.GROUPS_QROW, f"group 0 starts at q_weight row {int(qrow[0])}; expected 0")
-    nxt = np.append(qrow[1:], q_weight_rows)
-    qrows = nxt - qrow
-    for g in range(G):
-        if qrow[g] < 0 or qrow[g] > MAX_INT16:
-            fail(ErrorCode.GROUPS_LIMIT, f"group {g} starts at q_weight row {int(qrow[g])}; allowed 0..{MAX_INT16}")
-        if qrows[g] <= 0:
-            where = f"group {g + 1} at row {int(nxt[g])}" if g + 1 < G else f"end of q_weight ({q_weight_rows} rows)"
-            fail(ErrorCode.GROUPS_QROW,
-                 f"group {g} starts at q_weight row {int(qrow[g])} but the {where} does not lie after it")
-        if (qrows[g] * 32) % bits[g]:
-            fail(ErrorCode.GROUPS_ROWS,
-                 f"group {g}: {int(qrows[g])} packed rows at {int(bits[g])} bits is not a whole number of input rows")
-    rows = qrows * 32 // bits
-    for g in range(G):
-        unit = BIT_WIDTHS[int(bits[g])].rows_per_unit
-        need = ROW_MULTIPLE if require_multiple_of_32 else unit
-        if rows[g] % need:
-            fail(ErrorCode.GROUPS_ROWS,
-                 f"group {g} holds {int(rows[g])} input rows at {int(bits[g])} bits; must be a multiple of {need}")
-        if rows[g] > MAX_INT16:
-            fail(ErrorCode.GROUPS_LIMIT, f"group {g} holds {int(rows[g])} rows; at most {MAX_INT16} allowed")
-    K = int(rows.sum())
-    if K > MAX_K:
-        fail(ErrorCode.GROUPS_LIMIT, f"K = {K} input rows; at most {MAX_K} allowed (uint16 permutations)")
-    row_start = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
-    return GroupTable(bits=bits, qrow=qrow, qrows=qrows, row_start=row_start, rows=rows)
+    # one tolist, then Python ints: G is a few hundred, and numpy scalar indexing per group would dominate
+    vals = np.asarray(q_groups).astype(np.int64).ravel().tolist()
+    return group_table_from_rows(q_groups_plan(vals, q_weight_rows, tensor=tensor, file=file,
+                                               require_multiple_of_32=require_multiple_of_32))

@@ -15,9 +15,12 @@ Conventions (see spec/exl2.md):
 
 from __future__ import annotations
 
+import collections
 import enum
+import itertools
 import json
 import math
+import operator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -471,21 +474,10 @@ def plan_desc(bits_rows: list[tuple[int, int]]) -> str:
     if K == 0:
         return ""
     parts = []
-    i = 0
-    while i < len(bits_rows):
-        b = bits_rows[i][0]
-        j = i
-        sizes: dict[int, int] = {}
-        rows = 0
-        while j < len(bits_rows) and bits_rows[j][0] == b:
-            r = bits_rows[j][1]
-            sizes[r] = sizes.get(r, 0) + 1
-            rows += r
-            j += 1
-        gs = max(sizes.items(), key=lambda kv: (kv[1], kv[0]))[0]
-        p = rows / K
-        parts.append(f"{_fmt_prop(p)}:{b}b_{gs}g")
-        i = j
+    for b, run in itertools.groupby(bits_rows, key=operator.itemgetter(0)):  # consecutive groups of one width
+        rs = [r for _, r in run]
+        gs = max(collections.Counter(rs).items(), key=lambda kv: (kv[1], kv[0]))[0]
+        parts.append(f"{_fmt_prop(sum(rs) / K)}:{b}b_{gs}g")
     return "/".join(parts)
 
 

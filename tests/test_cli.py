@@ -414,8 +414,10 @@ def test_cli_imports_no_torch_triton_numba(sample_dir, args):
                        text=True, cwd=str(ROOT))
     assert p.returncode == 0, p.stderr[-2000:]
     mods = {m.group(1).split(".")[0] for m in re.finditer(r"import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", p.stderr)}
-    assert "numpy" in mods or args == ["--help"]  # the parser actually recorded imports
+    assert "exl2fmt" in mods  # the parser actually recorded imports
     assert not mods & {"torch", "triton", "numba"}
+    if args[0] == "inspect":  # header-only: q_groups are read as bytes; typer's pydantic adapters never built
+        assert not mods & {"numpy", "pydantic"}
 
 
 def test_console_script_entry_point():

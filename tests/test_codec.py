@@ -195,6 +195,14 @@ def test_dequant_permutation_direction():
 def test_dequantize_rejects_bad_input():
     qw, qs, qsm, gt = _one_group_layer(4, np.zeros(32), 0x3C00, 0)
     ok = np.arange(32, dtype=np.int32)
+    for out in (np.empty((32, 32), np.float32), np.empty((31, 32), np.float16), np.empty((32, 64), np.float16)[:, ::2],
+                np.zeros((32, 32), np.float16).copy().view(np.float16)[::-1]):
+        with pytest.raises(ValueError, match="out must be"):
+            X.dequantize(qw, qs, qsm, gt, ok, out=out)
+    ro = np.empty((32, 32), np.float16)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="out must be"):
+        X.dequantize(qw, qs, qsm, gt, ok, out=ro)
     bad = ok.copy()
     bad[1] = 0
     with pytest.raises(ValueError, match="permutation"):
@@ -287,6 +295,14 @@ def test_exl2_dequantize_equals_twin(layer, data):
     assert np.array_equal(f16_bits(got), f16_bits(ref))
     # and the permutation relation against the stored matrix directly: W[j] = stored[q_invperm[j]]
     assert np.array_equal(f16_bits(got), f16_bits(got_stored[inv][:, :got.shape[0]].T))
+    # into a caller's buffer holding stale values: 32-byte aligned (non-temporal stores on x86) or 16 bytes off
+    shift = data.draw(st.sampled_from([0, 8]), label="out offset in fp16 elements")
+    raw = np.full(got.size + 64, 7.0, dtype=np.float16)
+    start = (-raw.ctypes.data % 64) // 2 + shift
+    o = raw[start:start + got.size].reshape(got.shape)
+    assert X.dequantize(qw, qs, qsm, gt, inv, out_features=n_out, out=o) is o
+    assert np.array_equal(f16_bits(o), f16_bits(ref))
+    assert (raw[:start] == 7).all() and (raw[start + got.size:] == 7).all()  # nothing written outside out
 
 
 @hyp_settings(60)

@@ -4,9 +4,11 @@ Each command calls one library function (``exl2fmt.inspect.inspect_model``, ``ex
 ``exl2fmt.sample.write_sample``, ``exl2fmt.dequantize_layer``) and hands the result to the one output sink
 (``exl2fmt.cli.output.Output``).  Exceptions become a message and an exit code in ``exl2fmt.cli.errors``.
 
-Start-up cost matters (``inspect`` of a 70B model must take well under 1.5 s): this module imports only typer
-and exl2fmt.errors at import time; numpy, rich, the container and numba are imported inside the commands
-that need them, and torch/triton only for ``validate --kernel`` / ``--run``.
+Start-up cost matters (``inspect`` of a 70B model: at most 5x a bare Python process that parses the same headers,
+bench/bench_inspect.py): this module imports only typer and exl2fmt.errors at import time; rich, the container
+and numba are imported inside the commands that need them, numpy on the first array (``inspect`` reads q_groups
+as bytes and never imports it), typer's pydantic adapters only for values that need one (``_lazy_coercion``),
+and torch/triton only for ``validate --kernel`` / ``--run``.
 """
 
 from __future__ import annotations
@@ -576,6 +578,54 @@ def _no_bool_metavar() -> None:
 
 
 _no_bool_metavar()
+
+
+def _lazy_coercion() -> None:
+    """Typer 0.2x coerces parameter values through pydantic ``TypeAdapter``s, built when a parameter is first
+    processed - even for an absent optional one - and the import of pydantic alone costs more than ``inspect`` of
+    a 70B model (bench/RESULTS.md, issue 18).  Here the adapter is built only for a value that needs it: absent
+    values (None) never reach it in typer's ``RuntimeParam.coerce``, a ``str`` value of a ``str`` /
+    ``Optional[str]`` parameter and a ``bool`` value of a ``bool`` / ``Optional[bool]`` one are returned as they
+    are (what the adapter returns for them); everything else goes to typer's own coercion, unchanged.  Typer
+    versions without this machinery (``typer.core._TyperParameter``) are left alone."""
+    try:
+        from dataclasses import dataclass
+        from typing import Optional as _Opt
+
+        from typer import _coercion
+        from typer.core import _TyperParameter
+    except ImportError:  # pragma: no cover - typer < 0.2x: click types, no pydantic
+        return
+    plain = getattr(_TyperParameter, "get_runtime_param", None)
+    if plain is None or getattr(plain, "_exl2fmt", False) or not hasattr(_coercion, "build_runtime_param"):
+        return
+    as_is = {str: str, _Opt[str]: str, bool: bool, _Opt[bool]: bool}
+
+    @dataclass(frozen=True)
+    class _Lazy(_coercion.RuntimeParam):
+        descriptor: object = None
+        built: dict = None
+
+        def _coerce_value(self, value, param, ctx):
+            kind = as_is.get(self.annotation)
+            if kind is not None and type(value) is kind:
+                return value
+            if "rp" not in self.built:
+                self.built["rp"] = _coercion.build_runtime_param(self.descriptor)
+            return self.built["rp"]._coerce_value(value, param=param, ctx=ctx)
+
+    def get_runtime_param(self):
+        d = getattr(self, "type_descriptor", None)
+        if getattr(self, "_runtime_param", True) is None and d is not None:
+            self._runtime_param = _Lazy(parameter_info=d.parameter_info, annotation=d.annotation, descriptor=d,
+                                        built={})
+        return plain(self)
+
+    get_runtime_param._exl2fmt = True
+    _TyperParameter.get_runtime_param = get_runtime_param
+
+
+_lazy_coercion()
 
 
 def main(argv: list[str] | None = None) -> None:

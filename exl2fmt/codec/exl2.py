@@ -16,6 +16,8 @@ the two agree bit for bit.
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -379,28 +381,71 @@ def _transpose_store(typingctx, src, srow, scol, dst, row0, col0):
     sig = types.void(src, types.intp, types.intp, dst, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
-        src_v, srow_v, scol_v, dst_v, row0_v, col0_v = args
-        sa = context.make_array(signature.args[0])(context, builder, src_v)
-        da = context.make_array(signature.args[3])(context, builder, dst_v)
-        i64 = ir.IntType(64)
-        vec = ir.VectorType(ir.IntType(16), _BLOCK).as_pointer()
-        s_cols = builder.extract_value(sa.shape, 1)
-        d_cols = builder.extract_value(da.shape, 1)
-        rows = []
-        for r in range(_BLOCK):
-            off = builder.add(builder.mul(builder.add(srow_v, ir.Constant(i64, r)), s_cols), scol_v)
-            ld = builder.load(builder.bitcast(builder.gep(sa.data, [off]), vec))
-            ld.align = 2
-            rows.append(ld)
-        mask_t = ir.VectorType(ir.IntType(32), _BLOCK)
-        cols = _transpose_program(rows, lambda a, b, m: builder.shuffle_vector(a, b, ir.Constant(mask_t, m)))
-        for c in range(_BLOCK):
-            off = builder.add(builder.mul(builder.add(row0_v, ir.Constant(i64, c)), d_cols), col0_v)
-            st = builder.store(cols[c], builder.bitcast(builder.gep(da.data, [off]), vec))
-            st.align = 2
-        return context.get_dummy_value()
+        return _transpose_store_codegen(context, builder, signature, args, nontemporal=False)
 
     return sig, codegen
+
+
+def _transpose_store_codegen(context, builder, signature, args, *, nontemporal: bool):
+    src_v, srow_v, scol_v, dst_v, row0_v, col0_v = args
+    sa = context.make_array(signature.args[0])(context, builder, src_v)
+    da = context.make_array(signature.args[3])(context, builder, dst_v)
+    i64 = ir.IntType(64)
+    vec = ir.VectorType(ir.IntType(16), _BLOCK).as_pointer()
+    s_cols = builder.extract_value(sa.shape, 1)
+    d_cols = builder.extract_value(da.shape, 1)
+    rows = []
+    for r in range(_BLOCK):
+        off = builder.add(builder.mul(builder.add(srow_v, ir.Constant(i64, r)), s_cols), scol_v)
+        ld = builder.load(builder.bitcast(builder.gep(sa.data, [off]), vec))
+        ld.align = 2
+        rows.append(ld)
+    mask_t = ir.VectorType(ir.IntType(32), _BLOCK)
+    cols = _transpose_program(rows, lambda a, b, m: builder.shuffle_vector(a, b, ir.Constant(mask_t, m)))
+    nt = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]) if nontemporal else None
+    for c in range(_BLOCK):
+        off = builder.add(builder.mul(builder.add(row0_v, ir.Constant(i64, c)), d_cols), col0_v)
+        st = builder.store(cols[c], builder.bitcast(builder.gep(da.data, [off]), vec))
+        if nt is None:
+            st.align = 2
+        else:
+            st.align = _NT_ALIGN
+            st.set_metadata("nontemporal", nt)
+    return context.get_dummy_value()
+
+
+# Non-temporal stores (x86: movntdq) write whole lines straight to memory, without first reading each line
+# of the output into the cache (the read-for-ownership a plain store costs).  They are weakly ordered, so
+# each work item ends with an sfence.  Other targets get plain stores.
+_NT_STORES = platform.machine().lower() in ("x86_64", "amd64")
+_NT_ALIGN = 32  # the NT path needs the output's rows to start on 32-byte boundaries (one ymm store)
+
+
+@intrinsic
+def _transpose_store_nt(typingctx, src, srow, scol, dst, row0, col0):
+    """``_transpose_store`` with non-temporal stores; ``dst``'s 64-byte row segments must be 32-byte aligned."""
+    if not (_is_c_array(src, 2) and _is_c_array(dst, 2) and src.dtype == types.uint16
+            and dst.dtype == types.uint16):
+        return None
+    sig = types.void(src, types.intp, types.intp, dst, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        return _transpose_store_codegen(context, builder, signature, args, nontemporal=_NT_STORES)
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_fence(typingctx):
+    """sfence on x86 (orders the non-temporal stores before the work item ends); nothing elsewhere."""
+    def codegen(context, builder, signature, args):
+        if _NT_STORES:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse.sfence")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
 
 
 @njit(cache=True)
@@ -481,13 +526,18 @@ def _decode_features(qt, scale, tab, j0, jn, tmp):
 
 
 @njit(cache=True)
-def _store_transposed(tmp, jn, out, n0, n_rows, j0):
-    """Step 3: out[n0 + c, j0 + i] = tmp[i, c] for c < n_rows, i < jn; whole 32 x 32 blocks in registers."""
+def _store_transposed(tmp, jn, out, n0, n_rows, j0, nontemporal):
+    """Step 3: out[n0 + c, j0 + i] = tmp[i, c] for c < n_rows, i < jn; whole 32 x 32 blocks in registers
+    (``nontemporal``: with non-temporal stores; the caller checked the alignment)."""
     full = jn // _BLOCK * _BLOCK
     for cb in range(0, n_rows, _BLOCK):
         if cb + _BLOCK <= n_rows:
-            for jb in range(0, full, _BLOCK):
-                _transpose_store(tmp, jb, cb, out, n0 + cb, j0 + jb)
+            if nontemporal:
+                for jb in range(0, full, _BLOCK):
+                    _transpose_store_nt(tmp, jb, cb, out, n0 + cb, j0 + jb)
+            else:
+                for jb in range(0, full, _BLOCK):
+                    _transpose_store(tmp, jb, cb, out, n0 + cb, j0 + jb)
             c1, i0 = cb + _BLOCK, full  # only the features past the last whole block are left
         else:
             c1, i0 = n_rows, 0  # a partial block of rows (out_features not a multiple of 32)
@@ -497,7 +547,7 @@ def _store_transposed(tmp, jn, out, n0, n_rows, j0):
 
 
 @njit(cache=True, parallel=True)
-def _dequant_linear(q_weight_u32, q_scale_u32, qsm_bits, gbits, tab, n_out, out):
+def _dequant_linear(q_weight_u32, q_scale_u32, qsm_bits, gbits, tab, n_out, out, nontemporal):
     K = tab.shape[0]
     n_tiles = (n_out + _TILE_COLS - 1) // _TILE_COLS
     for ti in prange(n_tiles):
@@ -510,7 +560,9 @@ def _dequant_linear(q_weight_u32, q_scale_u32, qsm_bits, gbits, tab, n_out, out)
         for j0 in range(0, K, _JROWS):
             jn = min(_JROWS, K - j0)
             _decode_features(qt, scale, tab, j0, jn, tmp)
-            _store_transposed(tmp, jn, out, n0, n_rows, j0)
+            _store_transposed(tmp, jn, out, n0, n_rows, j0, nontemporal)
+        if nontemporal:
+            _store_fence()
 
 
 @njit(cache=True, parallel=True)
@@ -577,13 +629,25 @@ def _features(args, rows: np.ndarray) -> np.ndarray:
 
 
 
+def _empty_aligned(shape: tuple[int, int]) -> np.ndarray:
+    """np.empty uint16 ``shape`` (C order) whose data starts on a 64-byte boundary (malloc gives 16)."""
+    n = shape[0] * shape[1]
+    raw = np.empty(n + 32, dtype=np.uint16)
+    off = (-raw.ctypes.data % 64) // 2
+    return raw[off:off + n].reshape(shape)
+
+
 def dequantize(q_weight: np.ndarray, q_scale: np.ndarray, q_scale_max: np.ndarray, groups: GroupTable,
-               q_invperm: np.ndarray, out_features: int | None = None) -> np.ndarray:
+               q_invperm: np.ndarray, out_features: int | None = None, *, out: np.ndarray | None = None) -> np.ndarray:
     """Full dequantization to the ``nn.Linear`` weight: float16 [out_features, K], C order.
 
     Bit-exact with ExLlamaV2's reconstruction: m = fp16(q_scale_max/256), s = fp16(fp16((c+1)^2) * m),
     w = fp16(fp16(q - 2^(b-1)) * s), then W[q_perm[k], n] = w(k, n) and the N padding is dropped
     (``out_features`` defaults to N_pad).  ``q_invperm`` must be a permutation (checked).
+
+    ``out``: optional float16 [out_features, K], C order, writable, sharing no memory with the inputs: the
+    result is written there and ``out`` is returned.  A caller that decodes layer after layer into one buffer
+    so pays no page faults of a fresh output (bench/bench_codec.py measures both).
     """
     args = _common_args(q_weight, q_scale, q_scale_max, groups)
     n_pad = q_weight.shape[1]
@@ -593,10 +657,18 @@ def dequantize(q_weight: np.ndarray, q_scale: np.ndarray, q_scale_max: np.ndarra
     inv = np.ascontiguousarray(q_invperm).astype(np.int64, copy=False)
     if inv.shape != (groups.K,) or not is_permutation(inv):
         raise ValueError(f"q_invperm must be a permutation of 0..{groups.K - 1}")
-    out = np.empty((n_out, groups.K), dtype=np.uint16)
+    if out is None:
+        res = _empty_aligned((n_out, groups.K))
+    else:
+        if not (isinstance(out, np.ndarray) and out.dtype == np.float16 and out.shape == (n_out, groups.K)
+                and out.flags.c_contiguous and out.flags.writeable):
+            raise ValueError(f"out must be a writable C-order float16 array of shape {(n_out, groups.K)}, got "
+                             f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
+        res = out.view(np.uint16)
+    nontemporal = (_NT_STORES and res.ctypes.data % _NT_ALIGN == 0 and (groups.K * 2) % _NT_ALIGN == 0)
     if n_out and groups.K:
-        _dequant_linear(*args[:4], _features(args, inv), n_out, out)
-    return out.view(np.float16)
+        _dequant_linear(*args[:4], _features(args, inv), n_out, res, nontemporal)
+    return res.view(np.float16) if out is None else out
 
 
 def dequantize_stored(q_weight: np.ndarray, q_scale: np.ndarray, q_scale_max: np.ndarray,

@@ -21,14 +21,14 @@ module            holds
 ================  =================================================================================================
 
 The names below are re-exported here, so ``from exl2fmt.container import open_model`` is the usual spelling.
-Importing this package loads numpy and the standard library only (no torch, numba, rich or typer); the writer's
+Importing this package loads the standard library only (numpy on the first array, never torch, numba, rich or typer); the writer's
 names are resolved on first use, so reading a model (inspect, validate) does not load the writer and its
 publishing helpers.
 """
 
 from __future__ import annotations
 
-from .dtypes import (RAW_DTYPES, SAFETENSORS_DTYPES, DtypeSpec, bf16_bits_to_f32, f16_to_bf16_bits, f32_to_bf16_bits,
+from .dtypes import (RAW_DTYPES, DtypeSpec, bf16_bits_to_f32, f16_to_bf16_bits, f32_to_bf16_bits,
                      numpy_to_safetensors_dtype)
 from .parse import (JSON_MAX_DEPTH, MAX_HEADER_BYTES, MAX_NDIM, MAX_TENSORS, STRICTER_THAN_REFERENCE,
                     SafetensorsHeader, TensorInfo, parse_header)
@@ -48,6 +48,12 @@ _WRITER_NAMES = frozenset({"BackgroundWriter", "OutSpec", "RawTensor", "ShardWri
 
 
 def __getattr__(name: str):
+    if name == "SAFETENSORS_DTYPES":  # numpy dtypes: built on first use, so reading headers does not import numpy
+        from . import dtypes
+
+        value = dtypes.SAFETENSORS_DTYPES
+        globals()[name] = value
+        return value
     if name in _WRITER_NAMES:
         from . import writer
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple
 
-import numpy as np
+from ..lazynp import np  # numpy on first use: parsing a header needs only DTYPE_BITS
 
-__all__ = ["DtypeSpec", "SAFETENSORS_DTYPES", "RAW_DTYPES", "DTYPE_RANK", "numpy_to_safetensors_dtype",
+__all__ = ["DtypeSpec", "SAFETENSORS_DTYPES", "DTYPE_BITS", "RAW_DTYPES", "DTYPE_RANK", "numpy_to_safetensors_dtype",
            "f32_to_bf16_bits", "f16_to_bf16_bits", "bf16_bits_to_f32"]
 
 class DtypeSpec(NamedTuple):
@@ -32,36 +32,52 @@ class DtypeSpec(NamedTuple):
     numpy: np.dtype | None
 
 
-SAFETENSORS_DTYPES: Mapping[str, DtypeSpec] = MappingProxyType({
-    "BOOL": DtypeSpec(8, np.dtype(np.bool_)),
-    "F4": DtypeSpec(4, None),
-    "F6_E2M3": DtypeSpec(6, None),
-    "F6_E3M2": DtypeSpec(6, None),
-    "U8": DtypeSpec(8, np.dtype("u1")),
-    "I8": DtypeSpec(8, np.dtype("i1")),
-    "F8_E5M2": DtypeSpec(8, np.dtype("u1")),
-    "F8_E4M3": DtypeSpec(8, np.dtype("u1")),
-    "F8_E8M0": DtypeSpec(8, np.dtype("u1")),
-    "F8_E4M3FNUZ": DtypeSpec(8, np.dtype("u1")),
-    "F8_E5M2FNUZ": DtypeSpec(8, np.dtype("u1")),
-    "I16": DtypeSpec(16, np.dtype("<i2")),
-    "U16": DtypeSpec(16, np.dtype("<u2")),
-    "F16": DtypeSpec(16, np.dtype("<f2")),
-    "BF16": DtypeSpec(16, np.dtype("<u2")),
-    "I32": DtypeSpec(32, np.dtype("<i4")),
-    "U32": DtypeSpec(32, np.dtype("<u4")),
-    "F32": DtypeSpec(32, np.dtype("<f4")),
-    "C64": DtypeSpec(64, np.dtype("<c8")),
-    "F64": DtypeSpec(64, np.dtype("<f8")),
-    "I64": DtypeSpec(64, np.dtype("<i8")),
-    "U64": DtypeSpec(64, np.dtype("<u8")),
-})
-"""Every dtype safetensors 0.8 accepts, in the reference's enum order (increasing alignment)."""
+# Every dtype safetensors 0.8 accepts, in the reference's enum order (increasing alignment): name, bits, the
+# little-endian numpy dtype a reader returns (None: sub-byte).  ``SAFETENSORS_DTYPES`` maps each name to
+# ``DtypeSpec(bits, numpy dtype)``; it is built on first use (module ``__getattr__``), so parsing a header
+# (``DTYPE_BITS``) does not import numpy.
+_TABLE = (
+    ("BOOL", 8, '?'),
+    ("F4", 4, None),
+    ("F6_E2M3", 6, None),
+    ("F6_E3M2", 6, None),
+    ("U8", 8, 'u1'),
+    ("I8", 8, 'i1'),
+    ("F8_E5M2", 8, 'u1'),
+    ("F8_E4M3", 8, 'u1'),
+    ("F8_E8M0", 8, 'u1'),
+    ("F8_E4M3FNUZ", 8, 'u1'),
+    ("F8_E5M2FNUZ", 8, 'u1'),
+    ("I16", 16, '<i2'),
+    ("U16", 16, '<u2'),
+    ("F16", 16, '<f2'),
+    ("BF16", 16, '<u2'),
+    ("I32", 32, '<i4'),
+    ("U32", 32, '<u4'),
+    ("F32", 32, '<f4'),
+    ("C64", 64, '<c8'),
+    ("F64", 64, '<f8'),
+    ("I64", 64, '<i8'),
+    ("U64", 64, '<u8'),
+)
+
+DTYPE_BITS: Mapping[str, int] = MappingProxyType({name: bits for name, bits, _ in _TABLE})
+"""Bits per element of every dtype safetensors 0.8 accepts, in the reference's enum order (no numpy needed)."""
+
+
+def __getattr__(name: str):
+    # SAFETENSORS_DTYPES holds numpy dtypes: built (and numpy imported) on first use
+    if name == "SAFETENSORS_DTYPES":
+        table = MappingProxyType({n: DtypeSpec(bits, None if dt is None else np.dtype(dt)) for n, bits, dt in _TABLE})
+        globals()[name] = table
+        return table
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 RAW_DTYPES = frozenset({"BF16", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
 """Dtypes numpy cannot represent: ``get`` returns their bits as unsigned ints of the same width."""
 
-DTYPE_RANK = {name: i for i, name in enumerate(SAFETENSORS_DTYPES)}
+DTYPE_RANK = {name: i for i, (name, _, _) in enumerate(_TABLE)}
 """Position of each dtype in the reference's enum (its alignment order; the writer's ``order="safetensors"``)."""
 
 _NUMPY_TO_ST = {

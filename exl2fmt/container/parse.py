@@ -80,7 +80,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from ..errors import ErrorCode, Exl2Error
-from .dtypes import SAFETENSORS_DTYPES
+from .dtypes import DTYPE_BITS
 
 __all__ = [
     "MAX_HEADER_BYTES", "MAX_TENSORS", "MAX_NDIM", "JSON_MAX_DEPTH", "STRICTER_THAN_REFERENCE", "TensorInfo",
@@ -148,7 +148,7 @@ class TensorInfo:
 
     @property
     def bits(self) -> int:
-        return SAFETENSORS_DTYPES[self.dtype].bits
+        return DTYPE_BITS[self.dtype]
 
     @property
     def abs_begin(self) -> int:
@@ -443,10 +443,10 @@ def _check_entry(name: str, entry: Any, path: str, data_start: int) -> TensorInf
     if not isinstance(offsets, list):
         raise _err(ErrorCode.TENSOR_ENTRY_INVALID,
                    f"expected data_offsets to be an array, found {json_type(offsets)}", path, tensor=name)
-    spec = SAFETENSORS_DTYPES.get(dtype)
-    if spec is None:
+    bits = DTYPE_BITS.get(dtype)
+    if bits is None:
         raise _err(ErrorCode.DTYPE_UNKNOWN,
-                   f"expected one of {', '.join(SAFETENSORS_DTYPES)}, found dtype {shorten(dtype, 40)!r}",
+                   f"expected one of {', '.join(DTYPE_BITS)}, found dtype {shorten(dtype, 40)!r}",
                    path, tensor=name)
     if len(shape) > MAX_NDIM:
         raise _err(ErrorCode.SHAPE_INVALID, f"expected at most {MAX_NDIM} dims, found {len(shape)}", path, tensor=name)
@@ -467,14 +467,14 @@ def _check_entry(name: str, entry: Any, path: str, data_start: int) -> TensorInf
             raise _err(ErrorCode.SIZE_OVERFLOW,
                        f"expected the element count of shape {json_repr(shape)} to stay below 2**64, found it does not",
                        path, tensor=name)
-    nbits = numel * spec.bits
+    nbits = numel * bits
     if nbits >= _U64:
         raise _err(ErrorCode.SIZE_OVERFLOW,
-                   f"expected numel x {spec.bits} bits to stay below 2**64, found {numel} x {spec.bits} bits",
+                   f"expected numel x {bits} bits to stay below 2**64, found {numel} x {bits} bits",
                    path, tensor=name)
     if nbits % 8:
         raise _err(ErrorCode.MISALIGNED_SLICE,
-                   f"expected {dtype} data to end on a byte boundary, found {numel} x {spec.bits} = {nbits} bits",
+                   f"expected {dtype} data to end on a byte boundary, found {numel} x {bits} = {nbits} bits",
                    path, tensor=name)
     size = nbits // 8
     if end - begin != size:

@@ -49,10 +49,10 @@ import stat
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-import numpy as np
+from ..lazynp import np  # numpy on first use: inspect reads headers only
 
 from ..errors import ErrorCode, Exl2Error, Issue, Severity
-from .dtypes import SAFETENSORS_DTYPES
+from . import dtypes  # its SAFETENSORS_DTYPES (numpy dtypes) is built on first use
 from .parse import SafetensorsHeader, TensorInfo, check_prefix, json_repr, json_type, parse_header_bytes, shorten
 
 __all__ = [
@@ -228,7 +228,7 @@ class SafetensorsFile:
         Sub-byte dtypes (F4, F6_*) come back as a 1-D uint8 array of their packed bytes.
         """
         t = self.info(name)
-        spec = SAFETENSORS_DTYPES[t.dtype]
+        spec = dtypes.SAFETENSORS_DTYPES[t.dtype]
         dt = spec.numpy if spec.numpy is not None else np.dtype("u1")
         shape = t.shape if spec.numpy is not None else (t.nbytes,)
         if t.nbytes == 0:
@@ -670,7 +670,7 @@ class SourceReader:
 
     def read(self, name: str) -> np.ndarray:
         t = self.model.info(name)
-        spec = SAFETENSORS_DTYPES[t.dtype]
+        spec = dtypes.SAFETENSORS_DTYPES[t.dtype]
         if spec.numpy is None:
             raise Exl2Error(ErrorCode.DTYPE_UNKNOWN, f"sub-byte dtype {t.dtype} cannot be converted", tensor=name,
                             file=t.file)
@@ -681,7 +681,7 @@ class SourceReader:
     def read_rows(self, name: str, r0: int, r1: int) -> np.ndarray:
         """Rows ``r0:r1`` (first axis) of a tensor, read like ``read`` (only those bytes)."""
         t = self.model.info(name)
-        spec = SAFETENSORS_DTYPES[t.dtype]
+        spec = dtypes.SAFETENSORS_DTYPES[t.dtype]
         if spec.numpy is None or not t.shape:
             raise Exl2Error(ErrorCode.DTYPE_UNKNOWN, f"{t.dtype} rows cannot be read", tensor=name, file=t.file)
         r0, r1 = max(0, min(r0, t.shape[0])), max(0, min(r1, t.shape[0]))

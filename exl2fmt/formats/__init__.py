@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-import numpy as np
+from ..lazynp import np  # numpy on first use: inspect reads headers only
 
 from ..errors import ErrorCode, Exl2Error
 from ..layout import LAYOUTS, Format, marker_slot

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Mapping
 
-import numpy as np
+from ..lazynp import np  # numpy on first use: inspect reads headers only
 
 from ..container.dtypes import bf16_bits_to_f32, numpy_to_safetensors_dtype
 from ..errors import ErrorCode, Exl2Error, Issue, Severity

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Mapping
 
-import numpy as np
+from ..lazynp import np  # numpy on first use: inspect reads headers only
 
 from ..errors import ErrorCode, Issue
 from ..layout import DenseGeometry, DenseSlot, Format

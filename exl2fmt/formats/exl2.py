@@ -10,14 +10,15 @@ of an ``inspect`` layer row.  Bit packing itself is ``exl2fmt.codec.exl2``.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from functools import cached_property
 from typing import ClassVar, Mapping
 
-import numpy as np
+from ..lazynp import np  # numpy on first use: inspect reads headers only
 
 from ..errors import ErrorCode, Exl2Error, Issue, Severity
-from ..groups import GroupTable, decode_q_groups, encode_q_groups, group_table_from_rows
+from ..groups import GroupTable, decode_q_groups, encode_q_groups, group_table_from_rows, q_groups_plan
 from ..layout import BIT_WIDTHS, Exl2Geometry, Exl2Slot, Format, Tier, bpw, pad32, plan_desc, plan_rows
 from .common import LinearBase
 
@@ -287,21 +288,24 @@ def inspect_facts(model, info, config, issues: list[Issue]) -> dict:
         N = n_cfg
     qg, qw = info.slots.get(Exl2Slot.Q_GROUPS), info.slots.get(Exl2Slot.Q_WEIGHT)
     if qg is not None and qw is not None and len(qw.shape) == 2 and len(qg.shape) == 1 and qg.dtype == "I16":
+        raw = model.get_bytes(qg.name)  # int16 little-endian; plain ints, so inspect never imports numpy
         try:
-            gt = decode_q_groups(model.get(qg.name), int(qw.shape[0]), tensor=qg.name, file=qg.file)
+            bits_rows = q_groups_plan(struct.unpack(f"<{len(raw) // 2}h", raw), int(qw.shape[0]), tensor=qg.name,
+                                      file=qg.file)
         except Exl2Error as e:
             out["error"] = e.message
             issues.append(e.as_issue())
         else:
-            out["plan"] = plan_desc(gt.bits_rows())
-            G = gt.G
+            out["plan"] = plan_desc(bits_rows)
+            G = len(bits_rows)
+            gK = sum(r for _, r in bits_rows)
             if K is None:
-                K = gt.K
+                K = gK
             hist = out["hist"]
-            for b, r in gt.rows_per_bits().items():
+            for b, r in bits_rows:
                 hist[b] = hist.get(b, 0) + r * N_stored
-            if K == gt.K:
-                geom = Exl2Geometry(K=gt.K, N_pad=N_stored, G=gt.G, Q=gt.Q)
+            if K == gK:
+                geom = Exl2Geometry(K=gK, N_pad=N_stored, G=G, Q=sum(r * b for b, r in bits_rows) // 32)
                 try:
                     out["bpw"] = bpw(Format.EXL2, geom, {s: t.dtype for s, t in info.slots.items()})
                 except KeyError:

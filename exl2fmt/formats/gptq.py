@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Mapping
 
-import numpy as np
+from ..lazynp import np  # numpy on first use: inspect reads headers only
 
 from ..errors import ErrorCode, Exl2Error, Issue, Severity
 from ..layout import GPTQ_BITS, Format, GptqGeometry, GptqSlot
