@@ -485,7 +485,7 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
     rows, T = h.shape[0], h.shape[1]
     order, batches, n_score = _score_plan(rows, T, o.batch_tokens, o.measure_rows)
     if order is not None and states is None:      # a snapshot is stored in this order already
-        h = h.index_select(0, order)
+        h = h.index_select(0, order.to(h.device))
     h = h.to(device)
     score_rows = batches[n_score - 1].stop
     measured = work.job["measured"]
