@@ -624,8 +624,11 @@ def test_too_little_disk_space_is_refused_before_any_work(tiny_llama, tmp_path, 
 
 
 def test_score_plan_puts_evenly_spaced_rows_first_in_whole_batches():
-    from exl2fmt.quant.pipeline import _score_plan
+    from exl2fmt.quant.pipeline import QuantOptions, _score_plan
 
+    with pytest.raises(Exl2Error) as e:
+        QuantOptions(measure_rows=0).resolved()
+    assert e.value.code is ErrorCode.USAGE and "--measure-rows" in e.value.message
     order, batches, n = _score_plan(32, 512, 8192, None)          # every row scores: today's batches, no order
     assert order is None and batches == [slice(0, 16), slice(16, 32)] and n == 2
     for m, per in ((8, 8), (12, 12), (20, 10), (1, 1)):
