@@ -84,6 +84,10 @@ def convert_command(
                                                             show_default=False, help="FP16 -> exl2: also write "
                                                             "the measurement (ExLlamaV2's measurement.json "
                                                             "layout) to FILE.")] = None,
+    measure_rows: Annotated[Optional[int], typer.Option("--measure-rows", show_default=False, help="FP16 -> exl2: "
+                                                        "calibration rows that score the measurement's candidates "
+                                                        "(evenly spaced; ExLlamaV2's -mr). Default: every row. "
+                                                        "Their Hessians always use every row.")] = None,
     device: Annotated[Optional[str], typer.Option("--device", show_default=False, help="FP16 -> exl2/gptq: cpu "
                                                   "or cuda[:i] (default: cuda if torch sees one).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="FP16 -> exl2/gptq: seed of the built-in calibration "
@@ -218,6 +222,7 @@ def convert_command(
         quant = {k: v for k, v in {
             "head_bits": head_bits, "calibration": calibration, "rows": rows, "length": length,
             "measurement": measurement, "save_measurement": save_measurement, "device": device, "seed": seed,
+            "measure_rows": measure_rows,
             "resume": resume, "act_order": act_order, "order": order, "work_dir": work_dir, "extended": not upstream_tables,
             "refine_scales": refine_scales}.items() if _QUANT_PARAM.get(k, k) in given}
         bar = _progress(out, status_lines, target, measuring=measurement is None, resume=resume, dst=dst,

@@ -621,3 +621,52 @@ def test_too_little_disk_space_is_refused_before_any_work(tiny_llama, tmp_path, 
         P.quantize_model(src, tmp_path / "no", _opts(ids))
     assert e.value.code is ErrorCode.DISK_SPACE and "GB free" in e.value.message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]
+
+
+def test_score_plan_puts_evenly_spaced_rows_first_in_whole_batches():
+    from exl2fmt.quant.pipeline import QuantOptions, _score_plan
+
+    with pytest.raises(Exl2Error) as e:
+        QuantOptions(measure_rows=0).resolved()
+    assert e.value.code is ErrorCode.USAGE and "--measure-rows" in e.value.message
+    order, batches, n = _score_plan(32, 512, 8192, None)          # every row scores: today's batches, no order
+    assert order is None and batches == [slice(0, 16), slice(16, 32)] and n == 2
+    for m, per in ((8, 8), (12, 12), (20, 10), (1, 1)):
+        order, batches, n = _score_plan(32, 512, 8192, m)
+        picked = order[:m].tolist()
+        assert sorted(order.tolist()) == list(range(32))            # a permutation of the rows
+        assert picked == sorted(picked) and picked[0] == 0 and (m == 1 or picked[-1] == 31)
+        assert max(np.diff(picked), default=0) - min(np.diff(picked), default=0) <= 1   # evenly spaced
+        assert all(b.stop - b.start == per for b in batches[:-1]) and batches[-1].stop == 32
+        assert batches[n - 1].stop == m and batches[0].start == 0   # the scoring batches: exactly those rows
+
+
+@pytest.mark.slow
+def test_measurement_candidates_in_memory_or_parked_agree_and_fewer_rows_score(tiny_llama, exl2_default, tmp_path,
+                                                                                 monkeypatch):
+    """The fp16 reconstructions kept in memory score exactly as the packed candidates parked on disk and
+    dequantized back (the same measurement, byte for byte); scoring on 3 of the 6 rows gives other accuracies,
+    close to every row's, and a valid output at the budget."""
+    from exl2fmt.quant import pipeline
+    from exl2fmt.quant.pipeline import quantize_model
+
+    src, ids = tiny_llama
+    _, _, m, _ = exl2_default
+    monkeypatch.setattr(pipeline, "_CANDIDATES_IN_MEMORY", 0)
+    parked = tmp_path / "parked.json"
+    quantize_model(src, tmp_path / "a", _opts(ids, save_measurement=str(parked)))
+    assert parked.read_bytes() == m.read_bytes()
+    monkeypatch.undo()
+    sub = tmp_path / "sub.json"
+    r = quantize_model(src, tmp_path / "b", _opts(ids, measure_rows=3, save_measurement=str(sub)))
+    assert 3.48 <= r.decoder_bpw <= 3.5
+    full, part = (json.loads(p.read_text())["measurement"] for p in (m, sub))
+
+    def settings(o):
+        return json.dumps({k: v for k, v in o.items() if k != "accuracy"}, sort_keys=True)
+
+    diffs = []
+    for k, rows in part.items():
+        acc = {settings(o): o["accuracy"] for o in full[k]}
+        diffs += [abs(acc[settings(o)] - o["accuracy"]) for o in rows if settings(o) in acc]
+    assert len(diffs) >= len(part) and 0 < max(diffs) < 0.05

@@ -45,7 +45,7 @@ import torch
 from ..errors import ErrorCode, Exl2Error
 from ..layout import pad32
 
-__all__ = ["QuantOptions", "QuantReport", "quantize_model", "WORK_VERSION"]
+__all__ = ["QuantOptions", "QuantReport", "quantize_model", "plan_from_measurement", "WORK_VERSION"]
 
 WORK_VERSION = 2        # 2: the quantization pass snapshots the FP16 hidden state too
 #: Warn when the quantized model's calibration perplexity exceeds the FP16 model's by this factor.
@@ -89,6 +89,10 @@ class QuantOptions:
     refine_scales: bool | None = None
     norm: float = 2.0                     # solver objective: sum of block error ** norm
     batch_tokens: int = 8192              # calibration tokens per forward batch
+    # calibration rows that score the measurement's candidates (ExLlamaV2's -mr); None = every row.  The
+    # Hessians of the candidates' GPTQ always come from every row; fewer scoring rows cut the cost of the
+    # option forwards in proportion (bench/RESULTS.md, issue 18, for the A/B of the chosen plans)
+    measure_rows: int | None = None
 
     def resolved(self) -> "QuantOptions":
         o = QuantOptions(**asdict(self))
@@ -114,6 +118,8 @@ class QuantOptions:
         o.act_order = o.order != "natural"
         if o.rows <= 0 or o.length <= 0:
             raise Exl2Error(ErrorCode.USAGE, "--rows and --length must be positive")
+        if o.measure_rows is not None and o.measure_rows <= 0:
+            raise Exl2Error(ErrorCode.USAGE, f"--measure-rows must be positive, got {o.measure_rows}")
         # checked here, before calibration and measurement, rather than when the head or first layer is reached
         if o.target == "exl2":
             from .qparams import head_qparams
@@ -376,32 +382,55 @@ def _check_free(probe: Path, need: int) -> None:
 # ------------------------------------------------------------------------------------------------ measurement
 
 
-def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool) -> dict[str, dict]:
-    """GPTQ-quantize every distinct candidate setting of every layer of the block and store each result in its
-    packed EXL2 form in ``vdir`` (one small file per layer and setting).  Returns {layer: {QParams: path}}.
+#: The measurement keeps the fp16 reconstructions of a block's candidates in memory up to this many bytes (each
+#: is exactly what its packed file dequantizes to); the rest are parked on disk, packed, and dequantized back
+#: when scored, so memory stays bounded however large the layers are.
+_CANDIDATES_IN_MEMORY = 64 << 20
 
-    Only one candidate is in memory at a time; scoring loads them back one by one (``_VariantCache``), so the
-    measurement's memory does not grow with the number of candidates."""
+
+def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory: int | None = None
+              ) -> dict[str, dict]:
+    """GPTQ-quantize every distinct candidate setting of every layer of the block (once per distinct group plan
+    at the layer's K: settings whose proportions round to the same rows share the result).  Returns {layer: {QParams:
+    candidate}}, a candidate being the fp16 reconstruction (torch float16 [N, K], while the candidates kept so
+    far take at most ``in_memory`` bytes, default ``_CANDIDATES_IN_MEMORY``) or the path of its packed EXL2 form in ``vdir`` (one small file per
+    layer and setting).
+
+    Only one parked candidate is in memory at a time; scoring loads them back one by one (``_VariantCache``), so
+    the measurement's memory does not grow with the number of candidates."""
     from .gptq import prepare, quantize_exl2
 
+    in_memory = _CANDIDATES_IN_MEMORY if in_memory is None else in_memory
     prepared = {o: prepare(acc.take()) for o, acc in hess.items()}
     out: dict[str, dict] = {n: {} for n in blk.names}
+    by_plan: dict[str, dict] = {n: {} for n in blk.names}
+    kept = 0
     for opt in options:
         for n, qp in _opt_layers(opt, blk.names):
             if qp in out[n]:
                 continue
             w, _ = W[n]
-            r = quantize_exl2(w, prepared[blk.owner(n)], qp.bits_rows(w.shape[1]), refine_scales)
-            path = vdir / f"{n}.{len(out[n])}.safetensors"
-            _save_tensors(path, r.tensors(None))
-            out[n][qp] = path
+            plan = qp.bits_rows(w.shape[1])
+            hit = by_plan[n].get(tuple(plan))
+            if hit is not None:         # another setting with the same group plan at this K: the same GPTQ result
+                out[n][qp] = hit
+                continue
+            r = quantize_exl2(w, prepared[blk.owner(n)], plan, refine_scales)
+            size = r.weight_hat.numel() * 2
+            if kept + size <= in_memory:
+                v = r.weight_hat.to(torch.float16)   # exact: every value is an fp16 value
+                kept += size
+            else:
+                v = vdir / f"{n}.{len(by_plan[n])}.safetensors"
+                _save_tensors(v, r.tensors(None))
+            out[n][qp] = by_plan[n][tuple(plan)] = v
             del r
     return out
 
 
 class _VariantCache:
-    """The dense fp32 weight of one stored candidate per layer (the last one asked for), dequantized from its
-    packed file: exactly the fp16 values the quantizer computed."""
+    """The dense fp32 weight of one candidate per layer (the last one asked for): its fp16 reconstruction, from
+    memory or dequantized from its packed file, exactly the fp16 values the quantizer computed."""
 
     def __init__(self, F, variants: dict[str, dict], W):
         self.F, self.variants, self.W = F, variants, W
@@ -410,14 +439,39 @@ class _VariantCache:
     def linear(self, n: str, qp):
         from ..formats import layer_from_tensors
 
+        v = self.variants[n][qp]
         hit = self.cur.get(n)
-        if hit is None or hit[0] != qp:
+        if hit is None or hit[0] is not v:    # settings with the same group plan share one candidate
             self.cur.pop(n, None)             # drop the previous candidate before the next one exists
             w, b = self.W[n]
-            layer = layer_from_tensors(n, _load_tensors(self.variants[n][qp]), out_features=w.shape[0])
-            w_hat = torch.from_numpy(layer.dequantize()).to(device=w.device, dtype=torch.float32)
-            hit = self.cur[n] = (qp, self.F.dense_linear(w_hat, b))
+            if isinstance(v, torch.Tensor):
+                w_hat = v.to(device=w.device, dtype=torch.float32)
+            else:
+                layer = layer_from_tensors(n, _load_tensors(v), out_features=w.shape[0])
+                w_hat = torch.from_numpy(layer.dequantize()).to(device=w.device, dtype=torch.float32)
+            hit = self.cur[n] = (v, self.F.dense_linear(w_hat, b))
         return hit[1]
+
+
+def _score_plan(rows: int, length: int, batch_tokens: int, measure_rows: int | None
+                ) -> tuple[torch.Tensor | None, list[slice], int]:
+    """How the measurement runs its rows: (row order, batches, batches that score the candidates).
+
+    With every row scoring (``measure_rows`` None or >= rows): no reordering, the run's usual batches, all of
+    them.  Otherwise the ``measure_rows`` evenly spaced rows (first and last included) go first, int64 [rows]
+    ``order`` (rows are independent sequences, so the order changes no row's result), and the batches are cut
+    so that the first ones cover exactly those rows: the candidates are scored on them alone, while the
+    reference pass (and with it every candidate's Hessian) still covers every row."""
+    if measure_rows is None or measure_rows >= rows:
+        batches = _batches(rows, length, batch_tokens)
+        return None, batches, len(batches)
+    m = int(measure_rows)
+    pick = np.unique(np.round(np.linspace(0, rows - 1, m)).astype(np.int64)) if m > 1 else np.array([0])
+    rest = np.setdiff1d(np.arange(rows), pick)
+    order = torch.from_numpy(np.concatenate([pick, rest]))
+    per = max(1, batch_tokens // max(1, length))
+    per_m = max(d for d in range(1, min(per, m) + 1) if m % d == 0)
+    return order, _batches(rows, length, per_m * length), m // per_m
 
 
 def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progress, report) -> dict:
@@ -428,9 +482,12 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
     blocks = _blocks(spec)
     start, states = work.restore("measure")
     h = ids_h() if states is None else states["h"]
-    h = h.to(device)
     rows, T = h.shape[0], h.shape[1]
-    batches = _batches(rows, T, o.batch_tokens)
+    order, batches, n_score = _score_plan(rows, T, o.batch_tokens, o.measure_rows)
+    if order is not None and states is None:      # a snapshot is stored in this order already
+        h = h.index_select(0, order.to(h.device))
+    h = h.to(device)
+    score_rows = batches[n_score - 1].stop
     measured = work.job["measured"]
     for bi in range(start, len(blocks)):
         i, kind = blocks[bi]
@@ -449,12 +506,16 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
             shutil.rmtree(vdir, ignore_errors=True)
             vdir.mkdir()
             cache = _VariantCache(F, _variants(blk, W, hess, options, vdir, bool(o.refine_scales)), W)
+            # the scoring rows: the first batches (the same layer runner, so the MLP half replays the attention
+            # results the reference pass recorded for them)
+            scorer = blk if n_score == len(batches) else spec.block(i, kind, batches[:n_score], device)
+            h_s, y_ref_s = h[:score_rows], y_ref[:score_rows]
             rows_out = []
-            y = torch.empty_like(h)
+            y = torch.empty_like(h_s)
             for j, opt in enumerate(options):
                 lin = {n: cache.linear(n, qp) for n, qp in _opt_layers(opt, blk.names)}
-                blk.sweep(h, lin, out=y)
-                acc = max(1e-6, 1.0 - _rel_err_rows(y, y_ref))
+                scorer.sweep(h_s, lin, out=y)
+                acc = max(1e-6, 1.0 - _rel_err_rows(y, y_ref_s))
                 bits = sum(qp.total_bits(W[n][0].shape[1], W[n][0].shape[0], W[n][1] is not None)
                            for n, qp in _opt_layers(opt, blk.names))
                 rows_out.append([j, bits, acc])
@@ -502,6 +563,67 @@ def _write_measurement_file(path: Path, spec, measured: dict, options_of) -> Non
             out.append((opt, bits, acc))
         rows_by_key[key] = out
     write_measurement(path, rows_by_key, exllamav2_last_module_idx(spec.num_layers))
+
+
+def _read_measurement_for(spec, path) -> dict:
+    """``qparams.read_measurement`` of ``path`` for this model's blocks, linear shapes and layer count (a file for
+    another model is refused)."""
+    from .qparams import read_measurement
+
+    names = {spec.block_key(i, k): tuple(f for f, _ in spec.measurement_names(k)) for i, k in _blocks(spec)}
+    shapes = {}             # file name -> [(K, N, has_bias)] of the linears that take its setting
+    for k in ("attn", "mlp"):
+        files = dict((r, f) for f, r in spec.measurement_names(k))
+        for n in _linears(spec, k):
+            shapes.setdefault(files.get(n, files.get(spec.role(n))), []).append(
+                (*spec.linear_shape(n)[::-1], spec.has_bias(n)))
+    return read_measurement(path, names, shapes=shapes, num_layers=spec.num_layers)
+
+
+def _measured_from_file(spec, loaded: dict, options_of, where) -> dict:
+    """Map a read measurement's options onto our option list by their settings (ExLlamaV2's files have upstream's
+    19/17 rows in upstream's order; ours are sorted by cost), in our table's order, so the solver sees what a
+    fresh measurement gives it: {block key: [[option index, bits, accuracy]]}."""
+    measured = {}
+    for key, rows in loaded.items():
+        kind = "attn" if key.endswith("self_attn") else "mlp"
+        opts = options_of(kind)
+        index: dict = {}         # by the settings of the linears the block has (first option wins)
+        for j, opt in enumerate(opts):
+            index.setdefault(_file_option(spec, kind, opt), j)
+        seen = {}
+        for opt, tb, acc in rows:
+            if opt in index and index[opt] not in seen:
+                seen[index[opt]] = [index[opt], tb, acc]
+        measured[key] = [seen[j] for j in sorted(seen)]
+        if not measured[key]:
+            raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{key}: none of the file's options is a "
+                            "candidate of this quantizer", file=where)
+    return measured
+
+
+def plan_from_measurement(src: str | os.PathLike, measurement: str | os.PathLike, bits: float,
+                          extended: bool = True) -> dict:
+    """The plan the EXL2 quantizer picks for ``src`` at ``bits`` from ``measurement`` (a measurement.json), without
+    quantizing: {"options": {block key: option index}, "overrides": {linear key: QParams dict}, "decoder_bpw"}.
+    The same optimization ``quantize_model`` runs; compare two measurements by the plans they give."""
+    from ..container import open_model
+    from . import forward as F
+    from .hf_engine import HFModel
+    from .qparams import block_options
+
+    o = QuantOptions(target="exl2", bits=bits, extended=extended, device="cpu").resolved()
+    model = open_model(Path(os.fspath(src)))
+    try:
+        srcw = F.WeightSource(model)
+        spec = HFModel(model.config, srcw, "cpu", split_fused=True)
+        options_of = (lambda kind: block_options(kind, extended=o.extended))
+        measured = _measured_from_file(spec, _read_measurement_for(spec, measurement), options_of, measurement)
+        report = QuantReport(source=str(src), destination="", target="exl2", options=o.fingerprint())
+        plan = _optimize(spec, srcw, measured, options_of, o, report)
+        return dict(plan, decoder_bpw=report.decoder_bpw)
+    finally:
+        model.close()
 
 
 def _release_memory() -> None:
@@ -1093,7 +1215,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
     from . import forward as F
     from .calib import load_calibration
     from .hf_engine import EXL2_ARCHS, HFModel
-    from .qparams import block_options, read_measurement
+    from .qparams import block_options
 
     t0 = time.monotonic()
     o = options.resolved()
@@ -1115,14 +1237,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
             return _weight_only(model, src_p, dst_p, o, force, progress, config, str(e.message), t0)
         spec.check_weights()
         if o.target == "exl2" and o.measurement:       # a file for another model is refused before any work
-            names = {spec.block_key(i, k): tuple(f for f, _ in spec.measurement_names(k)) for i, k in _blocks(spec)}
-            shapes = {}             # file name -> [(K, N, has_bias)] of the linears that take its setting
-            for k in ("attn", "mlp"):
-                files = dict((r, f) for f, r in spec.measurement_names(k))
-                for n in _linears(spec, k):
-                    shapes.setdefault(files.get(n, files.get(spec.role(n))), []).append(
-                        (*spec.linear_shape(n)[::-1], spec.has_bias(n)))
-            loaded = read_measurement(o.measurement, names, shapes=shapes, num_layers=spec.num_layers)
+            loaded = _read_measurement_for(spec, o.measurement)
         tok = src_p / "tokenizer.json"
         if o.calibration is None and not tok.exists():
             raise Exl2Error(ErrorCode.CALIBRATION_INVALID, "the built-in calibration set is text and the model has "
@@ -1155,24 +1270,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         if o.target == "exl2":
             t = time.monotonic()
             if o.measurement:
-                # map the file's options onto our option list by their settings (ExLlamaV2's files have
-                # upstream's 19/17 rows in upstream's order; ours are sorted by cost), in our table's order, so
-                # the solver sees what a fresh measurement gives it
-                measured = {}
-                for key, rows in loaded.items():
-                    kind = "attn" if key.endswith("self_attn") else "mlp"
-                    opts = options_of(kind)
-                    index: dict = {}         # by the settings of the linears the block has (first option wins)
-                    for j, opt in enumerate(opts):
-                        index.setdefault(_file_option(spec, kind, opt), j)
-                    seen = {}
-                    for opt, tb, acc in rows:
-                        if opt in index and index[opt] not in seen:
-                            seen[index[opt]] = [index[opt], tb, acc]
-                    measured[key] = [seen[j] for j in sorted(seen)]
-                    if not measured[key]:
-                        raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{key}: none of the file's options is a "
-                                        "candidate of this quantizer", file=o.measurement)
+                measured = _measured_from_file(spec, loaded, options_of, o.measurement)
             else:
                 if work.job.get("strategy") is None:
                     measured = _measure(spec, srcw, ids_h, options_of, work, o, progress, report)

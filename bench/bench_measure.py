@@ -1,0 +1,101 @@
+"""EXL2 measurement cost against the quantize pass of the same run, and the A/B of fewer scoring rows.
+
+Each arm is one ``quantize_model`` run in its own process (so its peak RSS is its own), which reports the
+measurement's and the quantization pass's seconds side by side: the target of issue 18 is measure <= 2 x
+quantize.  Every arm saves its measurement; the plans the optimizer picks from each measurement at
+``--plan-bits`` (default 2.5, 3, 4, 5, 6 bpw: ``pipeline.plan_from_measurement``, the optimization the
+quantizer runs) are compared with the first arm's, block by block.
+
+    python bench/bench_measure.py [--model DIR] [--rows 16] [--length 256] [--arms all,4] [--record]
+
+An arm is ``all`` (every calibration row scores the candidates, the default of ``--measure-rows``) or a row
+count (``--measure-rows N``).  ``--record`` appends the table to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "fixtures" / "tiny-llama"
+
+
+def _arm(model: str, dst: str, rows: int, length: int, bits: float, measure_rows: int | None, mfile: str) -> dict:
+    """One quantization in this process: its seconds, peak RSS and output hashes."""
+    import resource
+
+    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+
+    o = QuantOptions(target="exl2", bits=bits, rows=rows, length=length, device="cpu", measure_rows=measure_rows,
+                     save_measurement=mfile)
+    rep = quantize_model(model, dst, o)
+    sha = {f: hashlib.sha256((Path(dst) / f).read_bytes()).hexdigest()[:16]
+           for f in ("output.safetensors", "measurement.json")}
+    return {"seconds": rep.seconds, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "sha": sha}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(FIXTURE))
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--length", type=int, default=256)
+    ap.add_argument("--bits", type=float, default=4.15)
+    ap.add_argument("--arms", default="all,4")
+    ap.add_argument("--plan-bits", default="2.5,3,4,5,6")
+    ap.add_argument("--record", action="store_true")
+    ap.add_argument("--_arm", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a._arm:                        # child: one arm, JSON on the last line
+        mr, dst, mfile = json.loads(a._arm)
+        print(json.dumps(_arm(a.model, dst, a.rows, a.length, a.bits, mr, mfile)))
+        return
+    from exl2fmt.quant.pipeline import plan_from_measurement
+
+    load = os.getloadavg()
+    arms = [None if x == "all" else int(x) for x in a.arms.split(",")]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-measure-") as tmp:
+        for mr in arms:
+            dst, mfile = os.path.join(tmp, f"out-{mr}"), os.path.join(tmp, f"m-{mr}.json")
+            p = subprocess.run([sys.executable, __file__, "--model", a.model, "--rows", str(a.rows), "--length",
+                                str(a.length), "--bits", str(a.bits), "--_arm", json.dumps([mr, dst, mfile])],
+                               capture_output=True, text=True)
+            if p.returncode:
+                sys.exit(p.stderr[-3000:])
+            r = json.loads(p.stdout.strip().splitlines()[-1])
+            r["plans"] = {b: plan_from_measurement(a.model, mfile, float(b)) for b in a.plan_bits.split(",")}
+            results.append((mr, r))
+    base = results[0][1]["plans"]
+    lines = [f"model {a.model}, {a.rows} rows x {a.length} tokens, --bits {a.bits}, load {load[0]:.2f} "
+             f"{load[1]:.2f} {load[2]:.2f}", "",
+             "| scoring rows | measure s | quantize s | measure / quantize | peak RSS MB | output sha256 | "
+             "blocks whose plan differs from the first arm's (at " + ", ".join(base) + " bpw) |",
+             "|---|---|---|---|---|---|---|"]
+    for mr, r in results:
+        s = r["seconds"]
+        diffs = []
+        for b, plan in r["plans"].items():
+            d = sum(plan["options"][k] != base[b]["options"][k] for k in base[b]["options"])
+            d += sum(plan["overrides"].get(k) != v for k, v in base[b]["overrides"].items())
+            d += sum(k not in base[b]["overrides"] for k in plan["overrides"])
+            diffs.append(str(d))
+        lines.append(f"| {'all' if mr is None else mr} | {s['measure']:.1f} | {s['quantize']:.1f} | "
+                     f"{s['measure'] / s['quantize']:.2f} | {r['maxrss_mb']:.0f} | "
+                     f"{r['sha']['output.safetensors']} | {' / '.join(diffs)} |")
+    print("\n".join(lines))
+    print(json.dumps([[mr, r["plans"]] for mr, r in results]))
+    if a.record:
+        with open(ROOT / "bench" / "RESULTS.md", "a", encoding="utf-8") as f:
+            f.write("\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
