@@ -147,7 +147,7 @@ def validate_model(path: str | os.PathLike, deep: bool = False, reference: str |
         if run:
             from .run import run_preflight
 
-            run_spec = run_preflight(model, prompt_ids)
+            run_spec = run_preflight(model, prompt_ids, kernels.device)
         _validate_open(rep, model, Path(os.fspath(path)), deep, reference, progress,
                        kernels if kernel else None, run_spec, kernels if run else None)
     finally:
