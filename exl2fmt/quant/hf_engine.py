@@ -770,9 +770,8 @@ class LayerBlock:
         experts = [o for o in (hessians or {}) if o in eng.expert_names] if self.kind == "mlp" else []
         prior = None
         if any(eng.role(o) != "down_proj" for o in experts):
-            from .gptq import HessianAccumulator
-
-            prior = HessianAccumulator(lay.hidden, h.device)      # all tokens entering the MoE block
+            # all tokens entering the MoE block, in an accumulator of the caller's kind (gptq.HessianAccumulator)
+            prior = type(hessians[experts[0]])(lay.hidden, h.device)
         self.r.routed = []
         for bi, sl in enumerate(self.batches):
             cap = {} if hessians else None
