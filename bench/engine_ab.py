@@ -3,7 +3,7 @@ against the hand-written forward it replaced).
 
 Runs ``exl2fmt convert tests/fixtures/tiny-llama OUT --to gptq --bits 4 --rows 8 --length 128`` as a fresh CLI
 process per run, alternating the trees (old, new, new, old, ...) so drifting machine load hits both alike; each
-run takes the heavy-job lock (``--lock``) for itself only.  Wall time is the child's, measured around the
+pair of runs (one per tree) takes the heavy-job lock (``--lock``) for itself only.  Wall time is the child's, measured around the
 process; peak RSS is the child's own ``ru_maxrss`` from ``wait4``.  The outputs of the two trees are compared
 byte for byte (the engine change must not change them).
 
@@ -37,25 +37,28 @@ def _digest(d: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def one_run(tree: Path, lock: str | None) -> dict:
+def importable(tree: Path) -> Path:
+    """``tree`` on PYTHONPATH imports its own ``exl2fmt.converters`` / ``exl2fmt.kernels`` only if they sit inside
+    ``exl2fmt/`` (pyproject maps them from top-level folders; the editable install of this checkout would
+    otherwise supply them): links them there in the other tree when missing."""
+    for sub in ("converters", "kernels"):
+        link = tree / "exl2fmt" / sub
+        if tree != ROOT and not link.exists() and (tree / sub).is_dir():
+            link.symlink_to(Path("..") / sub)
+    return tree
+
+
+def one_run(tree: Path) -> dict:
     exe = str(Path(sys.executable).with_name("exl2fmt"))
     env = dict(os.environ, PYTHONPATH=str(tree))
     with tempfile.TemporaryDirectory(prefix="engine-ab-") as tmp:
         out = Path(tmp) / "out"
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT) if lock else None
-        try:
-            if fd is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            load = os.getloadavg()[0]
-            t0 = time.perf_counter()
-            p = subprocess.Popen(["nice", "-n", "5", exe, "convert", str(FIXTURE), str(out), *ARGS], env=env,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp)
-            _, status, ru = os.wait4(p.pid, 0)
-            wall = time.perf_counter() - t0
-        finally:
-            if fd is not None:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                os.close(fd)
+        load = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        p = subprocess.Popen(["nice", "-n", "5", exe, "convert", str(FIXTURE), str(out), *ARGS], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp)
+        _, status, ru = os.wait4(p.pid, 0)
+        wall = time.perf_counter() - t0
         err = p.stderr.read().decode(errors="replace")
         p.stderr.close()
         if os.waitstatus_to_exitcode(status) != 0:
@@ -72,14 +75,22 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     shutil.which("nice") or sys.exit("needs nice")
-    trees = {"old": a.old.resolve(), "new": ROOT}
+    trees = {"old": importable(a.old.resolve()), "new": ROOT}
     rows = []
     for r in range(a.runs):
-        for arm in (("old", "new") if r % 2 == 0 else ("new", "old")):
-            res = one_run(trees[arm], a.lock)
-            rows.append({"arm": arm, **res})
-            print(f"  {arm}: {res['wall_s']:7.2f} s  {res['peak_rss_mib']:7.1f} MiB  load {res['load1']}  "
-                  f"{res['digest']}", flush=True)
+        fd = os.open(a.lock, os.O_RDWR | os.O_CREAT) if a.lock else None
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            for arm in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                res = one_run(trees[arm])
+                rows.append({"arm": arm, **res})
+                print(f"  {arm}: {res['wall_s']:7.2f} s  {res['peak_rss_mib']:7.1f} MiB  load {res['load1']}  "
+                      f"{res['digest']}", flush=True)
+        finally:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
     med = {arm: {k: statistics.median(x[k] for x in rows if x["arm"] == arm) for k in ("wall_s", "peak_rss_mib")}
            for arm in trees}
     same = len({x["digest"] for x in rows}) == 1
