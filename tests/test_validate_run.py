@@ -229,6 +229,30 @@ def test_reference_pass_on_other_architectures(arch, tmp_path):
     assert 2.0 ** -16 * scale < d_io < 2.0 ** -6 * scale, (d_io, scale)
 
 
+def test_preflight_bounds_the_config_by_the_checkpoint(sample_dir, tmp_path):
+    """Sizes from config.json are checked against the tensors before transformers builds anything from them (a
+    10^9-layer skeleton would hang): a failed run check, no work."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from exl2fmt.container import open_model
+    from exl2fmt.errors import ErrorCode
+    from exl2fmt.validate.run import run_preflight
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "output.safetensors").symlink_to(sample_dir / "output.safetensors")
+    cfg = json.loads((sample_dir / "config.json").read_text())
+    for patch, word in (({"num_hidden_layers": 10 ** 9}, "num_hidden_layers"), ({"head_dim": 10 ** 9}, "head_dim")):
+        (d / "config.json").write_text(json.dumps({**cfg, **patch}))
+        with open_model(d) as m:
+            pre = run_preflight(m, None)
+        assert pre["engine"] is None and pre["error"].code is ErrorCode.CONFIG_MISMATCH and word in pre["error"].message
+    (d / "config.json").write_text(json.dumps(cfg))
+    with open_model(d) as m:
+        pre = run_preflight(m, None)
+    assert pre["error"] is None and pre["engine"].num_layers == 2 and len(pre["ids"]) == 16
+
+
 # ------------------------------------------------------------------------------------------------ failures
 
 _CORRUPT_SCRIPT = textwrap.dedent("""

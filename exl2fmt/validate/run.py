@@ -140,16 +140,42 @@ class _RunSource(WeightSource):
         return super().get(name, dtype, device)
 
 
+_SIZE_KEYS = ("hidden_size", "intermediate_size", "head_dim", "vocab_size", "num_attention_heads",
+              "num_key_value_heads", "moe_intermediate_size", "num_local_experts", "num_experts")
+
+
+def _check_sizes(config: Mapping[str, Any], model) -> None:
+    """The config's layer count and sizes are bounded by the checkpoint before transformers builds anything from
+    them (a skeleton of 10^9 layers, or a RoPE table of a 10^9 head_dim, would hang or exhaust memory):
+    ``num_hidden_layers`` at most the number of numbered layers in the tensor names, every size at most the
+    largest tensor dimension.  Raises ``CONFIG_MISMATCH`` naming the key."""
+    import re
+
+    where = str(model.config_path)
+    idx = {int(m.group(1)) for n in model.names() if (m := re.search(r"\.layers\.(\d+)\.", n))}
+    n = config.get("num_hidden_layers")
+    if isinstance(n, int) and not isinstance(n, bool) and n > len(idx):
+        raise Exl2Error(ErrorCode.CONFIG_MISMATCH, f"num_hidden_layers = {n}, but the tensors hold {len(idx)} "
+                        "numbered layers", file=where)
+    biggest = max((max(model.info(t).shape, default=1) for t in model.names()), default=1)
+    for key in _SIZE_KEYS:
+        v = config.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > biggest:
+            raise Exl2Error(ErrorCode.CONFIG_MISMATCH, f"{key} = {v} exceeds every tensor dimension of the "
+                            f"checkpoint (largest {biggest})", file=where)
+
+
 def run_model(model, device: "str | torch.device" = "cpu"):
     """The runner (``hf_engine.HFModel``) over an open model (``ModelFiles``) with quantized layers: their keys
     (EXL2 / GPTQ, from the tensor names) count as present weights; ``run_forward`` swaps substitutes in for
     them.  Fused projections (Phi-3 ``qkv_proj``) stay fused when the model stores them fused.  Reads no tensor
     data.  Raises ``Exl2Error`` ``ARCH_UNSUPPORTED`` (no causal-LM class or no linear layers transformers can
-    drive) or ``CONFIG_INVALID``."""
+    drive), ``CONFIG_INVALID``, or ``CONFIG_MISMATCH`` for sizes the checkpoint cannot hold (``_check_sizes``)."""
     from ..detect import detect_layers
     from ..layout import Format
     from ..quant.hf_engine import HFModel
 
+    _check_sizes(model.config, model)
     quant = {k for k, info in detect_layers(model.tensors).items() if info.format in (Format.EXL2, Format.GPTQ)}
     fused = any(part in ("qkv_proj", "gate_up_proj") for n in model.names() for part in n.split("."))
     return HFModel(model.config, _RunSource(model, quant), device, split_fused=not fused)
