@@ -265,8 +265,8 @@ print("PEER_RESULT " + json.dumps(out))
 
 
 def gptq_check(scratch: Path, work: Path, rows: int, length: int, eval_rows: int, eval_len: int, log) -> dict:
-    from exl2fmt.quant import forward as F
     from exl2fmt.quant.evaluate import dequantized_source, eval_ids
+    from exl2fmt.quant.hf_engine import HFModel
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
 
     ids = eval_ids(FIXTURE / "tokenizer.json", eval_rows, eval_len)
@@ -274,14 +274,14 @@ def gptq_check(scratch: Path, work: Path, rows: int, length: int, eval_rows: int
     variants = {f"{'sym' if sym else 'asym'} {order}": dict(sym=sym, order=order)
                 for sym in (True, False) for order in ("act", "group", "static")}
     paths, ours = {}, {}
-    spec, _ = F.load_spec(FIXTURE)
+    config = json.loads((FIXTURE / "config.json").read_text())
     for name, kw in variants.items():
         p = work / f"gptq-{name.replace(' ', '-')}"
         quantize_model(FIXTURE, p, QuantOptions(target="gptq", bits=4, group_size=128, rows=rows, length=length,
                                                 device="cpu", **kw))
         paths[name] = str(p)
         with torch.no_grad():
-            ours[name] = F.forward(spec, dequantized_source(p), ids).float().numpy()
+            ours[name] = HFModel(config, dequantized_source(p)).forward(ids).float().numpy()
     # fp16 rounding: the dense model in fp16 vs fp32 (transformers, the same ids)
     from transformers import AutoModelForCausalLM
 

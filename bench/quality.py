@@ -33,13 +33,15 @@ EXL2_BITS = (8.0, 6.0, 5.0, 4.15, 4.0, 3.0, 2.5)
 def rtn_source(model_dir, bits=4, group_size=128):
     """The dense model with every decoder linear replaced by its round-to-nearest GPTQ reconstruction."""
     from exl2fmt.converters.gptq_quant import reconstruct, rtn_quantize
-    from exl2fmt.quant import forward as fw
+    from exl2fmt.quant.hf_engine import HFModel
+    from exl2fmt.quant.weights import WeightSource
 
-    spec, src = fw.load_spec(model_dir)
+    eng = HFModel.open(model_dir)
+    src = eng.src
     out = {n: src.get(n, torch.float32) for n in src.names()}
-    for i in range(spec.num_layers):
-        for n in spec.attn_linears + spec.mlp_linears:
-            key = spec.linear_key(i, n)
+    for i in range(eng.num_layers):
+        for n in eng.linear_names("attn") + eng.linear_names("mlp"):
+            key = eng.linear_key(i, n)
             w = out[f"{key}.weight"].numpy()
             codes, scales, zeros, g_idx = rtn_quantize(w, bits, group_size)
             wq = np.empty_like(w.T)
@@ -47,17 +49,20 @@ def rtn_source(model_dir, bits=4, group_size=128):
                 rows = np.nonzero(g_idx == g)[0]
                 wq[rows] = reconstruct(codes[rows], scales[g], zeros[g])
             out[f"{key}.weight"] = torch.from_numpy(np.ascontiguousarray(wq.T))
-    return fw.WeightSource(out)
+    eng.close()
+    return WeightSource(out)
 
 
 def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_eval=64, length_eval=256,
         gptq=True, rtn=True, fp16_head=True, upstream_tables=(), log=print, refine_scales=None) -> dict:
     """Quantize the fixture into ``work`` and evaluate; returns {name: metrics + bpw + seconds}."""
-    from exl2fmt.quant import forward as fw
     from exl2fmt.quant.evaluate import compare_many, dequantized_source, eval_ids
+    from exl2fmt.quant.hf_engine import HFModel
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.quant.weights import WeightSource
 
-    spec, ref = fw.load_spec(FIXTURE)
+    model = HFModel.open(FIXTURE)
+    ref = model.src
     ids = eval_ids(FIXTURE / "tokenizer.json", rows_eval, length_eval)
     meas = work / "measurement.json"
     tests, info = {}, {}
@@ -74,7 +79,7 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
             # the same decoder with the FP16 head, for a like-for-like comparison with GPTQ / RTN (which keep it)
             mem = {n: deq.get(n) for n in deq.names()}
             mem["lm_head.weight"] = ref.get("lm_head.weight")
-            tests[f"{name} fp16 head"] = fw.WeightSource(mem)
+            tests[f"{name} fp16 head"] = WeightSource(mem)
             info[f"{name} fp16 head"] = dict(info[name], head_bpw=16.0)
         log(f"{name}: decoder {rep.decoder_bpw:.4f} bpw, {time.monotonic() - t:.1f} s")
     for bits in upstream_tables:
@@ -86,7 +91,7 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
         mem = {n: deq.get(n) for n in deq.names()}
         mem["lm_head.weight"] = ref.get("lm_head.weight")
         name = f"EXL2 {bits} upstream tables, fp16 head"
-        tests[name] = fw.WeightSource(mem)
+        tests[name] = WeightSource(mem)
         info[name] = {"bpw": rep.decoder_bpw, "head_bpw": 16.0, "seconds": 0.0}
     if gptq:
         t = time.monotonic()
@@ -99,7 +104,8 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
     if rtn:
         tests["RTN 4b g128"] = rtn_source(FIXTURE)
         info["RTN 4b g128"] = {"bpw": info.get("GPTQ 4b g128", {}).get("bpw"), "head_bpw": 16.0, "seconds": 0.0}
-    res = compare_many(spec, ref, tests, ids)
+    res = compare_many(model, tests, ids)
+    model.close()
     for k in res:
         res[k].update(info[k])
     return res
@@ -114,11 +120,11 @@ def gptq_orders(work: Path, orders=GPTQ_ORDERS, bits=4, group_size=128, sym=True
     default): act-order (non-monotone g_idx), group-aware and static (monotone g_idx), natural; same
     calibration; KL etc. vs FP16 on held-out text.  Returns {"GPTQ {bits}b g{gs} {order}": metrics + bpw + seconds + monotone (g_idx sorted)}."""
     from exl2fmt.container import open_model
-    from exl2fmt.quant import forward as fw
     from exl2fmt.quant.evaluate import compare_many, dequantized_source, eval_ids
+    from exl2fmt.quant.hf_engine import HFModel
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
 
-    spec, ref = fw.load_spec(FIXTURE)
+    model = HFModel.open(FIXTURE)
     ids = eval_ids(FIXTURE / "tokenizer.json", rows_eval, length_eval)
     tests, info = {}, {}
     for order in orders:
@@ -137,7 +143,8 @@ def gptq_orders(work: Path, orders=GPTQ_ORDERS, bits=4, group_size=128, sym=True
         info[name] = {"bpw": _gptq_bpw(out), "head_bpw": 16.0, "seconds": time.monotonic() - t,
                       "monotone": monotone}
         log(f"{name}: {time.monotonic() - t:.1f} s")
-    res = compare_many(spec, ref, tests, ids)
+    res = compare_many(model, tests, ids)
+    model.close()
     for k in res:
         res[k].update(info[k])
     return res

@@ -13,7 +13,7 @@ carry structure, not random matrices.  This script trains one on CPU in a few mi
   gradient clipping at 1.0, batches of random 256-token windows of the token stream drawn by a seeded
   generator; float32, 2 threads, deterministic for a given torch build;
 * evaluation: mean next-token loss on the ``eval`` part (non-overlapping 256-token windows), computed by the
-  project's own forward (exl2fmt.quant.forward) from the saved float16 files, and the add-one-smoothed
+  project's model runner (exl2fmt.quant.hf_engine) from the saved float16 files, and the add-one-smoothed
   unigram baseline estimated on the training tokens.
 
 Output: config.json, model.safetensors (float16), tokenizer.json, tokenizer_config.json,
@@ -116,7 +116,7 @@ def main() -> None:
     import transformers
 
     from exl2fmt.container import write_safetensors
-    from exl2fmt.quant import forward as fw
+    from exl2fmt.quant.hf_engine import HFModel
     from exl2fmt.quant.calib import corpus_documents
 
     torch.set_num_threads(args.threads)
@@ -175,15 +175,15 @@ def main() -> None:
     write_safetensors(out / "model.safetensors", sd, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
 
-    # evaluate the saved fp16 model with the project's forward
-    spec, src = fw.load_spec(out)
+    # evaluate the saved fp16 model with the project's runner
+    eng = HFModel.open(out)
     n_win = len(eval_ids) // SEQ
     windows = torch.from_numpy(eval_ids[: n_win * SEQ].reshape(n_win, SEQ))
     losses = []
     with torch.no_grad():
         for i in range(0, n_win, 8):
             ids = windows[i:i + 8]
-            logits = fw.forward(spec, src, ids)
+            logits = eng.forward(ids)
             losses.append(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB),
                                                             ids[:, 1:].reshape(-1), reduction="sum").item())
         n_pred = n_win * (SEQ - 1)
@@ -195,11 +195,11 @@ def main() -> None:
         tl = 0.0
         for i in range(0, n_win, 8):
             ids = tr[i:i + 8]
-            logits = fw.forward(spec, src, ids)
+            logits = eng.forward(ids)
             tl += torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1),
                                                     reduction="sum").item()
         train_loss = tl / n_pred
-    src.close()
+    eng.close()
     uni = unigram_ppl(train_ids, eval_ids[: n_win * SEQ])
 
     log = {
@@ -212,7 +212,7 @@ def main() -> None:
             "train_loss": round(train_loss, 4), "train_ppl": round(math.exp(train_loss), 2),
             "eval_loss": round(eval_loss, 4), "eval_ppl": round(math.exp(eval_loss), 2),
             "eval_windows": n_win, "unigram_eval_ppl": round(uni, 2),
-            "note": "losses of the saved float16 model, computed with exl2fmt.quant.forward",
+            "note": "losses of the saved float16 model, computed with exl2fmt.quant.hf_engine",
         },
         "seconds": {"tokenizer": round(t_tok, 1), "train": round(t_train, 1),
                     "total": round(time.perf_counter() - t0, 1)},

@@ -134,10 +134,10 @@ class ErrorCode(str, enum.Enum):
                           "validate --kernel needs torch and triton (pip install 'exl2fmt[kernels]') and the "
                           "requested device")
 
-    # --- quantizer inputs (appended; see exl2fmt/quant/forward.py and calib.py) ------------------------
+    # --- quantizer inputs (appended; see exl2fmt/quant/hf_engine.py and calib.py) ----------------------
     ARCH_UNSUPPORTED = ("ARCH_UNSUPPORTED", Category.UNREADABLE,
-                        "the calibration forward supports llama, mistral, qwen2 and qwen3 configs (SiLU MLP, "
-                        "default / linear / llama3 RoPE)")
+                        "the model runner drives decoder-only causal LMs that transformers implements (no remote "
+                        "code) with nn.Linear layers")
     CALIBRATION_INVALID = ("CALIBRATION_INVALID", Category.INVALID,
                            "calibration data must be .txt, .jsonl with a text field or token ids, and hold at "
                            "least rows x length tokens")

@@ -36,10 +36,11 @@ TIERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("exl2fmt", "exl2fmt.errors", "exl2fmt.layout", "exl2fmt.groups", "exl2fmt.codec", "exl2fmt.container",
               "exl2fmt.config_values", "exl2fmt.arch", "exl2fmt.detect", "exl2fmt.gguf_scan", "exl2fmt._stats",
               "exl2fmt.extras", "exl2fmt.jitnote", "exl2fmt.outputs")),
-    # one module per storage format, the layer loader, the kernels, and the forward engine the quantizer's
-    # calibration and validate --run both drive (it reads weights through the core only)
-    ("formats", ("exl2fmt.formats", "exl2fmt.model", "exl2fmt.kernels",
-                 "exl2fmt.quant.forward")),
+    # one module per storage format, the layer loader, the kernels, and the model runner that the quantizer's
+    # calibration, validate --run and the perplexity report all drive (transformers' modeling code over weights
+    # read through the core: hf_engine, its MoE driver, the weight source, the measurement names)
+    ("formats", ("exl2fmt.formats", "exl2fmt.model", "exl2fmt.kernels", "exl2fmt.quant.weights",
+                 "exl2fmt.quant.hf_engine", "exl2fmt.quant.moe", "exl2fmt.quant.qparams")),
     ("checks", ("exl2fmt.inspect", "exl2fmt.validate", "exl2fmt.hub", "exl2fmt.modelcard", "exl2fmt.sample")),
     ("converters/quant", ("exl2fmt.converters", "exl2fmt.quant")),
     ("cli", ("exl2fmt.cli", "exl2fmt.converters.cli")),

@@ -13,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from exl2fmt.quant import evaluate as ev  # noqa: E402
-from exl2fmt.quant import forward as fw  # noqa: E402
+from exl2fmt.quant.hf_engine import HFModel  # noqa: E402
+from exl2fmt.quant.weights import WeightSource, dense_linear  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-llama"
 CFG = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -22,33 +23,33 @@ CFG = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_
 
 @pytest.fixture(scope="module")
 def tiny():
-    spec = fw.ModelSpec.from_config(CFG)
+    shapes = HFModel(CFG, WeightSource({})).expected_tensors()      # an empty source: tied head, no lm_head
+    shapes["lm_head.weight"] = (CFG["vocab_size"], CFG["hidden_size"])
     g = torch.Generator().manual_seed(0)
     w = {k: (torch.rand(s, generator=g) + 0.5 if len(s) == 1 else torch.randn(s, generator=g) * 0.2)
-         for k, s in spec.expected_tensors().items()}
-    ids = torch.randint(0, spec.vocab_size, (5, 16), generator=torch.Generator().manual_seed(1))
-    return spec, w, ids
+         for k, s in sorted(shapes.items())}
+    ids = torch.randint(0, CFG["vocab_size"], (5, 16), generator=torch.Generator().manual_seed(1))
+    return HFModel(CFG, WeightSource(w)), w, ids
 
 
 def test_reference_against_itself(tiny):
-    spec, w, ids = tiny
-    src = fw.WeightSource(w)
-    r = ev.perplexity_kl(spec, src, fw.WeightSource(dict(w)), ids, batch_rows=2)
+    ref, w, ids = tiny
+    r = ev.perplexity_kl(ref, WeightSource(dict(w)), ids, batch_rows=2)
     assert r["kl_mean"] == 0.0 and r["top1_agree"] == 1.0 and r["max_logit_diff"] == 0.0
     assert r["ppl_test"] == r["ppl_ref"] and r["tokens"] == 5 * 15
 
 
 def test_perturbed_copy_against_independent_formulas(tiny):
-    spec, w, ids = tiny
-    src = fw.WeightSource(w)
+    ref_model, w, ids = tiny
+    V = CFG["vocab_size"]
     key = "model.layers.1.mlp.down_proj.weight"
     noisy = dict(w)
     noisy[key] = w[key] + 0.05 * torch.randn(w[key].shape, generator=torch.Generator().manual_seed(2))
-    r = ev.perplexity_kl(spec, src, fw.WeightSource(noisy), ids, batch_rows=2)
+    r = ev.perplexity_kl(ref_model, WeightSource(noisy), ids, batch_rows=2)
 
     # the same numbers from the full logits at once, through different torch functions
-    ref = fw.forward(spec, src, ids)[:, :-1].reshape(-1, spec.vocab_size).double()
-    test = fw.forward(spec, fw.WeightSource(noisy), ids)[:, :-1].reshape(-1, spec.vocab_size).double()
+    ref = ref_model.forward(ids)[:, :-1].reshape(-1, V).double()
+    test = HFModel(CFG, WeightSource(noisy)).forward(ids)[:, :-1].reshape(-1, V).double()
     tgt = ids[:, 1:].reshape(-1)
     assert math.isclose(r["ppl_ref"], math.exp(torch.nn.functional.cross_entropy(ref, tgt).item()), rel_tol=1e-9)
     assert math.isclose(r["ppl_test"], math.exp(torch.nn.functional.cross_entropy(test, tgt).item()), rel_tol=1e-9)
@@ -59,15 +60,15 @@ def test_perturbed_copy_against_independent_formulas(tiny):
     assert math.isclose(r["max_logit_diff"], (ref - test).abs().max().item(), rel_tol=1e-6)
 
     # the same perturbation given as a substitute linear of the reference gives the same result
-    sub = fw.dense_linear(noisy[key])
-    r2 = ev.perplexity_kl(spec, src, lambda k: sub if k == "model.layers.1.mlp.down_proj" else None, ids)
+    sub = dense_linear(noisy[key])
+    r2 = ev.perplexity_kl(ref_model, lambda k: sub if k == "model.layers.1.mlp.down_proj" else None, ids)
     for m in ("ppl_ref", "ppl_test", "kl_mean", "top1_agree", "max_logit_diff"):
         assert math.isclose(r[m], r2[m], rel_tol=1e-9, abs_tol=1e-12), m
 
     # a larger perturbation is worse (KL grows), several tests share one reference run
     worse = dict(noisy)
     worse[key] = w[key] + 0.5 * (noisy[key] - w[key]) * 10
-    many = ev.compare_many(spec, src, {"small": fw.WeightSource(noisy), "large": fw.WeightSource(worse)}, ids)
+    many = ev.compare_many(ref_model, {"small": WeightSource(noisy), "large": WeightSource(worse)}, ids)
     assert many["small"]["kl_mean"] == pytest.approx(r["kl_mean"], rel=1e-9)
     assert many["large"]["kl_mean"] > many["small"]["kl_mean"]
 
@@ -80,15 +81,16 @@ def test_fixture_learnt_its_text():
 
     ids = ev.eval_ids(FIXTURE / "tokenizer.json", 8, 256)
     assert ids.shape == (8, 256) and torch.equal(ids, ev.eval_ids(FIXTURE, 8, 256))
-    spec, src = fw.load_spec(FIXTURE)
+    eng = HFModel.open(FIXTURE)
     with torch.no_grad():
-        logits = fw.forward(spec, src, ids)
-    src.close()
+        logits = eng.forward(ids)
+    eng.close()
+    V = eng.vocab_size
     tgt = ids[:, 1:].reshape(-1)
-    ppl = math.exp(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, spec.vocab_size), tgt).item())
+    ppl = math.exp(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), tgt).item())
 
     train = tokenize_stream(load_tokenizer(FIXTURE), corpus_documents("train"))
-    counts = np.bincount(np.asarray(train), minlength=spec.vocab_size) + 1.0
+    counts = np.bincount(np.asarray(train), minlength=V) + 1.0
     unigram_ppl = math.exp(-np.log(counts / counts.sum())[tgt.numpy()].mean())
     assert ppl < 0.5 * unigram_ppl, (ppl, unigram_ppl)
     log = json.loads((FIXTURE / "train_log.json").read_text())

@@ -1,8 +1,19 @@
-"""The quantizer's calibration forward (exl2fmt.quant.forward) against transformers as a peer.
+"""The project's one forward (the model runner, ``exl2fmt.quant.hf_engine.HFModel``) against transformers' full model.
 
-Each case builds a tiny random model with transformers, saves it as safetensors, and checks that our streamed
-forward over the saved files gives transformers' logits (fp32, eager attention), and that the captured inputs
-of the linear layers are exactly what transformers' modules receive.
+The quantizer's calibration, ``validate --run`` and the perplexity report all run models through the runner:
+transformers' modeling code on a meta skeleton, one decoder layer materialized from the safetensors files at a
+time.  Each case builds a tiny random model with transformers, saves it, and checks, in float32, that
+
+* the runner's embedding output and every decoder layer's output equal what the layers of transformers' own full
+  model (loaded from the same files) compute, observed with hooks on its modules (per block, not only at the end);
+* the runner's logits equal the full model's (ids outside the vocabulary read row 0);
+* every tensor the runner reads is in the checkpoint and nothing saved is left unread.
+
+Cases: Llama variants (q/k/v/o and MLP biases with llama3 RoPE scaling, linear RoPE scaling), Mistral with a
+sliding window shorter than the sequence and one KV head, Qwen2 tied and stored as BF16, Qwen3 (q/k norms), and
+the tiny models of ``tests/tiny_models.py`` for Gemma 2 (soft-capping, extra norms), Phi-3 (fused projections)
+and Cohere (parallel residual, logit scale).  ``tests/test_hf_engine.py`` covers the other architectures' logits,
+the captured linear inputs and the half-layer outputs the quantizer measures.
 """
 
 from __future__ import annotations
@@ -15,8 +26,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import make_tiny  # noqa: E402
+
 from exl2fmt.errors import ErrorCode, Exl2Error  # noqa: E402
-from exl2fmt.quant import forward as fw  # noqa: E402
+from exl2fmt.quant.hf_engine import HFModel  # noqa: E402
+from exl2fmt.quant.weights import WeightSource  # noqa: E402
 
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=160, max_position_embeddings=256, rms_norm_eps=1e-5)
@@ -24,176 +38,104 @@ BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16, "rope_theta": 10000.0}
 
+#: name -> (config class, overrides of BASE); built here with every parameter non-trivial
 CASES = {
-    "llama": ("LlamaForCausalLM", {}),
-    "llama-bias-llama3rope": ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True,
-                                                   "rope_parameters": LLAMA3}),
-    "llama-linear-rope": ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
-                                                                   "rope_theta": 500.0}}),
-    "mistral-window": ("MistralForCausalLM", {"sliding_window": 7, "num_key_value_heads": 1}),
-    "qwen2-tied-bf16": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}),
-    "qwen3": ("Qwen3ForCausalLM", {"num_key_value_heads": 4}),
+    "llama-bias-llama3rope": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True, "rope_parameters": LLAMA3}),
+    "llama-linear-rope": ("LlamaConfig", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                              "rope_theta": 500.0}}),
+    "mistral-window": ("MistralConfig", {"sliding_window": 7, "num_key_value_heads": 1}),
+    "qwen2-tied-bf16": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"num_key_value_heads": 4}),
 }
-CONFIG_CLS = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
-              "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config"}
+#: the shared tiny models (tests/tiny_models.py)
+TINY = ("llama", "qwen2", "gemma2", "phi3", "cohere")
 
 
-def _build(name, tmp_path_factory):
+def _build(name, out):
+    if name in TINY:
+        make_tiny(name, out)
+        return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                                 attn_implementation="eager").eval()
     cls_name, extra = CASES[name]
-    cfg = getattr(transformers, CONFIG_CLS[cls_name])(**{**BASE, **extra})
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(hash(name) % 1000)
-    model = getattr(transformers, cls_name)(cfg).eval()
+    cfg = getattr(transformers, cls_name)(**{**BASE, **extra})
+    torch.manual_seed(sum(map(ord, name)))
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     with torch.no_grad():  # random init leaves biases at 0 and norms at 1: make every parameter matter
         for pname, p in model.named_parameters():
             if "norm" in pname:
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.15 if p.dim() == 2 else 0.3)
-    out = tmp_path_factory.mktemp(name)
-    if "bf16" in name:
-        # stored as BF16; the reference is transformers reading those files back in float32 (casting the module
-        # in memory would also round its RoPE frequency buffer)
-        model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-        model = getattr(transformers, cls_name).from_pretrained(out, dtype=torch.float32,
-                                                                 attn_implementation="eager").eval()
-    else:
-        model.save_pretrained(out, safe_serialization=True)
-    return model, out
+    # stored as BF16 for the bf16 case; the reference is transformers reading the files back in float32
+    model.to(torch.bfloat16 if "bf16" in name else torch.float32).save_pretrained(out)
+    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=[*CASES, *TINY])
 def case(request, tmp_path_factory):
-    model, path = _build(request.param, tmp_path_factory)
-    spec, src = fw.load_spec(path)
-    yield request.param, model, spec, src
-    src.close()
+    out = tmp_path_factory.mktemp(request.param)
+    model = _build(request.param, out)
+    eng = HFModel.open(out)
+    yield request.param, model, eng
+    eng.close()
 
 
-def _ids(spec, rows=2, length=24, seed=0):
+def _ids(vocab, rows=2, length=24, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, spec.vocab_size, (rows, length), generator=g)
+    return torch.randint(0, vocab, (rows, length), generator=g)
 
 
-def test_spec_from_saved_config(case):
-    name, model, spec, src = case
-    cfg = model.config
-    assert spec.arch == cfg.model_type
-    assert (spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == \
-        (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-    assert spec.qk_norm == (cfg.model_type == "qwen3")
-    assert spec.qkv_bias == (cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)))
-    fw.check_weights(spec, src)   # every tensor the forward reads is there with the implied shape
-    # the expected-tensor list is exactly the checkpoint (nothing read that is not saved, nothing left unread)
-    assert set(spec.expected_tensors(src)) == set(src.names())
+def _close(got, want, what, rel=2e-6):
+    """|got - want| <= rel * max(|want|, 1) everywhere: float32 rounding, nothing more."""
+    assert got.dtype == torch.float32 and got.shape == want.shape, what
+    scale = max(float(want.abs().max()), 1.0)
+    err = float((got - want).abs().max())
+    assert err <= rel * scale, (what, err, scale)
 
 
-def test_logits_match_transformers(case):
-    name, model, spec, src = case
-    ids = _ids(spec)
-    ids[0, 3] = spec.vocab_size + 5        # out of vocabulary -> row 0, as upstream's quantizer
+def test_block_outputs_and_logits_equal_transformers(case):
+    name, model, eng = case
+    V = eng.vocab_size
+    ids = _ids(V)
+    ids[0, 3] = V + 5                      # out of vocabulary -> row 0, as upstream's quantizer
+    seen: dict = {}
+    layers = model.base_model.layers
+    hooks = [layers[0].register_forward_pre_hook(
+        lambda m, a, kw: seen.__setitem__("in", a[0] if a else kw["hidden_states"]), with_kwargs=True)]
+    for i, layer in enumerate(layers):
+        hooks.append(layer.register_forward_hook(
+            lambda m, a, o, i=i: seen.__setitem__(i, o[0] if isinstance(o, tuple) else o)))
     with torch.no_grad():
-        ref = model(input_ids=torch.where(ids < spec.vocab_size, ids, 0)).logits
-    ours = fw.forward(spec, src, ids)
-    assert ours.dtype == torch.float32 and ours.shape == ref.shape
-    scale = ref.abs().max().item()
-    err = (ours - ref).abs().max().item()
-    assert err <= 2e-5 * max(scale, 1.0), (name, err, scale)
-
-
-def test_capture_matches_module_inputs(case):
-    name, model, spec, src = case
-    ids = _ids(spec, seed=1)
-    seen: dict[str, torch.Tensor] = {}
-    hooks = []
-    layer = model.model.layers[1]
-    for key, mod in [("q_proj", layer.self_attn.q_proj), ("k_proj", layer.self_attn.k_proj),
-                     ("o_proj", layer.self_attn.o_proj), ("gate_proj", layer.mlp.gate_proj),
-                     ("down_proj", layer.mlp.down_proj)]:
-        hooks.append(mod.register_forward_pre_hook(lambda m, args, key=key: seen.__setitem__(key, args[0].clone())))
-    with torch.no_grad():
-        model(input_ids=ids)
+        want = model(input_ids=torch.where(ids < V, ids, 0)).logits
     for hk in hooks:
         hk.remove()
 
-    h = fw.embed(spec, src, ids)
-    cs = fw.rope(spec, ids.shape[1])
-    cap: dict = {}
-    for i in range(spec.num_layers):
-        cap = {}
-        h = fw.attention_block(spec, i, h, src, rope=cs, capture=cap)
-        h = fw.mlp_block(spec, i, h, src, capture=cap)
-    assert cap["k_proj"] is cap["q_proj"] and cap["v_proj"] is cap["q_proj"] and cap["up_proj"] is cap["gate_proj"]
-    for key, want in seen.items():
-        got = cap[key]
-        assert got.shape == want.shape and got.dtype == torch.float32, key
-        tol = 2e-5 * max(want.abs().max().item(), 1.0)
-        assert (got - want).abs().max().item() <= tol, (name, key)
+    h = eng.embed(ids)
+    _close(h, seen["in"], (name, "embedding"))
+    for i in range(eng.num_layers):
+        h = eng.runner(i).forward(h)
+        _close(h, seen[i], (name, f"layer {i}"))
+    eng.release()
+    _close(eng.logits(h), want, (name, "logits"), rel=5e-6)
+    _close(eng.forward(ids), want, (name, "forward"), rel=5e-6)
 
 
-def test_substitute_linears(case):
-    """A substitute Linear is used where given: replacing o_proj of layer 0 by its dense twin changes nothing,
-    replacing it by zero removes that block's attention contribution exactly."""
-    name, model, spec, src = case
-    ids = _ids(spec, rows=1, length=12, seed=2)
-    base = fw.forward(spec, src, ids)
-    key = spec.linear_key(0, "o_proj")
-    w = src.get(f"{key}.weight")
-    b = src.get(f"{key}.bias") if src.has(f"{key}.bias") else None
-    calls = []
-
-    def same(k):
-        if k == key:
-            calls.append(k)
-            return fw.dense_linear(w, b)
-        return None
-    assert torch.equal(fw.forward(spec, src, ids, same), base) and calls == [key]
-
-    zero = fw.dense_linear(torch.zeros_like(w))
-    h0 = fw.embed(spec, src, ids)
-    h1 = fw.attention_block(spec, 0, h0, src, {"o_proj": zero})
-    assert torch.equal(h1, h0)
+def test_reads_exactly_the_checkpoint(case):
+    name, model, eng = case
+    eng.check_weights()
+    assert set(eng.expected_tensors()) == set(eng.src.names()), name
 
 
-def test_llama3_rope_differs_from_plain():
-    """The llama3 rule keeps short wavelengths, divides long ones by factor and interpolates in between --
-    checked by hand on the inverse frequencies."""
-    cfg = {"model_type": "llama", **BASE, "rope_theta": 10000.0,
-           "rope_scaling": {"rope_type": "llama3", **{k: v for k, v in LLAMA3.items() if k != "rope_theta"}}}
-    spec = fw.ModelSpec.from_config(cfg)
-    plain = fw.ModelSpec.from_config({**cfg, "rope_scaling": None})
-    inv = fw._inv_freq(spec, None).double()
-    inv0 = fw._inv_freq(plain, None).double()
-    wl = 2 * np.pi / inv0
-    for j in range(len(inv0)):
-        if wl[j] < 16 / 4:
-            assert inv[j] == inv0[j]
-        elif wl[j] > 16 / 1:
-            assert torch.isclose(inv[j], inv0[j] / 8)
-        else:
-            t = (16 / wl[j] - 1) / (4 - 1)
-            assert torch.isclose(inv[j], (1 - t) * inv0[j] / 8 + t * inv0[j])
-    assert spec.rope_scaling["rope_type"] == "llama3" and plain.rope_scaling is None
-
-
-@pytest.mark.parametrize("patch, code, words", [
-    ({"model_type": "gemma2"}, ErrorCode.ARCH_UNSUPPORTED, "gemma2"),
-    ({"model_type": None, "architectures": ["Qwen2ForCausalLM"]}, None, None),
-    ({"hidden_act": "gelu"}, ErrorCode.ARCH_UNSUPPORTED, "gelu"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, ErrorCode.ARCH_UNSUPPORTED, "yarn"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ErrorCode.CONFIG_INVALID, "low_freq_factor"),
-    ({"num_key_value_heads": 3}, ErrorCode.CONFIG_INVALID, "multiple"),
-    ({"hidden_size": "64"}, ErrorCode.CONFIG_INVALID, "hidden_size"),
-    ({"intermediate_size": None}, ErrorCode.CONFIG_INVALID, "intermediate_size"),
+@pytest.mark.parametrize("patch, words", [
+    ({"model_type": "no_such_model"}, "no_such_model"),
+    ({"model_type": "t5"}, "encoder-decoder"),
+    ({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}, "linears"),   # Conv1D, not nn.Linear
 ])
-def test_config_errors(patch, code, words):
-    cfg = {"model_type": "llama", **BASE, **patch}
-    if code is None:
-        assert fw.ModelSpec.from_config(cfg).arch == "qwen2"
-        return
+def test_architectures_the_runner_cannot_drive(patch, words):
     with pytest.raises(Exl2Error) as ei:
-        fw.ModelSpec.from_config(cfg)
-    assert ei.value.code is code and words in str(ei.value)
+        HFModel({**BASE, **patch}, WeightSource({}))
+    assert ei.value.code is ErrorCode.ARCH_UNSUPPORTED and words in str(ei.value), str(ei.value)
 
 
 def test_weight_source_dtypes_and_shape_check(tmp_path):
@@ -206,7 +148,7 @@ def test_weight_source_dtypes_and_shape_check(tmp_path):
     write_safetensors(tmp_path / "model.safetensors", {
         "a": x.astype(np.float16), "b": RawTensor("BF16", (4, 8), bf_bits), "c": x, "d": np.arange(3, dtype=np.int32),
     })
-    src = fw.WeightSource(tmp_path)
+    src = WeightSource(tmp_path)
     assert torch.equal(src.get("a"), torch.from_numpy(x.astype(np.float16).astype(np.float32)))
     assert torch.equal(src.get("b"), torch.from_numpy((bf_bits.astype(np.uint32) << 16).view(np.float32)))
     assert torch.equal(src.get("c"), torch.from_numpy(x)) and src.get("c", torch.float16).dtype == torch.float16
@@ -218,14 +160,16 @@ def test_weight_source_dtypes_and_shape_check(tmp_path):
     assert ei.value.code is ErrorCode.TENSOR_NOT_FOUND
     src.close()
 
-    spec = fw.ModelSpec.from_config({"model_type": "llama", **BASE})
-    tensors = {k: np.zeros(s, np.float16) for k, s in spec.expected_tensors().items()}
+    cfg = {"model_type": "llama", **BASE}
+    shapes = HFModel(cfg, WeightSource({})).expected_tensors()
+    assert shapes["model.layers.1.mlp.up_proj.weight"] == (96, 64) and "lm_head.weight" not in shapes  # tied
+    tensors = {k: np.zeros(s, np.float16) for k, s in shapes.items()}
     tensors["model.layers.1.mlp.up_proj.weight"] = np.zeros((95, 64), np.float16)
     (tmp_path / "m").mkdir()
     write_safetensors(tmp_path / "m" / "model.safetensors", tensors)
-    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "llama", **BASE}))
-    spec2, src2 = fw.load_spec(tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    eng = HFModel.open(tmp_path / "m")
     with pytest.raises(Exl2Error) as ei:
-        fw.check_weights(spec2, src2)
+        eng.check_weights()
     assert ei.value.code is ErrorCode.CONFIG_MISMATCH and ei.value.tensor == "model.layers.1.mlp.up_proj.weight"
-    src2.close()
+    eng.close()

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 from tiny_models import DENSE, OTHER, make_tiny  # noqa: E402
 
 from exl2fmt.errors import ErrorCode, Exl2Error  # noqa: E402
-from exl2fmt.quant.forward import WeightSource  # noqa: E402
+from exl2fmt.quant.weights import WeightSource  # noqa: E402
 from exl2fmt.quant.hf_engine import HFModel  # noqa: E402
 
 

@@ -86,12 +86,12 @@ def test_pareto_rows_are_ascending_and_drop_exactly_the_dominated_rows():
 
 
 def test_written_measurement_has_exllamav2s_order_counts_and_costs(tiny, exl2_out):
-    from exl2fmt.quant import forward as F
+    from exl2fmt.quant.hf_engine import HFModel
 
     src, _ = tiny
     out, saved = exl2_out
-    spec, w = F.load_spec(src)
-    w.close()
+    spec = HFModel.open(src)
+    spec.close()
     doc = json.loads((out / "measurement.json").read_text())     # always written next to the model
     assert json.loads(saved.read_text()) == doc                   # --save-measurement writes the same file
     L = spec.num_layers

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from tiny_models import MOE, make_tiny  # noqa: E402
 
-from exl2fmt.quant.forward import WeightSource  # noqa: E402
+from exl2fmt.quant.weights import WeightSource  # noqa: E402
 from exl2fmt.quant.hf_engine import HFModel  # noqa: E402
 
 #: (checkpoint block, gate leaf, up leaf, down leaf) as the two families store experts

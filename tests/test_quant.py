@@ -501,7 +501,7 @@ def test_cpu_kernel_and_torch_row_loop_give_the_same_bits():
 def test_calibration_perplexity_in_chunks_equals_the_whole_logit_computation(tiny_llama):
     """Oracle: transformers' own model over the whole rows at once (fp32), log-softmax, gather."""
     transformers = pytest.importorskip("transformers")
-    from exl2fmt.quant.forward import WeightSource
+    from exl2fmt.quant.weights import WeightSource
     from exl2fmt.quant.hf_engine import HFModel
     from exl2fmt.quant.pipeline import _calibration_ppl
 
@@ -601,7 +601,7 @@ def test_too_little_disk_space_is_refused_before_any_work(tiny_llama, tmp_path, 
     written.  Oracle for the estimate: it covers what a real run writes (output + work files + candidates)."""
     import shutil as sh
 
-    from exl2fmt.quant.forward import WeightSource
+    from exl2fmt.quant.weights import WeightSource
     from exl2fmt.quant import pipeline as P
     from exl2fmt.quant.hf_engine import HFModel
 

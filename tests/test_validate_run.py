@@ -117,15 +117,13 @@ def test_reference_pass_matches_transformers(sample_dir, tmp_path):
     from exl2fmt.container import open_model
     from exl2fmt.detect import detect_layers
     from exl2fmt.model import load_layer
-    from exl2fmt.quant import forward as fw
-    from exl2fmt.validate.run import run_forward
+    from exl2fmt.validate.run import run_forward, run_model
 
     fp16 = _convert_fp16(sample_dir, tmp_path / "fp16")
     m = open_model(sample_dir)
-    spec = fw.ModelSpec.from_config(m.config)
     layers = {k: load_layer(m, k) for k in detect_layers(m.tensors)}
     ids = FEW_IDS + [999, 3]
-    res = run_forward(spec, fw.WeightSource(m), layers, ids, kernels=None)
+    res = run_forward(run_model(m), layers, ids, kernels=None)
     assert res.kernel is None and res.calls == []
     hf = transformers.LlamaForCausalLM.from_pretrained(fp16, dtype=torch.float32,
                                                        attn_implementation="eager").eval()
@@ -140,6 +138,119 @@ def test_reference_pass_matches_transformers(sample_dir, tmp_path):
     d_io = float((res.fp16io.double() - want).abs().max())
     assert 2.0 ** -14 * scale < d_io < 2.0 ** -6 * scale
     m.close()
+
+
+def _exl2_copy(src_dir, out, seed=0):
+    """An EXL2 model of a dense tiny model: every decoder linear (Phi-3's fused qkv/gate_up split into q/k/v and
+    gate/up, as ExLlamaV2 stores them) and an untied head quantized round-to-nearest 4-bit g32 in a random
+    act-order permutation; everything else as stored."""
+    from exl2fmt.container import open_model, write_sharded
+    from exl2fmt.formats.exl2 import quantize_rtn
+    from exl2fmt.layout import Tier
+
+    cfg = json.loads((src_dir / "config.json").read_text())
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    k = cfg["num_key_value_heads"] * cfg["head_dim"]
+    m = open_model(src_dir)
+    dense = {n: np.array(m.get(n)) for n in m.names()}
+    m.close()
+    rng = np.random.default_rng(seed)
+    out_t, linears = {}, {}
+    for name, arr in dense.items():
+        key = name[:-len(".weight")]
+        if name.endswith("qkv_proj.weight"):
+            base = key[:-len("qkv_proj")]
+            linears.update({base + "q_proj": arr[:q], base + "k_proj": arr[q:q + k], base + "v_proj": arr[q + k:]})
+        elif name.endswith("gate_up_proj.weight"):
+            base, half = key[:-len("gate_up_proj")], arr.shape[0] // 2
+            linears.update({base + "gate_proj": arr[:half], base + "up_proj": arr[half:]})
+        elif name.endswith("_proj.weight") or name == "lm_head.weight":
+            linears[key] = arr
+        else:
+            out_t[name] = arr
+    for key, w in linears.items():
+        perm = rng.permutation(w.shape[1])
+        for slot, arr in quantize_rtn(w, [Tier(1.0, 4, 32)], perm).items():
+            out_t[f"{key}.{slot}"] = arr
+    out.mkdir()
+    write_sharded(out, out_t, max_shard_bytes=1 << 40, prefix="output", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg))
+    return sorted(linears)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3"])
+def test_reference_pass_on_other_architectures(arch, tmp_path):
+    """The runner gives validate --run every architecture transformers implements.  Oracle: transformers' own
+    model (float32, eager) with every linear replaced by the Numba-dequantized EXL2 weights (Phi-3's split q/k/v
+    and gate/up concatenated back into its fused modules).  Gemma 2: soft-capping, sliding window (8 < 16 ids),
+    tied head; Phi-3: fused projections, stored split."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tiny_models import make_tiny
+
+    from exl2fmt.container import open_model
+    from exl2fmt.detect import detect_layers
+    from exl2fmt.model import load_layer
+    from exl2fmt.validate.run import run_forward, run_model
+
+    src = make_tiny(arch, tmp_path / "fp16")
+    keys = _exl2_copy(src, tmp_path / "exl2")
+    m = open_model(tmp_path / "exl2")
+    layers = {k: load_layer(m, k) for k in detect_layers(m.tensors)}
+    assert sorted(k for k, v in layers.items() if type(v).__name__ == "Exl2Linear") == keys
+    ids = [int(v) for v in np.random.default_rng(1).integers(0, 160, 16)]
+    res = run_forward(run_model(m), layers, ids, kernels=None)
+    m.close()
+    # Gemma 2 ties its head to the embeddings: the head runs dense (the embedding table)
+    assert res.counts == {"exl2": len(keys), "gptq": 0, "dense": int("lm_head" not in keys)}
+    assert ("lm_head" in keys) == (arch == "phi3") and res.kernel is None
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    deq = {k: torch.from_numpy(np.asarray(layers[k].dequantize(), dtype=np.float32)) for k in keys}
+    with torch.no_grad():
+        for name, mod in hf.named_modules():
+            if not isinstance(mod, torch.nn.Linear):
+                continue
+            base = name.rpartition(".")[0] + "."
+            parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}.get(
+                name.rpartition(".")[2])
+            if name == "lm_head" and "lm_head" not in deq:
+                continue                                    # tied: the embedding table, as stored
+            w = deq[name] if parts is None else torch.cat([deq[base + p] for p in parts])
+            assert mod.weight.shape == w.shape
+            mod.weight.copy_(w)
+        want = hf(torch.tensor([ids])).logits[0].double()
+    got = res.reference.double()
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= 2e-5 * scale, float((got - want).abs().max())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    d_io = float((res.fp16io.double() - want).abs().max())
+    assert 2.0 ** -16 * scale < d_io < 2.0 ** -6 * scale, (d_io, scale)
+
+
+def test_preflight_bounds_the_config_by_the_checkpoint(sample_dir, tmp_path):
+    """Sizes from config.json are checked against the tensors before transformers builds anything from them (a
+    10^9-layer skeleton would hang): a failed run check, no work."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from exl2fmt.container import open_model
+    from exl2fmt.errors import ErrorCode
+    from exl2fmt.validate.run import run_preflight
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "output.safetensors").symlink_to(sample_dir / "output.safetensors")
+    cfg = json.loads((sample_dir / "config.json").read_text())
+    for patch, word in (({"num_hidden_layers": 10 ** 9}, "num_hidden_layers"), ({"head_dim": 10 ** 9}, "head_dim")):
+        (d / "config.json").write_text(json.dumps({**cfg, **patch}))
+        with open_model(d) as m:
+            pre = run_preflight(m, None)
+        assert pre["engine"] is None and pre["error"].code is ErrorCode.CONFIG_MISMATCH and word in pre["error"].message
+    (d / "config.json").write_text(json.dumps(cfg))
+    with open_model(d) as m:
+        pre = run_preflight(m, None)
+    assert pre["error"] is None and pre["engine"].num_layers == 2 and len(pre["ids"]) == 16
 
 
 # ------------------------------------------------------------------------------------------------ failures
@@ -260,7 +371,14 @@ def test_ids_outside_vocab_and_unsupported_arch(sample_dir, tmp_path):
     p = cli("validate", d, "--run", "--device", "cpu", "--json")
     assert p.returncode == 3, p.stderr[-2000:]
     err = json.loads(p.stdout)["error"]
-    assert err["code"] == "ARCH_UNSUPPORTED" and "gpt2" in err["message"] and "llama" in err["message"]
+    # transformers implements GPT-2, but with Conv1D layers: nothing the runner can swap substitutes into
+    assert err["code"] == "ARCH_UNSUPPORTED" and "gpt2" in err["message"], err
+    cfg.update(model_type="no_such_model", architectures=["NoSuchForCausalLM"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    p = cli("validate", d, "--run", "--device", "cpu", "--json")
+    assert p.returncode == 3, p.stderr[-2000:]
+    err = json.loads(p.stdout)["error"]
+    assert err["code"] == "ARCH_UNSUPPORTED" and "no_such_model" in err["message"], err
 
 
 def test_missing_triton_is_exit_3(sample_dir, tmp_path):

@@ -161,8 +161,8 @@ def validate(
     kernel: Annotated[bool, typer.Option("--kernel", help="Run every EXL2 layer (and 2/4/8-bit GPTQ layer) through the bundled Triton kernels "
                       "on random inputs and compare with the reference: dequantization bit for bit, y = x @ W "
                       "within the fp32-accumulation bound (needs pip install 'exl2fmt[kernels]').")] = False,
-    run: Annotated[bool, typer.Option("--run", help="A full forward pass (llama, mistral, qwen2, qwen3) on fixed "
-                   "token ids with every EXL2 linear through the Triton kernel, compared with the forward over the "
+    run: Annotated[bool, typer.Option("--run", help="A full forward pass (transformers' modeling code for the "
+                   "model's architecture, one layer at a time) on fixed token ids with every EXL2 linear through the Triton kernel, compared with the forward over the "
                    "dequantized weights: max logit difference, KL, top-1 agreement (needs pip install "
                    "'exl2fmt[kernels]').")] = False,
     prompt_ids: Annotated[Optional[str], typer.Option("--prompt-ids", metavar="ID,ID,...", help="Token ids for "

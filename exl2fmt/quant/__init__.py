@@ -4,8 +4,10 @@ Needs the ``quant`` extra (torch, tokenizers).  Nothing here is imported by ``in
 
 Modules:
 
-* ``forward``   a torch forward for the Llama family (llama, mistral, qwen2, qwen3), block by block, with the
-                intermediate inputs of every linear layer exposed for Hessians
+* ``weights``   ``WeightSource`` (tensors by name, read lazily) and ``dense_linear``
+* ``hf_engine``  the model runner: transformers' modeling code, one decoder layer materialized at a time, with
+                substitute linears and captured linear inputs; the one forward of the project (calibration,
+                ``validate --run``, ``evaluate``)
 * ``calib``     calibration data: text / jsonl / token-id files, tokenized with the model's tokenizer.json,
                 and the built-in default set
 * ``gptq``      Hessians, act-order, the GPTQ sweep with EXL2's per-group 4-bit scale search, GPTQ-format output

@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ErrorCode, Exl2Error
-from .forward import WeightSource, dense_linear
+from .weights import WeightSource, dense_linear
 from .moe import EXL2_FILE_NAMES, ROLES, find_experts, pad_expert_hessian, routed_forward
 from .qparams import measurement_key
 
@@ -197,7 +197,33 @@ class HFModel:
         self._discover()
         self._kw_cache: dict = {}
         self._runner: _LayerRunner | None = None
-        self.structure = self._probe()
+        self._structure: _Structure | None = None
+
+    @property
+    def structure(self) -> _Structure:
+        """What a probe run of layer 0 finds (shared inputs, the norm between the halves); probed on first use,
+        so building the model reads no weights (``validate --run`` checks every tensor first)."""
+        if self._structure is None:
+            self._structure = self._probe()
+        return self._structure
+
+    @classmethod
+    def open(cls, model_dir: Any, device: "str | torch.device" = "cpu", split_fused: bool = True) -> "HFModel":
+        """The model of a directory (config.json and its safetensors shards); ``close()`` the result.  Raises
+        ``CONFIG_MISSING`` without config.json, and what the constructor raises."""
+        src = WeightSource(model_dir)
+        try:
+            if src.config is None:
+                raise Exl2Error(ErrorCode.CONFIG_MISSING, "the model runner needs config.json", file=src.where)
+            return cls(src.config, src, device, split_fused=split_fused)
+        except BaseException:
+            src.close()
+            raise
+
+    def close(self) -> None:
+        """Free the materialized layer and close the weight source."""
+        self.release()
+        self.src.close()
 
     # --- names ----------------------------------------------------------------------------------------
     def _discover(self) -> None:
@@ -329,9 +355,10 @@ class HFModel:
         raise KeyError(name)
 
     # --- weights --------------------------------------------------------------------------------------
-    def check_weights(self) -> None:
-        """Every parameter of every decoder layer, the embeddings, final norm and head exist with the shapes
-        transformers builds from the config (``TENSOR_NOT_FOUND`` / ``CONFIG_MISMATCH`` naming the tensor)."""
+    def expected_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint tensor the model reads, name -> the shape transformers builds from the config: each
+        decoder layer's parameters (the fused expert parameters as one tensor per expert), the embeddings, the
+        final norm and, unless tied, ``lm_head.weight``."""
         want: dict[str, tuple] = {}
         lay = self.experts
         fused = {f"{lay.path}.gate_up_proj", f"{lay.path}.down_proj"} if lay is not None else set()
@@ -346,7 +373,12 @@ class HFModel:
         want[self.embed_name] = tuple(self.embed_module.weight.shape)
         if not self.tied:
             want["lm_head.weight"] = tuple(self.head_module.weight.shape)
-        for name, shape in want.items():
+        return want
+
+    def check_weights(self) -> None:
+        """Every tensor of ``expected_tensors`` exists with its shape (``TENSOR_NOT_FOUND`` / ``CONFIG_MISMATCH``
+        naming the tensor)."""
+        for name, shape in self.expected_tensors().items():
             if not self.src.has(name):
                 raise Exl2Error(ErrorCode.TENSOR_NOT_FOUND, f"the {self.arch} model needs this tensor, found none",
                                 file=self.src.where, tensor=name)
@@ -377,8 +409,9 @@ class HFModel:
             sub._parameters[leaf] = meta
 
     # --- inputs of the decoder layers -----------------------------------------------------------------
-    def _layer_kwargs(self, B: int, T: int, device: torch.device) -> list[tuple[tuple, dict]]:
-        """Per decoder layer, the extra (args, kwargs) transformers passes it for a [B, T] batch."""
+    def _layer_kwargs(self, B: int, T: int, device: torch.device, cache: bool = True) -> list[tuple[tuple, dict]]:
+        """Per decoder layer, the extra (args, kwargs) transformers passes it for a [B, T] batch (kept for the
+        last two batch shapes unless ``cache`` is False)."""
         key = (B, T, str(device))
         hit = self._kw_cache.get(key)
         if hit is not None:
@@ -410,6 +443,8 @@ class HFModel:
         out = [(a, {k: v for k, v in kw.items() if k not in ("past_key_values", "cache", "past_key_value")})
                for a, kw in records]
         out = [( _to_device(a, device), _to_device(kw, device)) for a, kw in out]
+        if not cache:
+            return out
         if len(self._kw_cache) >= 2:          # a full batch and the smaller last one
             self._kw_cache.pop(next(iter(self._kw_cache)))
         self._kw_cache[key] = out
@@ -459,6 +494,7 @@ class HFModel:
         if self._runner is not None and self._runner.i == i and self._runner.device == dev:
             return self._runner
         self.release()
+        self.structure          # probe layer 0 (once) before any layer is materialized for a run
         self._runner = _LayerRunner(self, i, dev)
         return self._runner
 
@@ -477,7 +513,7 @@ class HFModel:
             g = torch.Generator().manual_seed(0)
             T = 4
             h = torch.randn(1, T, self.hidden_size, generator=g).to(self.device)
-            args, kw = self._layer_kwargs(1, T, self.device)[0]
+            args, kw = self._layer_kwargs(1, T, self.device, cache=False)[0]
             calls: list = []          # (name, input tensor) in call order
             child_out: dict = {}
             child_order: list = []
@@ -734,9 +770,8 @@ class LayerBlock:
         experts = [o for o in (hessians or {}) if o in eng.expert_names] if self.kind == "mlp" else []
         prior = None
         if any(eng.role(o) != "down_proj" for o in experts):
-            from .gptq import HessianAccumulator
-
-            prior = HessianAccumulator(lay.hidden, h.device)      # all tokens entering the MoE block
+            # all tokens entering the MoE block, in an accumulator of the caller's kind (gptq.HessianAccumulator)
+            prior = type(hessians[experts[0]])(lay.hidden, h.device)
         self.r.routed = []
         for bi, sl in enumerate(self.batches):
             cap = {} if hessians else None

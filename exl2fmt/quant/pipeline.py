@@ -475,7 +475,7 @@ def _score_plan(rows: int, length: int, batch_tokens: int, measure_rows: int | N
 
 
 def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progress, report) -> dict:
-    from . import forward as F
+    from . import weights as F
     from .gptq import HessianAccumulator
 
     device = torch.device(o.device)
@@ -608,7 +608,7 @@ def plan_from_measurement(src: str | os.PathLike, measurement: str | os.PathLike
     quantizing: {"options": {block key: option index}, "overrides": {linear key: QParams dict}, "decoder_bpw"}.
     The same optimization ``quantize_model`` runs; compare two measurements by the plans they give."""
     from ..container import open_model
-    from . import forward as F
+    from . import weights as F
     from .hf_engine import HFModel
     from .qparams import block_options
 
@@ -708,7 +708,7 @@ def _spend_slack(items, budget: int, used: int) -> tuple[dict, int]:
 
 
 def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: QuantOptions, progress, report):
-    from . import forward as F
+    from . import weights as F
     from .gptq import (EXL2_PERCDAMP, GPTQ_PERCDAMP, HessianAccumulator, prepare, quantize_exl2,
                        quantize_gptq)
     from .qparams import QParams
@@ -860,7 +860,7 @@ def _calibration_ppl(spec, src, h, ids, head, max_logit_bytes: int = 64 << 20) -
     [rows, T, hidden] and the token ids int64 [rows, T].  The logits are made a few thousand tokens at a time
     (at most ``max_logit_bytes`` of them), never for a whole batch: 8192 tokens x a 128k vocabulary would be
     4 GiB."""
-    from . import forward as F
+    from . import weights as F
 
     rows, T = ids.shape
     chunk = max(1, max_logit_bytes // (4 * spec.vocab_size))
@@ -1091,7 +1091,7 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
     from ..container.partials import fault_point
     from ..container.publish import (check_paths, lower_shield, make_partial_dir, name_unnamed_os_error, publish,
                                      remove_path, stale_note)
-    from . import forward as F
+    from . import weights as F
     from .gptq import prepare, quantize_exl2, quantize_gptq
     from .qparams import QParams, block_options
     from .solver import solve
@@ -1212,7 +1212,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
     from ..container.partials import fault_point
     from ..container.publish import (check_paths, lower_shield, make_partial_dir, name_unnamed_os_error, publish,
                                      remove_path, stale_note)
-    from . import forward as F
+    from . import weights as F
     from .calib import load_calibration
     from .hf_engine import EXL2_ARCHS, HFModel
     from .qparams import block_options

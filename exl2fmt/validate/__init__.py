@@ -40,14 +40,14 @@ On ``device="cpu"`` the kernels run in Triton's interpreter (slow: small models 
 per layer (BLOCK_N = N_pad rounded up to a power of two, the interpreter's cost being per program); on CUDA
 with the kernels' own launch heuristics.  torch and triton are imported only when ``kernel`` or ``run`` is set.
 
-``run=True`` (``exl2fmt validate --run``; llama, mistral, qwen2, qwen3) runs one sequence of token ids
-(``prompt_ids``, default ``exl2fmt.validate.run.default_ids``) through the whole model three times, block by block
-side by side: every EXL2 linear (decoder and ``lm_head``) through the Triton kernel; as the reference, over its
+``run=True`` (``exl2fmt validate --run``; every decoder-only architecture transformers implements, through the
+model runner ``exl2fmt.quant.hf_engine``) runs one sequence of token ids (``prompt_ids``, default
+``exl2fmt.validate.run.default_ids``) through the whole model three times, layer by layer side by side: every EXL2 linear (decoder and ``lm_head``) through the Triton kernel; as the reference, over its
 dequantized float16 weights in float32; and a float16-I/O replay of the reference (``run``): every kernel call
 within the fp32-accumulation bound on the forward's own activations (else ``KERNEL_MISMATCH``), and the logits
 within a tolerance derived from the float16-I/O replay (max |logit difference|, mean KL, top-1; else
-``RUN_MISMATCH``).  Rules and numbers in ``exl2fmt.validate.run``; results in ``Report.run``.  An architecture without a forward raises ``ARCH_UNSUPPORTED``, ids outside the
-vocabulary ``USAGE``, both before any data is read.
+``RUN_MISMATCH``).  Rules and numbers in ``exl2fmt.validate.run``; results in ``Report.run``.  An architecture the runner cannot drive raises ``ARCH_UNSUPPORTED``, ids outside
+the vocabulary ``USAGE``, both before any tensor data is read.
 
 Exit status (``Report.exit_code``): 0 when nothing failed (warnings allowed unless ``strict``), 1 otherwise.
 Inputs that cannot be read at all raise ``Exl2Error`` (exit 3 in the CLI); a malformed header is reported
@@ -147,7 +147,7 @@ def validate_model(path: str | os.PathLike, deep: bool = False, reference: str |
         if run:
             from .run import run_preflight
 
-            run_spec = run_preflight(model, prompt_ids)
+            run_spec = run_preflight(model, prompt_ids, kernels.device)
         _validate_open(rep, model, Path(os.fspath(path)), deep, reference, progress,
                        kernels if kernel else None, run_spec, kernels if run else None)
     finally:

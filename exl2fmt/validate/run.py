@@ -1,20 +1,24 @@
 """``exl2fmt validate --run``: a whole forward pass through the Triton kernel against the dequantized weights.
 
-Importing this module imports torch (and ``exl2fmt.quant.forward``); ``exl2fmt.validate`` imports it only when
-``run`` is set, after ``load_kernels`` has chosen Triton's mode.  The kernel module itself is handed in.
+Importing this module imports torch; building the model imports transformers (``exl2fmt.quant.hf_engine``).
+``exl2fmt.validate`` imports it only when ``run`` is set, after ``load_kernels`` has chosen Triton's mode.  The
+kernel module itself is handed in.
 
 What runs
 ---------
 One sequence of token ids (``default_ids``: ``RUN_DEFAULT_LENGTH`` ids drawn from ``RUN_SEED`` over the vocabulary,
-or the caller's) goes through the model's Llama-family forward (``exl2fmt.quant.forward``: llama, mistral, qwen2,
-qwen3) three times, block by block side by side, so each layer is read and dequantized once:
+or the caller's) goes through the model runner (``hf_engine.HFModel``: transformers' own modeling code for the
+config's ``model_type``, one decoder layer materialized at a time; every decoder-only architecture transformers
+implements with ``nn.Linear`` layers) three times, layer by layer side by side, so each layer is read and
+dequantized once.  Every quantized linear is swapped for a substitute through the runner's ``subs``; the
+module's own weight is then a NaN stand-in that no pass reads (``run_model``):
 
 ``reference``  every quantized linear as float32 ``F.linear`` over its dequantized float16 weight (the Numba
                reference, ``layer.dequantize()``), residual stream, norms, RoPE and attention in float32.  This
                is what transformers computes in float32 over ``exl2fmt convert --to fp16`` output.
 ``kernel``     every EXL2 linear through the Triton fused dequantize-matmul on the packed tensors
                (``Exl2KernelLinear``): x rounded to float16, fp32 accumulation, y rounded to float16, then back
-               to float32 for the rest of the block.  The path is ``choose_path(M)`` with M = the number of ids.
+               to float32 for the rest of the layer.  The path is ``choose_path(M)`` with M = the number of ids.
 ``fp16 I/O``   the kernel's arithmetic model without the kernel: x rounded to float16, x @ W + b in float64 from
                the reference weights, one rounding to float16.  Its distance from ``reference`` is the part of
                the kernel path's deviation that float16 activations cause on this model (the noise floor).
@@ -58,12 +62,13 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ErrorCode, Exl2Error, Severity
-from ..quant import forward as fw
+from ..quant.weights import Linear, WeightSource, dense_linear
 from .kernel import KernelSetup
 from .report import CheckId, PassCode, Report, Status
 
 __all__ = ["RUN_DEFAULT_LENGTH", "RUN_SEED", "RUN_MARGIN", "RUN_MAX_IDS", "default_ids", "check_ids", "RunResult",
-           "run_forward", "run_metrics", "verdict", "U16", "KernelCallError", "run_preflight", "run_pass"]
+           "run_model", "run_forward", "run_metrics", "verdict", "U16", "KernelCallError", "run_preflight",
+           "run_pass"]
 
 #: Ids in the default sequence (M = 16 rows of x: the kernel's tensor-core "dot" path).
 RUN_DEFAULT_LENGTH = 16
@@ -86,23 +91,120 @@ def default_ids(vocab_size: int, length: int = RUN_DEFAULT_LENGTH, seed: int = R
     return [int(v) for v in rng.integers(0, vocab_size, size=min(length, RUN_MAX_IDS))]
 
 
-def check_ids(ids: Sequence[int], spec: "fw.ModelSpec") -> list[int]:
-    """The ids as a list, or ``Exl2Error(USAGE)`` naming the first one outside 0..vocab_size-1 (or a bad count)."""
+def check_ids(ids: Sequence[int], vocab_size: int, max_positions: int | None = None) -> list[int]:
+    """The ids as a list, or ``Exl2Error(USAGE)`` naming the first one outside 0..vocab_size-1 (or a bad count:
+    at most min(``RUN_MAX_IDS``, ``max_positions``))."""
     out = []
     for i, v in enumerate(ids):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise Exl2Error(ErrorCode.USAGE, f"--prompt-ids: id #{i} is {v!r}, not an integer")
-        if not 0 <= int(v) < spec.vocab_size:
+        if not 0 <= int(v) < vocab_size:
             raise Exl2Error(ErrorCode.USAGE, f"--prompt-ids: id #{i} = {int(v)} is outside the vocabulary "
-                            f"0..{spec.vocab_size - 1} (config.json vocab_size = {spec.vocab_size})")
+                            f"0..{vocab_size - 1} (config.json vocab_size = {vocab_size})")
         out.append(int(v))
     if not out:
         raise Exl2Error(ErrorCode.USAGE, "--prompt-ids: give at least one token id")
-    limit = min(RUN_MAX_IDS, spec.max_position_embeddings)
+    limit = RUN_MAX_IDS if max_positions is None else min(RUN_MAX_IDS, max_positions)
     if len(out) > limit:
         raise Exl2Error(ErrorCode.USAGE, f"--prompt-ids: {len(out)} ids; at most {limit} (min of {RUN_MAX_IDS} and "
-                        f"max_position_embeddings = {spec.max_position_embeddings})")
+                        f"max_position_embeddings = {max_positions})")
     return out
+
+
+def _max_positions(eng) -> int | None:
+    v = getattr(eng.hf_config, "max_position_embeddings", None)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+class _RunSource(WeightSource):
+    """The model's tensors, plus a NaN stand-in for every parameter of a module whose linears all run as
+    substitutes (the quantized layers, which store no ``.weight``).  A stand-in is one element broadcast to the
+    parameter's shape (no memory); it is never read by a pass, and if it were, the logits would be NaN."""
+
+    def __init__(self, model, quant_keys):
+        super().__init__(model)
+        self.quant_keys = frozenset(quant_keys)
+        self.standins: dict[str, tuple[int, ...]] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.standins or (name.endswith(".weight") and name[:-7] in self.quant_keys) or \
+            super().has(name)
+
+    def get(self, name: str, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+        shape = self.standins.get(name)
+        if shape is not None:
+            return torch.full((), math.nan, dtype=dtype, device=device or "cpu").expand(shape)
+        return super().get(name, dtype, device)
+
+
+_SIZE_KEYS = ("hidden_size", "intermediate_size", "head_dim", "vocab_size", "num_attention_heads",
+              "num_key_value_heads", "moe_intermediate_size", "num_local_experts", "num_experts")
+
+
+def _check_sizes(config: Mapping[str, Any], model) -> None:
+    """The config's layer count and sizes are bounded by the checkpoint before transformers builds anything from
+    them (a skeleton of 10^9 layers, or a RoPE table of a 10^9 head_dim, would hang or exhaust memory):
+    ``num_hidden_layers`` at most the number of numbered layers in the tensor names, every size at most the
+    largest tensor dimension.  Raises ``CONFIG_MISMATCH`` naming the key."""
+    import re
+
+    where = str(model.config_path)
+    idx = {int(m.group(1)) for n in model.names() if (m := re.search(r"\.layers\.(\d+)\.", n))}
+    n = config.get("num_hidden_layers")
+    if isinstance(n, int) and not isinstance(n, bool) and n > len(idx):
+        raise Exl2Error(ErrorCode.CONFIG_MISMATCH, f"num_hidden_layers = {n}, but the tensors hold {len(idx)} "
+                        "numbered layers", file=where)
+    biggest = max((max(model.info(t).shape, default=1) for t in model.names()), default=1)
+    for key in _SIZE_KEYS:
+        v = config.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > biggest:
+            raise Exl2Error(ErrorCode.CONFIG_MISMATCH, f"{key} = {v} exceeds every tensor dimension of the "
+                            f"checkpoint (largest {biggest})", file=where)
+
+
+def run_model(model, device: "str | torch.device" = "cpu"):
+    """The runner (``hf_engine.HFModel``) over an open model (``ModelFiles``) with quantized layers: their keys
+    (EXL2 / GPTQ, from the tensor names) count as present weights; ``run_forward`` swaps substitutes in for
+    them.  Fused projections (Phi-3 ``qkv_proj``) stay fused when the model stores them fused.  Reads no tensor
+    data.  Raises ``Exl2Error`` ``ARCH_UNSUPPORTED`` (no causal-LM class or no linear layers transformers can
+    drive), ``CONFIG_INVALID``, or ``CONFIG_MISMATCH`` for sizes the checkpoint cannot hold (``_check_sizes``)."""
+    from ..detect import detect_layers
+    from ..layout import Format
+    from ..quant.hf_engine import HFModel
+
+    _check_sizes(model.config, model)
+    quant = {k for k, info in detect_layers(model.tensors).items() if info.format in (Format.EXL2, Format.GPTQ)}
+    fused = any(part in ("qkv_proj", "gate_up_proj") for n in model.names() for part in n.split("."))
+    return HFModel(model.config, _RunSource(model, quant), device, split_fused=not fused)
+
+
+def _modules(eng) -> dict[str, list[tuple[str, str]]]:
+    """Checkpoint path of every module the runner materializes linears into -> [(linear name, linear key)]."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for i in range(eng.num_layers):
+        p = eng.layer_prefix(i)
+        for n in eng.path_of:
+            out.setdefault(f"{p}.{eng.path_of[n]}", []).append((n, eng.linear_key(i, n)))
+        for n in eng.expert_names:
+            out[eng.linear_key(i, n)] = [(n, eng.linear_key(i, n))]
+    return out
+
+
+def _set_standins(eng, quant_keys) -> None:
+    """Stand-ins for the parameters of every module whose linears are all in ``quant_keys``."""
+    src = eng.src
+    if not isinstance(src, _RunSource):
+        return
+    src.standins = {}
+    want = eng.expected_tensors()
+    for mod, lins in _modules(eng).items():
+        if all(k in quant_keys for _, k in lins):
+            for leaf in ("weight", "bias"):
+                if f"{mod}.{leaf}" in want:
+                    src.standins[f"{mod}.{leaf}"] = want[f"{mod}.{leaf}"]
 
 
 # ------------------------------------------------------------------------------------------------ the passes
@@ -153,7 +255,7 @@ def _f64_chunks(x16: torch.Tensor, w16: torch.Tensor, b16: torch.Tensor | None, 
         del W, y, A
 
 
-def _fp16io_linear(w16: torch.Tensor, b16: torch.Tensor | None) -> "fw.Linear":
+def _fp16io_linear(w16: torch.Tensor, b16: torch.Tensor | None) -> Linear:
     """x float32 [..., K] -> fp16(fp16(x) @ W^T + b computed in float64), as float32 (the kernel's model)."""
     def apply(x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -166,7 +268,7 @@ def _fp16io_linear(w16: torch.Tensor, b16: torch.Tensor | None) -> "fw.Linear":
 
 
 def _kernel_linear(key: str, kern, w16: torch.Tensor, b16: torch.Tensor | None, block_n: int | None,
-                   calls: list[dict]) -> "fw.Linear":
+                   calls: list[dict]) -> Linear:
     """x float32 [..., K] -> the Triton kernel on fp16(x), as float32; every call is checked against the
     fp32-accumulation bound (rule 1) and recorded in ``calls``."""
     def apply(x: torch.Tensor) -> torch.Tensor:
@@ -217,29 +319,32 @@ def _interp_block_n(kt, n_pad: int) -> int | None:
     return bn
 
 
-def run_forward(spec: "fw.ModelSpec", src: "fw.WeightSource", layers: Mapping[str, Any], ids: Sequence[int],
-                kernels=None, device: "str | torch.device" = "cpu",
+def run_forward(eng, layers: Mapping[str, Any], ids: Sequence[int], kernels=None,
+                device: "str | torch.device | None" = None,
                 progress: Callable[[int, int, str], None] | None = None,
                 kernel_hook: Callable[[str, Any], Any] | None = None) -> RunResult:
     """The three passes of the module docstring over one sequence.
 
-    spec     the model's ``ModelSpec``; src: a ``WeightSource`` over the model (embeddings, norms, dense layers)
+    eng      the model runner (``run_model``; any ``hf_engine.HFModel`` whose source holds every dense tensor)
     layers   layer key -> layer object for the quantized linears (``Exl2Linear``, ``GptqLinear``); other keys
-             (and other layer types) are read as dense ``{key}.weight`` from ``src``
+             (and other layer types) run over the dense weights the runner reads from its source
     ids      token ids (checked with ``check_ids``)
     kernels  the Triton kernel module (``exl2fmt.kernels.load_triton``); None = no kernel pass (``kernel`` None)
-    progress called as (blocks done, blocks + 1, last key)
+    device   where the passes run (default: the runner's device)
+    progress called as (layers done, layers + 1, last key)
     kernel_hook  test seam: (key, Exl2KernelLinear) -> the object called in place of it
     Returns a ``RunResult``.  Raises ``KernelCallError`` when the kernel wrapper refuses a layer, and
     ``Exl2Error`` from the layers' dequantization.
     """
-    ids = check_ids(ids, spec)
-    dev = torch.device(device)
+    ids = check_ids(ids, eng.vocab_size, _max_positions(eng))
+    dev = torch.device(device) if device is not None else eng.device
     tid = torch.tensor([ids], dtype=torch.int64)
     res = RunResult(ids=list(ids), reference=None, fp16io=None, kernel=None,  # type: ignore[arg-type]
                     counts={"exl2": 0, "gptq": 0, "dense": 0})
     secs = {"reference": 0.0, "fp16io": 0.0, "kernel": 0.0, "load": 0.0}
     names = ("ref", "emu", "ker") if kernels is not None else ("ref", "emu")
+    quant_keys = {k for k, v in layers.items() if type(v).__name__ in ("Exl2Linear", "GptqLinear")}
+    _set_standins(eng, quant_keys)
 
     def linears_for(key: str) -> dict[str, Any] | None:
         layer = layers.get(key)
@@ -251,7 +356,7 @@ def run_forward(spec: "fw.ModelSpec", src: "fw.WeightSource", layers: Mapping[st
         w16 = torch.from_numpy(np.ascontiguousarray(np.asarray(layer.dequantize(), dtype=np.float16))).to(dev)
         b = layer.bias()
         b16 = None if b is None else torch.from_numpy(np.asarray(b, dtype=np.float16)).to(dev)
-        ref = fw.dense_linear(w16.float(), None if b16 is None else b16.float())
+        ref = dense_linear(w16.float(), None if b16 is None else b16.float())
         out = {"ref": ref}
         if fmt == "Exl2Linear":
             out["emu"] = _fp16io_linear(w16, b16)
@@ -276,27 +381,28 @@ def run_forward(spec: "fw.ModelSpec", src: "fw.WeightSource", layers: Mapping[st
         secs[{"ref": "reference", "emu": "fp16io", "ker": "kernel"}[name]] += time.perf_counter() - t0
         return r
 
-    with torch.no_grad():
-        h0 = fw.embed(spec, src, tid, device=dev)
-        h = {n: h0 for n in names}
-        cs = fw.rope(spec, len(ids), dev)
-        for i in range(spec.num_layers):
-            for group, block in ((spec.attn_linears, "attn"), (spec.mlp_linears, "mlp")):
-                subs = {n: linears_for(spec.linear_key(i, n)) for n in group}
+    L = eng.num_layers
+    try:
+        with torch.no_grad():
+            h0 = eng.embed(tid, dev)
+            h = {n: h0 for n in names}
+            for i in range(L):
+                subs = {n: linears_for(eng.linear_key(i, n)) for n in (*eng.path_of, *eng.expert_names)}
+                r = eng.runner(i, dev)
                 for p in names:
                     lin = {n: s[p] for n, s in subs.items() if s is not None}
-                    if block == "attn":
-                        h[p] = timed(p, lambda: fw.attention_block(spec, i, h[p], src, lin, rope=cs))
-                    else:
-                        h[p] = timed(p, lambda: fw.mlp_block(spec, i, h[p], src, lin))
-                del subs
+                    h[p] = timed(p, lambda: r.forward(h[p], lin))
+                del subs, r
+                if progress is not None:
+                    progress(i + 1, L + 1, eng.layer_prefix(i))
+            eng.release()
+            head = linears_for("lm_head")
+            dense = eng.dense_head(dev) if head is None else None
+            logits = {p: timed(p, lambda: eng.logits(h[p], dense if head is None else head[p]))[0] for p in names}
             if progress is not None:
-                progress(i + 1, spec.num_layers + 1, spec.layer_prefix(i))
-        head = linears_for("lm_head")
-        logits = {p: timed(p, lambda: fw.final_logits(spec, h[p], src, head=None if head is None else head[p]))[0]
-                  for p in names}
-        if progress is not None:
-            progress(spec.num_layers + 1, spec.num_layers + 1, "lm_head")
+                progress(L + 1, L + 1, "lm_head")
+    finally:
+        eng.release()
     res.reference, res.fp16io, res.kernel = logits["ref"], logits["emu"], logits.get("ker")
     res.seconds = {k: round(v, 3) for k, v in secs.items()}
     return res
@@ -415,69 +521,83 @@ def verdict(m: dict) -> list[tuple[ErrorCode, str, str | None]]:
 # ------------------------------------------------------------------------------------------------ the check
 
 
-def run_preflight(model, prompt_ids) -> dict:
-    """validate --run before any data is read: the architecture has a forward (else ``ARCH_UNSUPPORTED`` is
-    raised) and the ids lie in the vocabulary (else ``USAGE``).  A config that cannot be read or is invalid is
-    not raised here: it becomes a failed ``run`` check (the structural checks report it as well)."""
+def run_preflight(model, prompt_ids, device: "str | torch.device" = "cpu") -> dict:
+    """validate --run before any tensor data is read: the model runner can be built for the architecture (else
+    ``ARCH_UNSUPPORTED`` is raised) and the ids lie in the vocabulary (else ``USAGE``).  A config that cannot be
+    read or is invalid is not raised here: it becomes a failed ``run`` check (the structural checks report it as
+    well).  Returns {"engine": the runner on ``device`` or None, "ids", "source", "error"}."""
     where = str(model.config_path)
     try:
         config = model.config
     except Exl2Error as e:
-        return {"spec": None, "ids": None, "error": e}
+        return {"engine": None, "ids": None, "error": e}
     if not isinstance(config, dict):
-        return {"spec": None, "ids": None, "error": Exl2Error(
+        return {"engine": None, "ids": None, "error": Exl2Error(
             ErrorCode.CONFIG_MISSING, "--run needs config.json (architecture and sizes)", file=where)}
     try:
-        spec = fw.ModelSpec.from_config(config)
+        eng = run_model(model, device)
     except Exl2Error as e:
         if e.code is ErrorCode.ARCH_UNSUPPORTED:
             raise Exl2Error(ErrorCode.ARCH_UNSUPPORTED, f"--run has no forward for this model: {e.message}",
                             file=e.file if e.file and e.file != "config.json" else where) from None
-        return {"spec": None, "ids": None, "error": Exl2Error(e.code, e.message, file=where, tensor=e.tensor)}
-    ids = default_ids(spec.vocab_size) if prompt_ids is None else check_ids(list(prompt_ids), spec)
-    return {"spec": spec, "ids": ids, "source": "default" if prompt_ids is None else "prompt-ids", "error": None}
+        return {"engine": None, "ids": None, "error": Exl2Error(e.code, e.message, file=where, tensor=e.tensor)}
+    ids = default_ids(eng.vocab_size) if prompt_ids is None else check_ids(list(prompt_ids), eng.vocab_size,
+                                                                            _max_positions(eng))
+    return {"engine": eng, "ids": ids, "source": "default" if prompt_ids is None else "prompt-ids", "error": None}
 
 
-def _run_inputs(rep: Report, model, det, loaded: dict, deep: bool, spec) -> dict | None:
-    """The layer objects the forward substitutes (EXL2 and GPTQ), after checking that every tensor it reads is
-    present with the shape config.json implies; None (and FAIL checks) when the forward cannot run."""
-    from ..layout import Format, marker_slot
+def _run_inputs(rep: Report, model, det, loaded: dict, deep: bool, eng) -> dict | None:
+    """The layer objects the forward substitutes (EXL2 and GPTQ), after checking that every tensor the runner
+    reads is present with the shape transformers builds from config.json; None (and FAIL checks) when the
+    forward cannot run."""
+    from ..layout import Format
 
-    linear_keys = {spec.linear_key(i, n) for i in range(spec.num_layers)
-                   for n in spec.attn_linears + spec.mlp_linears} | {"lm_head"}
     quant: dict = {}
     problems: list[tuple[ErrorCode, str, str]] = []
-    wsuf = "." + marker_slot(Format.DENSE)
-    for name, shape in spec.expected_tensors(None).items():
-        key = name[: -len(wsuf)] if name.endswith(wsuf) else None
-        if key in linear_keys and key in det.layers:
-            info = det.layers[key]
-            if info.format in (Format.EXL2, Format.GPTQ):
-                layer = loaded.get(key)
-                if layer is None:
-                    problems.append((ErrorCode.LAYER_NOT_FOUND, "the forward needs this layer and it failed the "
-                                     "structural checks (see the layers check)", key))
-                    continue
-                if (int(layer.out_features), int(layer.in_features)) != tuple(shape):
-                    problems.append((ErrorCode.CONFIG_MISMATCH, f"config.json implies [out, in] = {list(shape)}, the "
-                                     f"layer is [{layer.out_features}, {layer.in_features}]", key))
-                    continue
+    modules = _modules(eng)
+    shape_of = {k: eng.linear_shape(n) for lins in modules.values() for n, k in lins}
+    for key, shape in shape_of.items():
+        info = det.layers.get(key)
+        if info is None:
+            continue
+        if info.format in (Format.EXL2, Format.GPTQ):
+            layer = loaded.get(key)
+            if layer is None:
+                problems.append((ErrorCode.LAYER_NOT_FOUND, "the forward needs this layer and it failed the "
+                                 "structural checks (see the layers check)", key))
+            elif (int(layer.out_features), int(layer.in_features)) != tuple(shape):
+                problems.append((ErrorCode.CONFIG_MISMATCH, f"config.json implies [out, in] = {list(shape)}, the "
+                                 f"layer is [{layer.out_features}, {layer.in_features}]", key))
+            else:
                 quant[key] = layer
-                continue
-            if info.format is not Format.DENSE:
-                problems.append((ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot run in the "
-                                 "forward (exl2fmt decodes EXL2, GPTQ and dense layers)", key))
-                continue
+        elif info.format is not Format.DENSE:
+            problems.append((ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot run in the "
+                             "forward (exl2fmt decodes EXL2, GPTQ and dense layers)", key))
+    covered = set()      # parameters of modules whose linears all run as substitutes (or failed above)
+    bad_keys = {t for _, _, t in problems}
+    for mod, lins in modules.items():
+        if all(k in quant or k in bad_keys for _, k in lins):
+            covered |= {f"{mod}.weight", f"{mod}.bias"}
+    want = eng.expected_tensors()
+    head = loaded.get("lm_head")
+    info = det.layers.get("lm_head")
+    if head is not None and info is not None and info.format in (Format.EXL2, Format.GPTQ):
+        if (int(head.out_features), int(head.in_features)) == (eng.vocab_size, eng.hidden_size):
+            quant["lm_head"] = head  # also with tied embeddings: run the head that ships
+            covered |= {"lm_head.weight", "lm_head.bias"}
+        elif "lm_head.weight" in want:
+            problems.append((ErrorCode.CONFIG_MISMATCH, f"config.json implies [out, in] = "
+                             f"[{eng.vocab_size}, {eng.hidden_size}], the layer is "
+                             f"[{head.out_features}, {head.in_features}]", "lm_head"))
+            covered.add("lm_head.weight")
+    for name, shape in want.items():
+        if name in covered:
+            continue
         if name not in model:
-            problems.append((ErrorCode.TENSOR_NOT_FOUND, f"the {spec.arch} forward needs this tensor", name))
+            problems.append((ErrorCode.TENSOR_NOT_FOUND, f"the {eng.arch} forward needs this tensor", name))
         elif tuple(model.info(name).shape) != tuple(shape):
             problems.append((ErrorCode.CONFIG_MISMATCH, f"config.json implies shape {list(shape)}, found "
                              f"{list(model.info(name).shape)}", name))
-    head = loaded.get("lm_head")
-    if "lm_head" not in quant and head is not None and det.layers["lm_head"].format in (
-            Format.EXL2, Format.GPTQ) and (int(head.out_features), int(head.in_features)) == (
-            spec.vocab_size, spec.hidden_size):
-        quant["lm_head"] = head  # tied embeddings but a quantized head stored: run the head that ships
     for key, layer in quant.items():
         if deep:
             continue  # the data invariants (permutation, finite scales, g_idx) were checked by the deep pass
@@ -498,9 +618,9 @@ def run_pass(rep: Report, model, det, loaded: dict, deep: bool, ks: KernelSetup,
         e = pre["error"]
         rep.add(CheckId.RUN, Status.FAIL, e.code, f"forward not run: {e.message}", tensor=e.tensor, file=e.file)
         return
-    spec = pre["spec"]
-    rep.run["arch"] = spec.arch
-    quant = _run_inputs(rep, model, det, loaded, deep, spec)
+    eng = pre["engine"]
+    rep.run["arch"] = eng.arch
+    quant = _run_inputs(rep, model, det, loaded, deep, eng)
     if quant is None:
         return
     total = sum(det.layers[k].stored_bytes for k in quant) or 1
@@ -508,8 +628,7 @@ def run_pass(rep: Report, model, det, loaded: dict, deep: bool, ks: KernelSetup,
     if progress is not None:
         progress(0, total, "")
     try:
-        res = run_forward(spec, fw.WeightSource(model), quant, pre["ids"], kernels=ks.module, device=ks.device,
-                             progress=cb)
+        res = run_forward(eng, quant, pre["ids"], kernels=ks.module, device=ks.device, progress=cb)
     except KernelCallError as e:
         rep.add(CheckId.RUN, Status.FAIL, ErrorCode.KERNEL_MISMATCH, f"the kernel failed on this layer during the "
                 f"forward ({where}): {e}", tensor=e.key, file=model.root)
@@ -533,7 +652,7 @@ def run_pass(rep: Report, model, det, loaded: dict, deep: bool, ks: KernelSetup,
     if not bad and n["exl2"] and k is not None:
         th = m["thresholds"]
         paths = sorted({c["path"] for c in m["calls"]})
-        rep.ok(CheckId.RUN, PassCode.RUN_OK, f"{spec.arch} forward on {m['length']} ids, {n['exl2']} EXL2 linear(s) "
+        rep.ok(CheckId.RUN, PassCode.RUN_OK, f"{eng.arch} forward on {m['length']} ids, {n['exl2']} EXL2 linear(s) "
                f"through the Triton kernel ({'/'.join(paths)} path, {where}) vs the dequantized weights in float32: "
                f"max |logit diff| {k['max_abs_logit_diff']:.3g} (tolerance {th['max_abs_logit_diff']:.3g}; float16 "
                f"activations alone {m['fp16io']['max_abs_logit_diff']:.3g}), mean KL {k['mean_kl']:.3g} nats, "
