@@ -392,7 +392,7 @@ def run_forward(eng, layers: Mapping[str, Any], ids: Sequence[int], kernels=None
                 for p in names:
                     lin = {n: s[p] for n, s in subs.items() if s is not None}
                     h[p] = timed(p, lambda: r.forward(h[p], lin))
-                del subs, r
+                subs = r = None       # the layer is freed before the next is read
                 if progress is not None:
                     progress(i + 1, L + 1, eng.layer_prefix(i))
             eng.release()
