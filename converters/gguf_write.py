@@ -274,6 +274,11 @@ def convert_to_gguf(src, dst, *, gguf_type: str = "auto", force: bool = False, p
             report.warnings.append(f"detect: [{i.code.value}] {i.message}")
         if det.format is Format.DENSE:   # cast as tensors: count them as inspect does (issue 12)
             report.linear_layers = len(det.layers)
+        from .gguf_arch import router_semantics_warning
+
+        w_router = router_semantics_warning(cfg)
+        if w_router:
+            report.warnings.append(w_router)
         hp = _hparams(cfg)
         if gt == "auto":
             layer_t, plain_t = _auto_type(det, cfg, model, reader)

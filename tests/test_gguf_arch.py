@@ -409,6 +409,32 @@ def test_gptq_experts_are_repacked_exactly(bits, want, tiny, tmp_path):
     assert all(lr.verified for lr in rep.layers)
 
 
+@pytest.mark.parametrize("arch,renormalized", [("qwen3_moe", True), ("qwen2_moe", False)])
+def test_qwen_moe_router_normalization_is_llama_cpps(arch, renormalized, tiny, tmp_path):
+    """Regression, found by running our files through llama.cpp (bench/gguf_llamacpp_check.py: a Qwen3-MoE
+    with transformers' default norm_topk_prob=False gave logits 14 % of their scale off): GGUF has no key for the
+    router's top-k renormalization, llama.cpp hard-codes it per architecture (src/models/qwen3moe.cpp
+    ``build_moe_ffn(..., norm_w = true)``, qwen2moe.cpp ``false``).  GGUF -> HF now writes what llama.cpp
+    computes (it wrote nothing, so transformers' default False made a Qwen3-MoE GGUF - llama.cpp's own
+    converter's golden here - come back as a different model), and HF -> GGUF warns for a source that differs."""
+    golden = next(k for k, v in MANIFEST.items() if v["arch"] == arch and v["type"] == "f16")
+    back = tmp_path / "back"
+    convert(GOLD / golden, back, to="fp16")
+    assert json.loads((back / "config.json").read_text())["norm_topk_prob"] is renormalized
+    import shutil
+
+    src = tiny(arch)
+    for have in (renormalized, not renormalized):
+        d = tmp_path / f"src-{have}" / src.name
+        shutil.copytree(src, d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["norm_topk_prob"] = have
+        (d / "config.json").write_text(json.dumps(cfg))
+        rep = convert(d, tmp_path / f"{have}.gguf", to="gguf", gguf_type="f16")
+        warned = [w for w in rep.warnings if "norm_topk_prob" in w]
+        assert bool(warned) is (have != renormalized), rep.warnings
+
+
 def test_goldens_are_small_and_listed():
     """Every golden is in MANIFEST.json with its sha256 and the llama.cpp commit; the set stays a few MB."""
     import hashlib
