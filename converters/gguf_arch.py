@@ -237,6 +237,33 @@ def _moe_back(get, cfg: dict) -> None:
             cfg[key] = v
 
 
+def _qwen2_moe_back(get, cfg: dict) -> None:
+    _moe_back(get, cfg)
+    cfg["norm_topk_prob"] = SPECS["qwen2_moe"].extra["topk_renormalized"]
+
+
+def _qwen3_moe_back(get, cfg: dict) -> None:
+    _moe_back(get, cfg)
+    cfg["norm_topk_prob"] = SPECS["qwen3_moe"].extra["topk_renormalized"]
+
+
+def router_semantics_warning(cfg: dict) -> str | None:
+    """A warning when the source's router renormalization (``norm_topk_prob``, transformers' default False) is
+    not what llama.cpp computes for its architecture: GGUF has no key for it, llama.cpp hard-codes it per
+    architecture (``extra["topk_renormalized"]``), so the GGUF would run as a different model."""
+    spec = SPECS.get(cfg.get("model_type"))
+    want = None if spec is None else spec.extra.get("topk_renormalized")
+    if want is None:
+        return None
+    have = bool(cfg.get("norm_topk_prob", False))
+    if have == want:
+        return None
+    return (f"config.json norm_topk_prob is {have}, but llama.cpp's {spec.gguf_arch} always "
+            f"{'renormalizes' if want else 'keeps'} the top-{cfg.get('num_experts_per_tok', 'k')} router weights "
+            f"({'' if want else 'un'}normalized; GGUF has no key for it): llama.cpp will not compute this model's "
+            "outputs")
+
+
 def _mixtral_back(get, cfg: dict) -> None:
     cfg.pop("_has_q_bias", None)
     for key, suffix in (("num_local_experts", "expert_count"), ("num_experts_per_tok", "expert_used_count")):
@@ -430,10 +457,12 @@ _SPECS = [
     ArchSpec("qwen3", "qwen3", "Qwen3ForCausalLM", False, "conversion/qwen.py Qwen3Model(Qwen2Model)"),
     ArchSpec("qwen2_moe", "qwen2moe", "Qwen2MoeForCausalLM", False,
              "conversion/qwen.py Qwen2MoeModel: experts stacked down, gate, up; shared expert and its gate",
-             hparams=_qwen_moe_hparams, config_back=_moe_back, block_extra="qwen_moe"),
+             hparams=_qwen_moe_hparams, config_back=_qwen2_moe_back, block_extra="qwen_moe",
+             extra={"topk_renormalized": False}),  # src/models/qwen2moe.cpp build_moe_ffn(..., norm_w = false)
     ArchSpec("qwen3_moe", "qwen3moe", "Qwen3MoeForCausalLM", False,
-             "conversion/qwen.py Qwen3MoeModel(Qwen2MoeModel)", hparams=_qwen_moe_hparams, config_back=_moe_back,
-             block_extra="qwen_moe"),
+             "conversion/qwen.py Qwen3MoeModel(Qwen2MoeModel)", hparams=_qwen_moe_hparams, config_back=_qwen3_moe_back,
+             block_extra="qwen_moe",
+             extra={"topk_renormalized": True}),  # src/models/qwen3moe.cpp build_moe_ffn(..., norm_w = true)
 ]
 SPECS: dict[str, ArchSpec] = {s.model_type: s for s in _SPECS}
 

@@ -22,7 +22,8 @@
    every element of its decode, rounded to fp16, equals the source reconstruction; otherwise its relative and
    max error are reported.  GPTQ symmetric 4-bit with groups of 32k rows and trivial ``g_idx`` -> Q4_0, and
    GPTQ symmetric 8-bit (or <= 7-bit) -> Q8_0, are exact.  EXL2 layers are exact only where a block lies in
-   one group of one scale, which EXL2's input permutation rarely allows.
+   one group of one scale, which EXL2's input permutation rarely allows.  Stacked experts (``[E, N, K]``) are
+   repacked the same way, expert by expert, and each quantized expert is a layer of the report.
 4. Verify: the temporary file (in ``.<name>.exl2fmt-partial-<hex>/`` next to DST) is re-read through exl2fmt's
    bounded GGUF reader (``exl2fmt.gguf_scan``; ``gguf.GGUFReader`` too with ``verify="full"``); names, types and
    shapes must be the planned ones, every tensor's bytes must
@@ -177,6 +178,7 @@ class _Item:
     sum: tuple | None = None
     stack: tuple[str, ...] | None = None  # source names of the experts a stacked tensor holds
     stack_rank: int = 0                   # its place among the stacked tensors of one block
+    parts: tuple = ()                     # the LayerReports of the quantized experts a stacked tensor holds
 
     @property
     def nbytes(self) -> int:
@@ -272,6 +274,11 @@ def convert_to_gguf(src, dst, *, gguf_type: str = "auto", force: bool = False, p
             report.warnings.append(f"detect: [{i.code.value}] {i.message}")
         if det.format is Format.DENSE:   # cast as tensors: count them as inspect does (issue 12)
             report.linear_layers = len(det.layers)
+        from .gguf_arch import router_semantics_warning
+
+        w_router = router_semantics_warning(cfg)
+        if w_router:
+            report.warnings.append(w_router)
         hp = _hparams(cfg)
         if gt == "auto":
             layer_t, plain_t = _auto_type(det, cfg, model, reader)
@@ -468,21 +475,50 @@ def _stacked_item(model, reader, cfg, det, pre, wid, parts, name_of, plain_t, la
     gtype = gtype_2d(layer_t if quantized else plain_t, K, merged)
     rep = TensorReport(merged, "experts", gtype)
     report.tensors.append(rep)
+    # a quantized expert is a linear layer of its own in the report (exact or not, as _layer_item scores one)
+    expert_reps = {e: LayerReport(x.key, x.format.value, "gguf", (N, K)) for e, (kind, x) in parts.items()
+                   if kind == "layer"}
+    report.layers.extend(expert_reps[e] for e in sorted(expert_reps))
 
     def ref():
         return np.stack([d() for d in decoders])
 
+    def expert_blocks(e: int) -> np.ndarray:
+        """Expert ``e`` as ``gtype`` data [N, ...]: a quantized expert's integers repacked where they fit the block
+        type (Q8_0 / Q4_0, as ``_layer_item`` does), so GPTQ 4-bit experts become exact Q4_0 blocks instead of a
+        second quantization of their fp16 reconstruction."""
+        kind, x = parts[e]
+        if kind == "plain":
+            return _to_gtype(decoders[e](), gtype)
+        layer = build_layer(reader, x, cfg)
+        layer_issues_or_raise(layer, report)
+        w16 = layer.dequantize()[:N]
+        lrep = expert_reps[e]
+        lrep.source_plan, lrep.target_plan = layer.plan(), gtype
+        if gtype in ("Q8_0", "Q4_0"):
+            qd = layer_integers(layer, N)
+            q, d = (None, None) if qd is None else qd
+            out, exact_mask = repack_blocks(w16, q, d, gtype)
+            n_exact, n_blocks = int(exact_mask.sum()), exact_mask.size
+            lrep.notes.append(f"{n_exact}/{n_blocks} blocks repacked exactly (source integers and scale), "
+                              f"{n_blocks - n_exact} quantized by gguf.quants")
+            lrep.rows_requantized = int((~exact_mask).any(axis=1).sum())
+        else:
+            out = _to_gtype(w16.astype(np.float32), gtype)
+        _score(lrep, decode(out, gtype).reshape(N, K), w16)
+        return out
+
     def produce():
+        out = np.stack([expert_blocks(e) for e in range(E)])
         x = ref()
-        out = _to_gtype(x.reshape(E * N, K), gtype)
-        back = decode(out, gtype).reshape(x.shape)
+        back = decode(out.reshape(E * N, -1), gtype).reshape(x.shape)
         with np.errstate(invalid="ignore"):
             rep.max_abs_error = float(np.nanmax(np.abs(back - x))) if x.size else 0.0
         rep.exact = rep.max_abs_error == 0.0
-        return out.reshape(E, N, -1) if out.ndim == 2 else out.reshape(E, N, K)
+        return out
 
     return _Item(g, merged, gtype, (E, N, K), produce, ref, rep, stack=tuple(srcs),
-                 stack_rank=_STACK_RANK.get(wid, 0))
+                 stack_rank=_STACK_RANK.get(wid, 0), parts=tuple(expert_reps[e] for e in sorted(expert_reps)))
 
 
 def _to_gtype(w32: np.ndarray, gtype: str) -> np.ndarray:
@@ -959,6 +995,8 @@ def _verify(path: Path, items, hp, arch, report, progress, total, mode) -> None:
                                     "what was reported", tensor=it.gguf_name, file=str(path))
             if it.report is not None:
                 it.report.verified = True
+            for part in it.parts:
+                part.verified = True
             done += it.nbytes
             if progress is not None:
                 progress(done, 2 * total, f"verify {it.gguf_name}")

@@ -359,6 +359,82 @@ def test_gptq_source_equals_its_fp16_reconstruction(arch, tiny, tmp_path):
     assert gguf_diff(via, direct, ignore=OURS_ONLY + card) == []
 
 
+@pytest.mark.parametrize("bits,want", [(4, "Q4_0"), (8, "Q8_0")])
+def test_gptq_experts_are_repacked_exactly(bits, want, tiny, tmp_path):
+    """Regression, found by running our files through llama.cpp (bench/gguf_llamacpp_check.py): ``--gguf-type auto``
+    chose Q4_0 for a GPTQ 4-bit Mixtral because its integers fit, but quantized the stacked experts a second time
+    from their fp16 reconstruction (up to 8 % of the largest weight off) while reporting every layer exact.  Oracle:
+    each expert's RTN integers, zeros and scales reconstructed here in NumPy (``fp16((q - z) * s)``), against the
+    ``gguf`` package's own dequantization of the file's ``ffn_{gate,down,up}_exps``; every expert is a layer of the
+    report, exact."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from exl2fmt.converters.gptq_quant import gptq_layer_tensors, rtn_quantize
+
+    src = tiny("mixtral")
+    q = tmp_path / "tiny-mixtral"
+    shutil.copytree(src, q)
+    t = load_file(str(src / "model.safetensors"))
+    out, oracle = {}, {}
+    for n, a in t.items():
+        if n.endswith(("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")):
+            c, s, z, g = rtn_quantize(a.astype(np.float16), bits, 32, sym=True)
+            qz = c.astype(np.float32) - z[g].astype(np.float32)               # [K, N]
+            oracle[n] = (qz * s[g].astype(np.float32)).astype(np.float16).T  # [N, K]
+            for slot, arr in gptq_layer_tensors(c, s, z, g, bits).items():
+                out[f"{n[:-7]}.{slot}"] = arr
+        else:
+            out[n] = a
+    save_file(out, str(q / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": 32, "sym": True,
+                                  "desc_act": False}
+    (q / "config.json").write_text(json.dumps(cfg))
+    rep = convert(q, tmp_path / "m.gguf", to="gguf")  # auto
+    r = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    tens = {x.name: x for x in r.tensors}
+    E, L = 4, 2
+    for li in range(L):
+        for w, kind in (("w1", "gate"), ("w2", "down"), ("w3", "up")):
+            x = tens[f"blk.{li}.ffn_{kind}_exps.weight"]
+            assert x.tensor_type.name == want
+            got = gguf.quants.dequantize(x.data, x.tensor_type).astype(np.float16)  # [E, N, K]
+            for e in range(E):
+                ref = oracle[f"model.layers.{li}.block_sparse_moe.experts.{e}.{w}.weight"]
+                assert np.array_equal(got[e].view(np.uint16), ref.view(np.uint16)), (li, w, e)
+    s = rep.summary()
+    assert s["layers"] == L * (4 + 3 * E) and s["lossy_layers"] == 0, s
+    assert all(lr.verified for lr in rep.layers)
+
+
+@pytest.mark.parametrize("arch,renormalized", [("qwen3_moe", True), ("qwen2_moe", False)])
+def test_qwen_moe_router_normalization_is_llama_cpps(arch, renormalized, tiny, tmp_path):
+    """Regression, found by running our files through llama.cpp (bench/gguf_llamacpp_check.py: a Qwen3-MoE
+    with transformers' default norm_topk_prob=False gave logits 14 % of their scale off): GGUF has no key for the
+    router's top-k renormalization, llama.cpp hard-codes it per architecture (src/models/qwen3moe.cpp
+    ``build_moe_ffn(..., norm_w = true)``, qwen2moe.cpp ``false``).  GGUF -> HF now writes what llama.cpp
+    computes (it wrote nothing, so transformers' default False made a Qwen3-MoE GGUF - llama.cpp's own
+    converter's golden here - come back as a different model), and HF -> GGUF warns for a source that differs."""
+    golden = next(k for k, v in MANIFEST.items() if v["arch"] == arch and v["type"] == "f16")
+    back = tmp_path / "back"
+    convert(GOLD / golden, back, to="fp16")
+    assert json.loads((back / "config.json").read_text())["norm_topk_prob"] is renormalized
+    import shutil
+
+    src = tiny(arch)
+    for have in (renormalized, not renormalized):
+        d = tmp_path / f"src-{have}" / src.name
+        shutil.copytree(src, d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["norm_topk_prob"] = have
+        (d / "config.json").write_text(json.dumps(cfg))
+        rep = convert(d, tmp_path / f"{have}.gguf", to="gguf", gguf_type="f16")
+        warned = [w for w in rep.warnings if "norm_topk_prob" in w]
+        assert bool(warned) is (have != renormalized), rep.warnings
+
+
 def test_goldens_are_small_and_listed():
     """Every golden is in MANIFEST.json with its sha256 and the llama.cpp commit; the set stays a few MB."""
     import hashlib

@@ -47,8 +47,9 @@ def _base(arch: str) -> dict:
         "mixtral": {"num_local_experts": EXPERTS, "num_experts_per_tok": 2},
         "qwen2_moe": {"num_experts": EXPERTS, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                       "shared_expert_intermediate_size": 48},
+        # norm_topk_prob as every published Qwen3-MoE has it, and as llama.cpp's qwen3moe computes
         "qwen3_moe": {"num_experts": EXPERTS, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                      "head_dim": HEAD_DIM},
+                      "head_dim": HEAD_DIM, "norm_topk_prob": True},
         "gemma": {"head_dim": HEAD_DIM, "tie_word_embeddings": True},
         "gemma2": {"head_dim": HEAD_DIM, "tie_word_embeddings": True, "sliding_window": 64,
                    "query_pre_attn_scalar": HEAD_DIM, "attn_logit_softcapping": 50.0,
