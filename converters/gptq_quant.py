@@ -42,8 +42,13 @@ def fit_group(x: np.ndarray, bits: int, sym: bool = True, extra_scales=()) -> tu
     ``x`` float32 [R, N]: the values of one group.  Candidates per column: the GPTQ range scale (A5: sym
     ``2*amax/maxq``, asym ``(xmax - xmin)/maxq`` with the range including 0) times each multiplier of a grid
     over [0.55, 1.25], plus ``extra_scales`` (float [N] arrays, e.g. the source scale times 2^k); each is
-    rounded to fp16 and the one with the smallest squared reconstruction error wins.  Asymmetric zero points
-    are clamped to [1, maxq] so that the v1 field z - 1 is never negative (A3).
+    rounded to fp16 and the one with the smallest squared reconstruction error wins (the first on a tie).
+    Asymmetric zero points are clamped to [1, maxq] so that the v1 field z - 1 is never negative (A3).
+
+    The squared errors are summed in float64 over the rows in NumPy's order for ``x``'s layout (one row after
+    the other when rows are the outer axis in memory, NumPy's pairwise summation when the columns are), so the
+    choice is the one of ``np.sum(err ** 2, axis=0)``; the candidates' errors are evaluated by a Numba kernel
+    (``converters.gptq_fit_kernel.fit``).
 
     Returns (codes uint8 [R, N], scales float16 [N], zeros int32 [N]).
     """
@@ -60,30 +65,43 @@ def fit_group(x: np.ndarray, bits: int, sym: bool = True, extra_scales=()) -> tu
         rng = xmax - xmin
     rng = np.where(rng > 0, rng, np.float32(2)).astype(np.float32)  # A5: an all-zero group fits [-1, 1]
     base = rng / np.float32(maxq)
-    cands = [base * p for p in _GRID] + [np.asarray(e, dtype=np.float32) for e in extra_scales]
-    best_err = np.full(N, np.inf, dtype=np.float64)
-    best_s = np.zeros(N, dtype=np.float16)
-    best_z = np.full(N, zsym, dtype=np.float32)
-    for c in cands:
-        s16 = np.asarray(c, dtype=np.float32).astype(np.float16)
-        s = s16.astype(np.float32)
-        ok = np.isfinite(s) & (s > 0)
-        s = np.where(ok, s, np.float32(1))
-        if sym:
-            z = np.full(N, zsym, dtype=np.float32)
-        else:
-            z = np.clip(np.rint(-xmin / s), 1, maxq).astype(np.float32)
-        q = _quant(x, s, z, maxq)
-        rec = ((q - z[None, :]) * s[None, :]).astype(np.float16).astype(np.float32)
-        err = np.sum((rec - x).astype(np.float64) ** 2, axis=0)
-        err = np.where(ok, err, np.inf)
-        better = err < best_err
-        best_err = np.where(better, err, best_err)
-        best_s = np.where(better, s16, best_s)
-        best_z = np.where(better, z, best_z)
-    s = best_s.astype(np.float32)
-    codes = _quant(x, s, best_z, maxq).astype(np.uint8)
-    return codes, best_s.astype(np.float16), best_z.astype(np.int32)
+    cands = np.stack([base * p for p in _GRID] + [np.asarray(e, dtype=np.float32) for e in extra_scales])
+    with np.errstate(over="ignore"):
+        s16 = cands.astype(np.float16)                                 # [C, N]
+    s = s16.astype(np.float32)
+    ok = np.isfinite(s) & (s > 0)
+    s = np.where(ok, s, np.float32(1))
+    if sym:
+        z = np.full(s.shape, zsym, dtype=np.float32)
+    else:
+        z = np.clip(np.rint(-xmin[None, :] / s), 1, maxq).astype(np.float32)
+    best = np.empty(N, dtype=np.int64)
+    if R and N:
+        pairwise = N == 1 or (R > 1 and abs(x.strides[0]) < abs(x.strides[1]))
+        _fit_kernel()(x, s, z, ok, np.float32(maxq), pairwise, _visit_order(s.shape[0]), best)
+    else:
+        best[:] = -1
+    found = best >= 0
+    pick = np.where(found, best, 0)
+    cols = np.arange(N)
+    best_s = np.where(found, s16[pick, cols], np.float16(0)).astype(np.float16)
+    best_z = np.where(found, z[pick, cols], zsym).astype(np.float32)
+    codes = _quant(x, best_s.astype(np.float32), best_z, maxq).astype(np.uint8)
+    return codes, best_s, best_z.astype(np.int32)
+
+
+def _fit_kernel():
+    from .gptq_fit_kernel import fit
+
+    return fit
+
+
+def _visit_order(C: int) -> np.ndarray:
+    """0..C-1 from the middle outwards: C//2, C//2 + 1, C//2 - 1, ..."""
+    mid = C // 2
+    return np.array(sorted(range(C), key=lambda c: (abs(c - mid), c < mid)), dtype=np.int64)
+
+
 
 
 def trivial_g_idx(K: int, group_size: int) -> np.ndarray:
@@ -104,14 +122,14 @@ def rtn_quantize(weight: np.ndarray, bits: int, group_size: int, *, sym: bool = 
     gs = K if group_size == -1 else int(group_size)
     order = np.arange(K) if perm is None else np.asarray(perm, dtype=np.int64)
     G = -(-K // gs)
-    codes = np.empty((K, N), dtype=np.uint8)
+    wp = w[:, order]                             # [N, K], input rows in processing order (one copy)
+    codes_p = np.empty((K, N), dtype=np.uint8)
     scales = np.empty((G, N), dtype=np.float16)
     zeros = np.empty((G, N), dtype=np.int32)
+    for h in range(G):                           # each group a strided view [gs, N]: no copy
+        codes_p[h * gs:(h + 1) * gs], scales[h], zeros[h] = fit_group(wp[:, h * gs:(h + 1) * gs].T, bits, sym)
+    codes = np.empty((K, N), dtype=np.uint8)
+    codes[order] = codes_p
     g_idx = np.empty(K, dtype=np.int32)
-    for h in range(G):
-        rows = order[h * gs:(h + 1) * gs]
-        c, s, z = fit_group(w[:, rows].T, bits, sym)
-        codes[rows] = c
-        scales[h], zeros[h] = s, z
-        g_idx[rows] = h
+    g_idx[order] = np.arange(K) // gs
     return codes, scales, zeros, g_idx

@@ -162,51 +162,12 @@ def prepare(H: torch.Tensor, *, percdamp: float = EXL2_PERCDAMP, act_order: bool
 
 
 def _group_kernel():
-    """The row loop of one group on the CPU, as a Numba kernel (built on first use).
+    """The row loop of one group on the CPU (``quant.gptq_kernel.kernel``, a Numba kernel cached on disk)."""
+    from .gptq_kernel import kernel
 
-    Within a group every output column is independent (row c's error only moves later rows of the same
-    column), so column tiles run in parallel; the arithmetic is the float32 sequence of the torch path
-    (``q = clamp(rint(w / s) + z)``, ``w_hat = fp16((q - z) * s)``, ``e = (w - w_hat) / U[c, c]``,
-    ``w_r -= U[c, r] * e`` with two roundings), so both paths give the same bits."""
-    global _GROUP_KERNEL
-    if _GROUP_KERNEL is None:
-        from numba import njit, prange
-
-        from ..codec._f16 import f16_bits_to_f32, f32_to_f16_bits
-
-        @njit(cache=True, parallel=True)
-        def kernel(blk, Ublk, s, z, maxq, codes, err):
-            r, N = blk.shape
-            tile = 64
-            for t in prange((N + tile - 1) // tile):
-                n0 = t * tile
-                n1 = min(N, n0 + tile)
-                for c in range(r):
-                    d = Ublk[c, c]
-                    for n in range(n0, n1):
-                        w = blk[c, n]
-                        sn = s[n]
-                        if sn > 0:
-                            q = np.rint(w / sn) + z[n]
-                            if q < 0:
-                                q = np.float32(0)
-                            elif q > maxq:
-                                q = np.float32(maxq)
-                        else:
-                            q = z[n]
-                        wh = f16_bits_to_f32(f32_to_f16_bits(np.float32((q - z[n]) * sn)))
-                        err[c, n] = np.float32((w - wh) / d)
-                        codes[c, n] = np.uint8(q)
-                        blk[c, n] = wh
-                    for rr in range(c + 1, r):        # contiguous inner loop over the tile's columns
-                        u = Ublk[c, rr]
-                        for n in range(n0, n1):
-                            blk[rr, n] = np.float32(blk[rr, n] - np.float32(u * err[c, n]))
-        _GROUP_KERNEL = kernel
-    return _GROUP_KERNEL
+    return kernel
 
 
-_GROUP_KERNEL = None
 
 
 def _sweep(Wt: torch.Tensor, U: torch.Tensor, groups: list[tuple[int, int]], fit,

@@ -749,10 +749,14 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         blk = spec.block(i, kind, batches, device)
         W = blk.weights(device)
         lin = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
+        y_d = None
         for group in spec.groups(kind):      # linears sharing an input, in the order the forward runs them
             owner = group[0]
             acc = HessianAccumulator(W[owner][0].shape[1], device)
-            blk.sweep(h, lin, {owner: acc})
+            y = blk.sweep(h, lin, {owner: acc})
+            if y_d is None:                  # the first sweep runs every linear dense: the block's FP16 output
+                y_d = y
+            del y
             gs = _gptq_groups(o, W[owner][0].shape[1])
             prep = prepare(acc.take(), percdamp=damp, act_order=o.act_order,   # one factorization per group
                            within_groups=gs if o.order == "group" else None,
@@ -769,7 +773,8 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
                     progress("quantize", bi * 10 + 1 + _linears(spec, kind).index(n), len(blocks) * 10, lk)
         y_q = blk.sweep(h, lin, record=True)     # the MLP half replays this (quantized) attention result
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
-        y_d = blk.sweep(h, dense)
+        if blk.expert_tokens is not None:    # MoE: the tokens per expert are reported from the dense sweep's routing
+            y_d = blk.sweep(h, dense)
         key = spec.block_key(i, kind)
         work.job.setdefault("blocks", {})[key] = {
             "block": key, "option": None if strategy is None else strategy["options"].get(key),
