@@ -73,11 +73,17 @@ def kl(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> float:
     return float((lp.exp() * (lp - lq)).sum(-1).mean())
 
 
-def rtn_model(d: Path, bits: int = 4, group_size: int = 128):
+def rtn_model(d: Path, bits: int = 4, group_size: int = 128, sym: bool = False):
+    """The FP16 model at ``d`` with every decoder linear (and every expert of the fused 3-D MoE parameters)
+    replaced by its round-to-nearest reconstruction: ``bits``-bit codes in groups of ``group_size`` input rows,
+    the best fp16 scale per column from a grid search (``converters.gptq_quant.fit_group``), symmetric (the
+    convention of our default GPTQ output) or asymmetric (a zero point per group and column).  Routers and
+    other modules that stay 16-bit by convention are left alone (``layout.stays_16bit``)."""
     from exl2fmt.converters.gptq_quant import reconstruct, rtn_quantize
+    from exl2fmt.layout import stays_16bit
 
     def rtn(w: np.ndarray) -> np.ndarray:          # w float32 [N, K] -> its RTN reconstruction
-        codes, scales, zeros, g_idx = rtn_quantize(w, bits, min(group_size, w.shape[1]), sym=False)
+        codes, scales, zeros, g_idx = rtn_quantize(w, bits, min(group_size, w.shape[1]), sym=sym)
         wq = np.empty_like(w.T)
         for g in range(scales.shape[0]):
             rows = np.nonzero(g_idx == g)[0]
@@ -87,7 +93,7 @@ def rtn_model(d: Path, bits: int = 4, group_size: int = 128):
     m = load_dense(d)
     with torch.no_grad():
         for name, mod in m.model.layers.named_modules():
-            if isinstance(mod, torch.nn.Linear):
+            if isinstance(mod, torch.nn.Linear) and not stays_16bit(name):
                 mod.weight.copy_(torch.from_numpy(rtn(mod.weight.numpy())))
             for pname, p in mod.named_parameters(recurse=False):
                 if p.dim() == 3:            # fused MoE experts [E, N, K]: each expert's projection on its own

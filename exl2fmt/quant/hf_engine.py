@@ -47,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ErrorCode, Exl2Error
+from ..layout import stays_16bit
 from .forward import WeightSource, dense_linear
 from .moe import EXL2_FILE_NAMES, ROLES, find_experts, pad_expert_hessian, routed_forward
 from .qparams import measurement_key
@@ -209,8 +210,8 @@ class HFModel:
         self.part_of: dict[str, tuple[int, int]] = {}   # name -> output rows [a, b) of a fused module
         c = self.hf_config
         for path, mod in layer.named_modules():
-            if not isinstance(mod, nn.Linear):
-                continue
+            if not isinstance(mod, nn.Linear) or stays_16bit(path):
+                continue                   # routers, Qwen2-MoE's shared_expert_gate: 16-bit (layout.STAYS_16BIT)
             child = path.split(".")[0]
             parent, _, leaf = path.rpartition(".")
             kind = "attn" if ("attn" in child or "attention" in child) else "mlp"

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from ..errors import ErrorCode, Exl2Error
-from ..layout import pad32
+from ..layout import pad32, stays_16bit
 
 __all__ = ["QuantOptions", "QuantReport", "quantize_model", "WORK_VERSION"]
 
@@ -934,30 +934,17 @@ def _verify(tmp: Path, work: _Work, layer_keys: list[str], o: QuantOptions, repo
 
 
 def _measured_decoder_bpw(path: Path) -> float:
-    """The decoder linears' bpw as ``exl2fmt inspect`` reports it (headers only), without MoE routers: they stay
-    16-bit and ExLlamaV2's budget does not count them either (its MoE block's numel is the experts' alone)."""
+    """The decoder linears' bpw as ``exl2fmt inspect`` reports it (headers only): MoE routers are not counted
+    (``layout.STAYS_16BIT``: they stay 16-bit and are outside the budget, as in ExLlamaV2)."""
     from ..inspect import inspect_model
 
-    rep = inspect_model(path, layers=True)
-    routers = [r for r in rep["layers"] if r["block"] not in (None, "head") and r["format"] == "dense"
-               and _ROUTER.search(r["key"])]
-    if not routers:
-        return rep["summary"]["bpw"]["decoder"]
-    bits = numel = 0
-    for r in rep["layers"]:
-        if r["block"] in (None, "head") or r in routers:
-            continue
-        n = r["out_features_stored"]            # inspect's convention: K x N_pad (+ N_pad with a bias)
-        bits += r["stored_bytes"] * 8
-        numel += r["in_features"] * n + (n if r["bias"] else 0)
-    return bits / numel
+    return inspect_model(path, layers=False)["summary"]["bpw"]["decoder"]
 
 
 # ------------------------------------------------------------------------------------------------ weight-only
 
 
 _NUMBERED = re.compile(r"(?:^|\.)(\d+)\.")
-_ROUTER = re.compile(r"\.(gate|router|shared_expert_gate)$")
 
 
 def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, progress, config: dict,
@@ -985,8 +972,8 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
         shape = src.shape(name)
         if not name.endswith(".weight") or len(shape) != 2 or not _NUMBERED.search(name):
             continue
-        if _ROUTER.search(name[: -len(".weight")]):
-            continue                     # MoE routers stay 16-bit (as in ExLlamaV2)
+        if stays_16bit(name[: -len(".weight")]):
+            continue                     # MoE routers stay 16-bit (layout.STAYS_16BIT, as in ExLlamaV2)
         N, K = shape
         if K % 32 or (o.target == "gptq" and N % 32):
             report.warnings.append(f"{name}: K={K}, N={N} cannot be quantized; kept as fp16")
