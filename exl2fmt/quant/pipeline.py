@@ -209,8 +209,14 @@ def _blocks(spec) -> list[tuple[int, str]]:
     return [(i, kind) for i in range(spec.num_layers) for kind in ("attn", "mlp")]
 
 
-def _linears(spec, kind):
-    return spec.linear_names(kind)
+def _linears(spec, kind, i: int = 0):
+    """The linears of layer ``i``'s ``kind`` block (layers may differ: dense MLP layers of a MoE model)."""
+    return spec.linear_names(kind, i)
+
+
+def _block_index(spec) -> dict[str, tuple[int, str]]:
+    """measurement key -> (layer, kind) of every block."""
+    return {spec.block_key(i, k): (i, k) for i, k in _blocks(spec)}
 
 
 def _opt_layers(opt, names) -> list:
@@ -219,12 +225,12 @@ def _opt_layers(opt, names) -> list:
     return [(n, opt.get(n)) for n in names]
 
 
-def _file_option(spec, kind, opt):
-    """The option as measurement.json names it: one setting per linear of the block, or for a MoE block one per
-    expert projection role (ExLlamaV2's ``w1``/``w3``/``w2``, applied to every expert)."""
+def _file_option(spec, kind, opt, i: int = 0):
+    """The option as measurement.json names it: one setting per linear of layer ``i``'s block, or for a MoE block
+    one per expert projection role (ExLlamaV2's ``w1``/``w3``/``w2``, applied to every expert)."""
     from .qparams import Option
 
-    return Option(tuple((f, opt.get(role)) for f, role in spec.measurement_names(kind)))
+    return Option(tuple((f, opt.get(role)) for f, role in spec.measurement_names(kind, i)))
 
 
 def _batches(rows: int, length: int, batch_tokens: int) -> list[slice]:
@@ -329,7 +335,7 @@ def _disk_needed(spec, src, o: QuantOptions, measuring: bool) -> tuple[int, int]
     at ``bits``, the head at ~``head_bits`` + overhead, everything else as fp16); in the work directory the
     per-layer copies (the quantized part again), one block's parked candidates while measuring, and two
     hidden-state snapshots."""
-    lin = sum(K * N for i, kind in _blocks(spec) for n in _linears(spec, kind) for N, K in [spec.linear_shape(n)])
+    lin = sum(K * N for i, kind in _blocks(spec) for n in _linears(spec, kind, i) for N, K in [spec.linear_shape(n)])
     quant_bits = float(o.bits) + 0.2 if o.target == "exl2" else float(o.bits) + 0.3
     head = spec.vocab_size * spec.hidden_size
     head_bits = (o.head_bits + 1.5) if o.target == "exl2" else 16
@@ -337,7 +343,8 @@ def _disk_needed(spec, src, o: QuantOptions, measuring: bool) -> tuple[int, int]
     headers = 2048 * len(src.names())          # safetensors header entries: ~6 slots x ~200 bytes per weight
     out = lin * quant_bits / 8 + head * head_bits / 8 + max(other, 0) * 2 + headers
     quantized = lin * quant_bits / 8 + (head * head_bits / 8 if o.target == "exl2" else 0)
-    block = max(sum(K * N for n in _linears(spec, kind) for N, K in [spec.linear_shape(n)]) for kind in ("attn", "mlp"))
+    block = max(sum(K * N for n in _linears(spec, kind, i) for N, K in [spec.linear_shape(n)])
+                for i, kind in _blocks(spec))
     variants = block * _CANDIDATE_BITS / 8 if measuring else 0
     hidden = 2 * 4 * o.rows * o.length * spec.hidden_size
     return int(out), int(quantized + variants + hidden)
@@ -487,16 +494,17 @@ def _write_measurement_file(path: Path, spec, measured: dict, options_of) -> Non
     from .qparams import exllamav2_last_module_idx, write_measurement
 
     rows_by_key = {}
-    order = [spec.block_key(i, k) for i, k in _blocks(spec)]  # block order, however the
-    for key in [k for k in order if k in measured] + [k for k in measured if k not in order]:  # run was resumed
+    where = _block_index(spec)
+    order = list(where)                                   # block order, however the run was resumed
+    for key in [k for k in order if k in measured]:
         rows = measured[key]
-        kind = "attn" if key.endswith("self_attn") else "mlp"
+        i, kind = where[key]
         opts = options_of(kind)
         out = []
         for j, _, acc in rows:
-            opt = _file_option(spec, kind, opts[j])          # only the linears the block has
+            opt = _file_option(spec, kind, opts[j], i)       # only the linears the block has
             bits = 0
-            for n, qp in _opt_layers(opts[j], _linears(spec, kind)):     # every expert's linears, for MoE
+            for n, qp in _opt_layers(opts[j], _linears(spec, kind, i)):  # every expert's linears, for MoE
                 N, K = spec.linear_shape(n)
                 bits += qp.total_bits(K, N, spec.has_bias(n))
             out.append((opt, bits, acc))
@@ -534,13 +542,13 @@ def _optimize(spec, src, measured, options_of, o: QuantOptions, report) -> dict:
         for j, _, acc in rows:
             opt = opts[j]
             c = 0
-            for n, qp in _opt_layers(opt, _linears(spec, kind)):
+            for n, qp in _opt_layers(opt, _linears(spec, kind, i)):
                 N, K = spec.linear_shape(n)
                 c += qp.total_bits(K, N, spec.has_bias(n))
             costs.append((c, 1.0 - acc))
         keys.append(key)
         slots.append(costs)
-        for n in _linears(spec, kind):
+        for n in _linears(spec, kind, i):
             N, K = spec.linear_shape(n)
             numel += K * pad32(N) + (pad32(N) if spec.has_bias(n) else 0)
     budget = int(numel * o.bits)
@@ -551,7 +559,7 @@ def _optimize(spec, src, measured, options_of, o: QuantOptions, report) -> dict:
     for s in sorted(range(len(keys)), key=lambda s: (-slots[s][picks[s]][1], s)):
         i, kind = _blocks(spec)[s]
         opt = options_of(kind)[strategy[keys[s]]]
-        for n in _linears(spec, kind):
+        for n in _linears(spec, kind, i):
             N, K = spec.linear_shape(n)
             items.append((spec.linear_key(i, n), K, N, spec.has_bias(n), opt.get(n)))
     overrides, used = _spend_slack(items, budget, used)
@@ -627,7 +635,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         blk = spec.block(i, kind, batches, device)
         W = blk.weights(device)
         lin = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
-        for group in spec.groups(kind):      # linears sharing an input, in the order the forward runs them
+        for group in spec.groups(kind, i):   # linears sharing an input, in the order the forward runs them
             owner = group[0]
             acc = HessianAccumulator(W[owner][0].shape[1], device)
             blk.sweep(h, lin, {owner: acc})
@@ -644,7 +652,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
                 work.job.setdefault("layers", {})[lk] = asdict(LayerResult(lk, _plan_of(r), _bpw_of(packed, w.shape[0]),
                                                                          r.error))
                 if progress:
-                    progress("quantize", bi * 10 + 1 + _linears(spec, kind).index(n), len(blocks) * 10, lk)
+                    progress("quantize", bi * 10 + 1 + _linears(spec, kind, i).index(n), len(blocks) * 10, lk)
         y_q = blk.sweep(h, lin, record=True)     # the MLP half replays this (quantized) attention result
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         y_d = blk.sweep(h, dense)
@@ -707,7 +715,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         head = dense_head
     _release_memory()
     # per-layer and per-block results, in model order, including those of an interrupted run's blocks
-    order = [spec.linear_key(i, n) for i, k in blocks for n in _linears(spec, k)] + ["lm_head"]
+    order = [spec.linear_key(i, n) for i, k in blocks for n in _linears(spec, k, i)] + ["lm_head"]
     report.layers = [LayerResult(**work.job["layers"][k]) for k in order if k in work.job["layers"]]
     report.blocks = [work.job["blocks"][spec.block_key(i, k)] for i, k in blocks]
     for b in report.blocks:
@@ -1102,13 +1110,16 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
             return _weight_only(model, src_p, dst_p, o, force, progress, config, str(e.message), t0)
         spec.check_weights()
         if o.target == "exl2" and o.measurement:       # a file for another model is refused before any work
-            names = {spec.block_key(i, k): tuple(f for f, _ in spec.measurement_names(k)) for i, k in _blocks(spec)}
-            shapes = {}             # file name -> [(K, N, has_bias)] of the linears that take its setting
-            for k in ("attn", "mlp"):
-                files = dict((r, f) for f, r in spec.measurement_names(k))
-                for n in _linears(spec, k):
-                    shapes.setdefault(files.get(n, files.get(spec.role(n))), []).append(
+            names = {spec.block_key(i, k): tuple(f for f, _ in spec.measurement_names(k, i)) for i, k in _blocks(spec)}
+            shapes = {}             # file name -> [(K, N, has_bias)] of one block's linears that take its setting
+            for i, k in _blocks(spec):       # (dense and MoE MLP blocks name their settings apart: gate_proj / w1)
+                files = dict((r, f) for f, r in spec.measurement_names(k, i))
+                block: dict = {}
+                for n in _linears(spec, k, i):
+                    block.setdefault(files.get(n, files.get(spec.role(n))), []).append(
                         (*spec.linear_shape(n)[::-1], spec.has_bias(n)))
+                for f, sh in block.items():
+                    shapes.setdefault(f, sh)
             loaded = read_measurement(o.measurement, names, shapes=shapes, num_layers=spec.num_layers)
         tok = src_p / "tokenizer.json"
         if o.calibration is None and not tok.exists():
@@ -1146,12 +1157,13 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                 # upstream's 19/17 rows in upstream's order; ours are sorted by cost), in our table's order, so
                 # the solver sees what a fresh measurement gives it
                 measured = {}
+                where = _block_index(spec)
                 for key, rows in loaded.items():
-                    kind = "attn" if key.endswith("self_attn") else "mlp"
+                    i, kind = where[key]
                     opts = options_of(kind)
                     index: dict = {}         # by the settings of the linears the block has (first option wins)
                     for j, opt in enumerate(opts):
-                        index.setdefault(_file_option(spec, kind, opt), j)
+                        index.setdefault(_file_option(spec, kind, opt, i), j)
                     seen = {}
                     for opt, tb, acc in rows:
                         if opt in index and index[opt] not in seen:
@@ -1180,7 +1192,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         _release_memory()                 # the head's work matrices: hand the pages back before compiling
         report.seconds["quantize"] = time.monotonic() - t
         t = time.monotonic()
-        layer_keys = [spec.linear_key(i, n) for i, k in _blocks(spec) for n in _linears(spec, k)]
+        layer_keys = [spec.linear_key(i, n) for i, k in _blocks(spec) for n in _linears(spec, k, i)]
         removed: list[str] = []
         tmp = make_partial_dir(dst_p, removed)
         report.warnings.extend(stale_note(removed))
