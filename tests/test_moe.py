@@ -321,3 +321,52 @@ def test_calibrated_gptq_of_a_moe_model_with_a_shared_expert_and_a_dense_layer(t
         assert f"{key}.qweight" in names and f"{key}.weight" not in names, key
     for key in ("model.layers.1.mlp.gate", "model.layers.1.mlp.shared_expert_gate"):
         assert f"{key}.weight" in names and f"{key}.qweight" not in names, key
+
+
+def test_hessian_chunks_fit_the_budget_and_keep_the_order():
+    from exl2fmt.quant.moe import hessian_bytes, hessian_chunks
+
+    owners = ["a", "b", "c", "d", "e"]
+    K = {"a": 64, "b": 96, "c": 64, "d": 300, "e": 64}
+    assert hessian_chunks(owners, K, budget=10 ** 9) == [owners]            # everything fits: one sweep
+    budget = hessian_bytes(96) + hessian_bytes(64)
+    chunks = hessian_chunks(owners, K, budget=budget)
+    assert [o for c in chunks for o in c] == owners
+    assert chunks == [["a", "b"], ["c"], ["d"], ["e"]]                     # d alone exceeds it: its own chunk
+    assert all(sum(hessian_bytes(K[o]) for o in c) <= budget for c in chunks if len(c) > 1)
+
+
+@pytest.mark.slow
+def test_exl2_measurement_in_hessian_chunks_is_byte_identical_and_bounded(tiny, tmp_path, monkeypatch):
+    """The EXL2 measurement of the tiny Mixtral with a Hessian budget of two down projections: at most that many
+    bytes of factorized Hessians are alive at any time (counted on every ``gptq.prepare`` result still
+    referenced), against 4x more in one sweep, and the output is byte-identical."""
+    import weakref
+
+    from exl2fmt.quant import gptq, moe
+    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+
+    d = tiny("mixtral")
+    opts = dict(target="exl2", bits=4.0, calibration=_ids(tmp_path, 2), rows=2, length=32, device="cpu")
+    orig = gptq.prepare
+    peak = {}
+
+    def run(name, budget):
+        live: weakref.WeakSet = weakref.WeakSet()
+        peak[name] = 0
+
+        def counting(*a, **k):
+            p = orig(*a, **k)
+            live.add(p)
+            peak[name] = max(peak[name], sum(moe.hessian_bytes(q.U.shape[0]) for q in live))
+            return p
+        monkeypatch.setattr(gptq, "prepare", counting)
+        monkeypatch.setattr(moe, "LIVE_HESSIAN_BYTES", budget)
+        quantize_model(d, tmp_path / name, QuantOptions(**opts))
+        return (tmp_path / name / "output.safetensors").read_bytes()
+
+    budget = 2 * moe.hessian_bytes(96)            # expert width 96: two down projections' Hessians
+    whole = run("whole", moe.LIVE_HESSIAN_BYTES)
+    chunked = run("chunked", budget)
+    assert chunked == whole
+    assert peak["chunked"] <= budget < peak["whole"]

@@ -384,17 +384,19 @@ def _check_free(probe: Path, need: int) -> None:
 
 
 def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool) -> dict[str, dict]:
-    """GPTQ-quantize every distinct candidate setting of every layer of the block and store each result in its
-    packed EXL2 form in ``vdir`` (one small file per layer and setting).  Returns {layer: {QParams: path}}.
+    """GPTQ-quantize every distinct candidate setting of every layer of the block whose Hessian owner is in
+    ``hess`` and store each result in its packed EXL2 form in ``vdir`` (one small file per layer and setting).
+    Returns {layer: {QParams: path}}.
 
     Only one candidate is in memory at a time; scoring loads them back one by one (``_VariantCache``), so the
     measurement's memory does not grow with the number of candidates."""
     from .gptq import prepare, quantize_exl2
 
     prepared = {o: prepare(acc.take()) for o, acc in hess.items()}
-    out: dict[str, dict] = {n: {} for n in blk.names}
+    names = [n for n in blk.names if blk.owner(n) in prepared]
+    out: dict[str, dict] = {n: {} for n in names}
     for opt in options:
-        for n, qp in _opt_layers(opt, blk.names):
+        for n, qp in _opt_layers(opt, names):
             if qp in out[n]:
                 continue
             w, _ = W[n]
@@ -430,6 +432,7 @@ class _VariantCache:
 def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progress, report) -> dict:
     from . import forward as F
     from .gptq import HessianAccumulator
+    from .moe import hessian_chunks
 
     device = torch.device(o.device)
     blocks = _blocks(spec)
@@ -446,7 +449,9 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
         W = blk.weights(device)
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         owners = sorted({blk.owner(n) for n in blk.names})
-        hess = {ow: HessianAccumulator(W[ow][0].shape[1], device) for ow in owners}
+        # MoE blocks: Hessians in chunks that fit moe.LIVE_HESSIAN_BYTES, one sweep each (one chunk if all fit)
+        chunks = hessian_chunks(owners, {ow: W[ow][0].shape[1] for ow in owners})
+        hess = {ow: HessianAccumulator(W[ow][0].shape[1], device) for ow in chunks[0]}
         y_ref = blk.sweep(h, dense, hess, record=True)
         if key not in measured:
             options = options_of(kind)
@@ -455,7 +460,13 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
             vdir = work.root / "variants"
             shutil.rmtree(vdir, ignore_errors=True)
             vdir.mkdir()
-            cache = _VariantCache(F, _variants(blk, W, hess, options, vdir, bool(o.refine_scales)), W)
+            made = _variants(blk, W, hess, options, vdir, bool(o.refine_scales))
+            for chunk in chunks[1:]:
+                hess = {ow: HessianAccumulator(W[ow][0].shape[1], device) for ow in chunk}
+                blk.sweep(h, dense, hess)
+                made.update(_variants(blk, W, hess, options, vdir, bool(o.refine_scales)))
+            hess = None
+            cache = _VariantCache(F, made, W)
             rows_out = []
             y = torch.empty_like(h)
             for j, opt in enumerate(options):
