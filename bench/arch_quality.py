@@ -105,7 +105,7 @@ def rtn_model(d: Path, bits: int = 4, group_size: int = 128, sym: bool = False):
     return m
 
 
-def one(arch: str, work: Path, rows: int, length: int) -> dict:
+def one(arch: str, work: Path, rows: int, length: int, targets=("exl2", "gptq")) -> dict:
     src = make_tiny(arch, work / arch / "src", **MOE_DIMS.get(arch, DIMS))
     rng = np.random.default_rng(0)
     cal = work / arch / "cal.npy"
@@ -115,7 +115,7 @@ def one(arch: str, work: Path, rows: int, length: int) -> dict:
     with torch.no_grad():
         ref_logits = ref(held).logits
     row = {"arch": arch}
-    for tgt, bits in (("exl2", "4.0"), ("gptq", "4")):
+    for tgt, bits in [t for t in (("exl2", "4.0"), ("gptq", "4")) if t[0] in targets]:
         q = work / arch / tgt
         rc, secs, rss, tail = run_child(["convert", src, q, "--to", tgt, "--bits", bits, "--calibration", cal,
                                          "--rows", rows, "--length", length, "--json"])
@@ -156,7 +156,7 @@ HEADER = ["| arch | EXL2 4.0: decoder bpw | validate --deep | KL | s | peak RSS 
 def table_row(r: dict) -> str:
     cells = [r["arch"]]
     for tgt in ("exl2", "gptq"):
-        x = r[tgt]
+        x = r.get(tgt, {"error": "not run"})
         if "error" in x:
             cells += ["ERROR " + x["error"].strip().splitlines()[-1][:60]] + [""] * (4 if tgt == "exl2" else 3)
             continue
@@ -175,6 +175,7 @@ def main() -> None:
     ap.add_argument("--arch", nargs="*", default=list(DENSE + MOE))
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--length", type=int, default=64)
+    ap.add_argument("--targets", nargs="*", default=["exl2", "gptq"], choices=["exl2", "gptq"])
     ap.add_argument("--json-out", help="append one JSON line per architecture to this file")
     ap.add_argument("--table", help="print the markdown table of the JSON lines in this file and exit")
     ap.add_argument("--record", action="store_true")
@@ -186,7 +187,7 @@ def main() -> None:
     lines = list(HEADER)
     with tempfile.TemporaryDirectory(prefix="arch-quality-") as t:
         for arch in a.arch:
-            r = one(arch, Path(t), a.rows, a.length)
+            r = one(arch, Path(t), a.rows, a.length, tuple(a.targets))
             if a.json_out:
                 with open(a.json_out, "a", encoding="utf-8") as f:
                     f.write(json.dumps(r) + "\n")
