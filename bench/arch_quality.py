@@ -5,9 +5,12 @@ For every architecture of ``tests/tiny_models.py`` that the engine calibrates, a
 hidden 128) is quantized by the CLI (``exl2fmt convert SRC --to exl2 --bits 4.0`` and ``--to gptq --bits 4``) in
 a child process (its peak RSS from ``wait4``); the output must pass ``validate --deep``; it is dequantized back to
 fp16 by ``convert --to fp16``, loaded in transformers, and its KL divergence to the FP16 model on held-out token
-ids is compared with that of RTN 4-bit g128 (no calibration) applied to every decoder linear.
+ids is compared with that of RTN 4-bit g128 (no calibration, best fp16 scale per column) applied to every
+decoder linear, symmetric (our default GPTQ's convention) and asymmetric.  Decoder bpw is ``inspect``'s
+(``bpw.decoder``: 16-bit MoE routers left out, ``layout.STAYS_16BIT``).
 
-    flock /work/heavy.lock nice -n 5 python bench/arch_quality.py [--arch llama gemma2 ...] [--record]
+    flock /work/heavy.lock nice -n 5 python bench/arch_quality.py [--arch llama gemma2 ...] [--json-out F] [--record]
+    python bench/arch_quality.py --table F         # the markdown table of the JSON lines in F
 """
 
 from __future__ import annotations
@@ -73,11 +76,17 @@ def kl(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> float:
     return float((lp.exp() * (lp - lq)).sum(-1).mean())
 
 
-def rtn_model(d: Path, bits: int = 4, group_size: int = 128):
+def rtn_model(d: Path, bits: int = 4, group_size: int = 128, sym: bool = False):
+    """The FP16 model at ``d`` with every decoder linear (and every expert of the fused 3-D MoE parameters)
+    replaced by its round-to-nearest reconstruction: ``bits``-bit codes in groups of ``group_size`` input rows,
+    the best fp16 scale per column from a grid search (``converters.gptq_quant.fit_group``), symmetric (the
+    convention of our default GPTQ output) or asymmetric (a zero point per group and column).  Routers and
+    other modules that stay 16-bit by convention are left alone (``layout.stays_16bit``)."""
     from exl2fmt.converters.gptq_quant import reconstruct, rtn_quantize
+    from exl2fmt.layout import stays_16bit
 
     def rtn(w: np.ndarray) -> np.ndarray:          # w float32 [N, K] -> its RTN reconstruction
-        codes, scales, zeros, g_idx = rtn_quantize(w, bits, min(group_size, w.shape[1]), sym=False)
+        codes, scales, zeros, g_idx = rtn_quantize(w, bits, min(group_size, w.shape[1]), sym=sym)
         wq = np.empty_like(w.T)
         for g in range(scales.shape[0]):
             rows = np.nonzero(g_idx == g)[0]
@@ -87,7 +96,7 @@ def rtn_model(d: Path, bits: int = 4, group_size: int = 128):
     m = load_dense(d)
     with torch.no_grad():
         for name, mod in m.model.layers.named_modules():
-            if isinstance(mod, torch.nn.Linear):
+            if isinstance(mod, torch.nn.Linear) and not stays_16bit(name):
                 mod.weight.copy_(torch.from_numpy(rtn(mod.weight.numpy())))
             for pname, p in mod.named_parameters(recurse=False):
                 if p.dim() == 3:            # fused MoE experts [E, N, K]: each expert's projection on its own
@@ -96,7 +105,7 @@ def rtn_model(d: Path, bits: int = 4, group_size: int = 128):
     return m
 
 
-def one(arch: str, work: Path, rows: int, length: int) -> dict:
+def one(arch: str, work: Path, rows: int, length: int, targets=("exl2", "gptq")) -> dict:
     src = make_tiny(arch, work / arch / "src", **MOE_DIMS.get(arch, DIMS))
     rng = np.random.default_rng(0)
     cal = work / arch / "cal.npy"
@@ -106,26 +115,22 @@ def one(arch: str, work: Path, rows: int, length: int) -> dict:
     with torch.no_grad():
         ref_logits = ref(held).logits
     row = {"arch": arch}
-    for tgt, bits in (("exl2", "4.0"), ("gptq", "4")):
+    for tgt, bits in [t for t in (("exl2", "4.0"), ("gptq", "4")) if t[0] in targets]:
         q = work / arch / tgt
         rc, secs, rss, tail = run_child(["convert", src, q, "--to", tgt, "--bits", bits, "--calibration", cal,
                                          "--rows", rows, "--length", length, "--json"])
         if rc != 0:
             row[tgt] = {"error": tail}
             continue
-        weight_only = "weight-only" in tail
+        man = json.loads((q / "exl2fmt-manifest.json").read_text())
+        weight_only = bool(man.get("weight_only"))
+        cal_ppl = man.get("calibration_perplexity")
         val = subprocess.run([*CLI, "validate", str(q), "--deep", "--json"], capture_output=True, text=True)
         vdoc = json.loads(val.stdout) if val.stdout.strip().startswith("{") else {}
         from exl2fmt.inspect import inspect_model
 
-        ins = inspect_model(q)
-        bpw = ins["summary"]["bpw"]["decoder"]
-        # without MoE routers (16-bit, outside ExLlamaV2's budget too), recomputed from inspect's layer rows
-        kept = [r for r in ins["layers"] if r["block"] not in (None, "head")
-                and not (r["format"] == "dense" and r["key"].endswith(".gate"))]
-        bpw_nr = sum(r["stored_bytes"] * 8 for r in kept) / sum(
-            r["in_features"] * r["out_features_stored"] + (r["out_features_stored"] if r["bias"] else 0)
-            for r in kept)
+        ins = inspect_model(q, layers=False)["summary"]["bpw"]
+        bpw, bpw_incl = ins["decoder"], ins.get("decoder_incl_16bit")   # routers left out (layout.STAYS_16BIT)
         fp = work / arch / f"{tgt}-fp16"
         rc2, _, _, tail2 = run_child(["convert", q, fp, "--to", "fp16"])
         if rc2 != 0:
@@ -133,11 +138,36 @@ def one(arch: str, work: Path, rows: int, length: int) -> dict:
             continue
         with torch.no_grad():
             k = kl(ref_logits, load_dense(fp)(held).logits)
-        row[tgt] = {"bpw": bpw, "bpw_no_router": bpw_nr, "validate": "PASS" if val.returncode == 0 else f"FAIL {vdoc.get('counts')}",
-                    "kl": k, "seconds": secs, "peak_rss_mb": rss / 2**20, "calibrated": not weight_only}
+        row[tgt] = {"bpw": bpw, "bpw_incl_16bit": bpw_incl, "validate": "PASS" if val.returncode == 0 else f"FAIL {vdoc.get('counts')}",
+                    "kl": k, "seconds": secs, "peak_rss_mb": rss / 2**20, "calibrated": not weight_only,
+                    "calibration_ppl": cal_ppl, "expert_tokens": [b.get("expert_tokens") for b in man.get("blocks") or []
+                                                                  if b.get("expert_tokens")]}
     with torch.no_grad():
-        row["rtn_kl"] = kl(ref_logits, rtn_model(src)(held).logits)
+        row["rtn_kl_asym"] = kl(ref_logits, rtn_model(src, sym=False)(held).logits)
+        row["rtn_kl_sym"] = kl(ref_logits, rtn_model(src, sym=True)(held).logits)
+    row["rows"], row["length"] = rows, length
     return row
+
+
+HEADER = ["| arch | EXL2 4.0: decoder bpw | validate --deep | KL | s | peak RSS MB | GPTQ 4 g128 sym: KL | validate --deep | "
+          "s | peak RSS MB | RTN 4 g128 sym KL | RTN 4 g128 asym KL |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def table_row(r: dict) -> str:
+    cells = [r["arch"]]
+    for tgt in ("exl2", "gptq"):
+        x = r.get(tgt, {"error": "not run"})
+        if "error" in x:
+            cells += ["ERROR " + x["error"].strip().splitlines()[-1][:60]] + [""] * (4 if tgt == "exl2" else 3)
+            continue
+        flag = "" if x["calibrated"] else " (weight-only)"
+        if tgt == "exl2":
+            b = f"{x['bpw']:.4f}" + (f" ({x['bpw_incl_16bit']:.4f} with routers)" if x.get("bpw_incl_16bit") else "")
+            cells += [b + flag, x["validate"], f"{x['kl']:.5f}", f"{x['seconds']:.0f}", f"{x['peak_rss_mb']:.0f}"]
+        else:
+            cells += [f"{x['kl']:.5f}{flag}", x["validate"], f"{x['seconds']:.0f}", f"{x['peak_rss_mb']:.0f}"]
+    cells += [f"{r['rtn_kl_sym']:.5f}", f"{r['rtn_kl_asym']:.5f}"]
+    return "| " + " | ".join(cells) + " |"
 
 
 def main() -> None:
@@ -145,25 +175,23 @@ def main() -> None:
     ap.add_argument("--arch", nargs="*", default=list(DENSE + MOE))
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--length", type=int, default=64)
+    ap.add_argument("--targets", nargs="*", default=["exl2", "gptq"], choices=["exl2", "gptq"])
+    ap.add_argument("--json-out", help="append one JSON line per architecture to this file")
+    ap.add_argument("--table", help="print the markdown table of the JSON lines in this file and exit")
     ap.add_argument("--record", action="store_true")
     a = ap.parse_args()
-    lines = ["| arch | EXL2 4.0: decoder bpw | validate | KL | s | peak RSS MB | GPTQ 4 g128: bpw | validate | KL | "
-             "s | peak RSS MB | RTN 4 g128 KL |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    if a.table:
+        rows = [json.loads(line) for line in Path(a.table).read_text().splitlines() if line.strip()]
+        print("\n".join(HEADER + [table_row(r) for r in rows]))
+        return
+    lines = list(HEADER)
     with tempfile.TemporaryDirectory(prefix="arch-quality-") as t:
         for arch in a.arch:
-            r = one(arch, Path(t), a.rows, a.length)
-            cells = [arch]
-            for tgt in ("exl2", "gptq"):
-                x = r[tgt]
-                if "error" in x:
-                    cells += ["ERROR " + x["error"].splitlines()[-1][:60]] + [""] * 4
-                else:
-                    b = f"{x['bpw']:.4f}" + (f" ({x['bpw_no_router']:.4f} w/o routers)"
-                                             if abs(x["bpw_no_router"] - x["bpw"]) > 1e-6 else "")
-                    cells += [b + ("" if x["calibrated"] else " (weight-only)"), x["validate"],
-                              f"{x['kl']:.5f}", f"{x['seconds']:.0f}", f"{x['peak_rss_mb']:.0f}"]
-            cells.append(f"{r['rtn_kl']:.5f}")
-            lines.append("| " + " | ".join(cells) + " |")
+            r = one(arch, Path(t), a.rows, a.length, tuple(a.targets))
+            if a.json_out:
+                with open(a.json_out, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(r) + "\n")
+            lines.append(table_row(r))
             print(lines[-1], flush=True)
     text = "\n".join(lines)
     print(text)

@@ -12,6 +12,9 @@ Conventions (also in the schema):
 * ``bpw`` of a layer: stored bits of all its tensors (codes, scales, groups, permutation, bias) divided by
   K*N_pad (+N_pad with a bias) for EXL2, K*N (+N) otherwise, ExLlamaV2's convention (``QParams.total_bits``).
   ``bpw.decoder`` and ``bpw.head`` are the same ratio summed over the decoder-block linears / the lm_head;
+  MoE routers and other modules that stay 16-bit by convention (``layout.STAYS_16BIT``, stored dense) are left
+  out of ``bpw.decoder``, as the quantizer's budget and ExLlamaV2's leave them out (``stays_16bit`` on their
+  rows); ``bpw.decoder_incl_16bit`` counts them too (null when the model has none);
   ``bpw.overall`` is 8 * stored bytes of every tensor / parameters.
 * ``weight_memory_bytes``: stored bytes plus what a loader derives per EXL2 layer (q_group_map int16 [2K] and
   uint16 q_perm + q_invperm instead of int32 q_invperm: +4K bytes).  An estimate for weights only (no KV cache,
@@ -283,11 +286,17 @@ def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
     stored_bytes = sum(t.nbytes for t in tensors.values())
     params = sum(r["params"] for r in rows) + other_params
 
-    dec = [r for r in rows if r["block"] not in (None, "head")]
+    from .layout import counts_in_decoder_bpw
+
+    in_blocks = [r for r in rows if r["block"] not in (None, "head")]
+    # MoE routers (and other modules that stay 16-bit by convention) are not counted: layout.STAYS_16BIT
+    dec = [r for r in in_blocks if counts_in_decoder_bpw(r["key"], r["format"])]
     head = [r for r in rows if r["block"] == "head"]
     embed = [t for t in other if any(tok in t.name for tok in _EMBED_TOKENS)]
     bpw = {
         "decoder": _ratio(sum(r["stored_bytes"] * 8 for r in dec), sum(r["_numel"] for r in dec)),
+        "decoder_incl_16bit": (_ratio(sum(r["stored_bytes"] * 8 for r in in_blocks),
+                                      sum(r["_numel"] for r in in_blocks)) if len(in_blocks) > len(dec) else None),
         "head": _ratio(sum(r["stored_bytes"] * 8 for r in head), sum(r["_numel"] for r in head)),
         "embeddings": _ratio(sum(t.nbytes * 8 for t in embed), sum(t.numel for t in embed)),
         "overall": _ratio(stored_bytes * 8, params),
@@ -314,8 +323,10 @@ def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
         v = text.get(name)
         return v if isinstance(v, int) and not isinstance(v, bool) else None
 
+    kept = {id(r) for r in in_blocks} - {id(r) for r in dec}
     for r in rows:
         del r["_numel"]
+        r["stays_16bit"] = id(r) in kept
     report = {
         "report": "inspect",
         "schema_version": SCHEMA_VERSION,
@@ -334,7 +345,7 @@ def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
             "num_hidden_layers": cfg_int("num_hidden_layers"),
             "hidden_size": cfg_int("hidden_size"),
             "vocab_size": cfg_int("vocab_size"),
-            "blocks": len({r["block"] for r in dec}),
+            "blocks": len({r["block"] for r in in_blocks}),
             "linear_layers": len(rows),
             "layers_by_format": by_format,
             "tensors": len(tensors),

@@ -31,7 +31,7 @@ __all__ = [
     "stored_bits", "bpw", "exl2_total_bits", "pad32", "scale_ratio", "SCALE_DIVISOR",
     "ROW_MULTIPLE", "N_PAD_MULTIPLE", "MAX_K", "MAX_INT16", "FORMAT_VERSION", "layout_document",
     "AwqGeometry", "Exl3Geometry", "RECOGNISED_LAYOUTS", "ALL_LAYOUTS", "SLOT_NAMES", "slot", "marker_slot",
-    "slot_names", "DETECTION_ORDER",
+    "slot_names", "DETECTION_ORDER", "STAYS_16BIT", "stays_16bit", "counts_in_decoder_bpw",
 ]
 
 #: Version of the format description in this module (spec/exl2.md "Versioning").  Independent of the
@@ -410,6 +410,36 @@ def bpw(fmt: Format, geometry, present: dict[str, str]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Which linears count in the decoder bpw
+# ---------------------------------------------------------------------------------------------------
+
+#: Decoder-block modules that stay 16-bit by convention, as dotted name suffixes of the module (the key without
+#: ``.weight``).  ExLlamaV2 never quantizes them and leaves them out of its bpw budget (its MoE block's size is
+#: the experts' alone); they are a tiny part of a layer at real sizes (a router is E x H).  One definition for
+#: the quantizer (never quantized, not in the budget), ``inspect`` (``bpw.decoder`` leaves them out,
+#: ``bpw.decoder_incl_16bit`` counts them) and ``validate`` (the ``bits`` check).
+STAYS_16BIT: tuple[str, ...] = (
+    "block_sparse_moe.gate",            # Mixtral, PhiMoE: the router
+    "mlp.gate",                         # Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek: the router
+    "mlp.shared_expert_gate",           # Qwen2-MoE: the shared expert's sigmoid gate (N = 1)
+    "mlp.router",                       # gpt-oss
+    "feed_forward.router",              # Jamba
+    "block_sparse_moe.router.layer",    # GraniteMoE
+)
+
+
+def stays_16bit(key: str) -> bool:
+    """True when module ``key`` (``model.layers.3.mlp.gate``; no ``.weight``) is one of ``STAYS_16BIT``."""
+    return any(key == s or key.endswith("." + s) for s in STAYS_16BIT)
+
+
+def counts_in_decoder_bpw(key: str, fmt: "Format | str") -> bool:
+    """Whether a linear layer inside a decoder block counts in the decoder bpw: every one except a
+    ``STAYS_16BIT`` module stored unquantized (``Format.DENSE``; a router some tool did quantize counts)."""
+    return not (fmt == Format.DENSE and stays_16bit(key))
+
+
+# ---------------------------------------------------------------------------------------------------
 # Group plans (QParams): bit tiers with proportions and group sizes
 # ---------------------------------------------------------------------------------------------------
 
@@ -516,6 +546,9 @@ def layout_document() -> dict:
         "limits": {"row_multiple": ROW_MULTIPLE, "n_pad_multiple": N_PAD_MULTIPLE, "max_K": MAX_K,
                    "max_int16": MAX_INT16, "scale_divisor": SCALE_DIVISOR, "scale_code_bits": SCALE_CODE_BITS},
         "detection_order": [f.value for f in DETECTION_ORDER],
+        "stays_16bit": {"modules": list(STAYS_16BIT), "rule": "a dense (16-bit) decoder-block module whose key ends "
+                        "with one of these dotted names is left out of the decoder bpw (inspect, validate, the "
+                        "quantizer's budget)"},
         "layouts": {
             fmt.value: [
                 {"name": s.name, "dtypes": list(s.dtypes), "shape": s.shape_text, "status": s.status.value,

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tiny_models import MOE, make_tiny  # noqa: E402
+from tiny_models import MOE, MOE_EXTRA, make_tiny  # noqa: E402
 
 from exl2fmt.quant.weights import WeightSource  # noqa: E402
 from exl2fmt.quant.hf_engine import HFModel  # noqa: E402
@@ -31,7 +31,8 @@ def tiny(tmp_path_factory):
 
     def get(arch, starved=None):
         if (arch, starved) not in made:
-            made[arch, starved] = make_tiny(arch, tmp_path_factory.mktemp(arch) / "src", starved_expert=starved)
+            base, kw = MOE_EXTRA.get(arch, (arch, {}))
+            made[arch, starved] = make_tiny(base, tmp_path_factory.mktemp(arch) / "src", starved_expert=starved, **kw)
         return made[arch, starved]
     return get
 
@@ -111,6 +112,54 @@ def test_expert_inputs_are_exactly_the_tokens_the_router_sends(tiny, arch):
             mid = ex.act_fn(x @ ex.gate_up_proj[e, :I].T) * (x @ ex.gate_up_proj[e, I:].T)
         torch.testing.assert_close(cap[f"experts.{e}.down_proj"], mid, rtol=1e-5, atol=1e-6)
     assert eng.groups("mlp")[:2] == [("experts.0.gate_proj", "experts.0.up_proj"), ("experts.0.down_proj",)]
+    eng.release()
+
+
+@pytest.mark.parametrize("name", sorted(MOE_EXTRA))
+def test_shared_experts_and_dense_layers_of_moe_models_are_driven(tiny, name):
+    """Qwen2-MoE's shared expert (a dense MLP of all tokens behind a 16-bit sigmoid gate) and the dense MLP layers
+    of ``mlp_only_layers`` are linears of the engine: logits equal transformers' full model, the shared expert's
+    linears read every token of the block, and the gates/routers are not quantized."""
+    d = tiny(name)
+    cfg = json.loads((d / "config.json").read_text())
+    ids = torch.as_tensor(np.random.default_rng(1).integers(0, 160, (2, 24)))
+    ref = _reference(d)
+    with torch.no_grad():
+        want = ref(ids).logits
+    eng = _engine(d)
+    eng.check_weights()
+    torch.testing.assert_close(eng.forward(ids), want, rtol=1e-5, atol=1e-5)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    for i in range(eng.num_layers):
+        mlp = eng.linear_names("mlp", i)
+        assert eng.is_moe(i) is (i not in dense)
+        if i in dense:
+            assert mlp == ("gate_proj", "up_proj", "down_proj")
+            assert eng.block_key(i, "mlp") == f"model.layers.{i}.mlp"
+        else:
+            assert eng.block_key(i, "mlp") == f"model.layers.{i}.block_sparse_moe"
+            shared = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
+            assert mlp[:3] == shared if cfg["model_type"] == "qwen2_moe" else not any("shared" in n for n in mlp)
+        keys = eng.source_keys(i)
+        assert not any(k.endswith((".gate", "shared_expert_gate")) for k in keys)
+        assert (f"model.layers.{i}.mlp.shared_expert.down_proj" in keys) is (
+            cfg["model_type"] == "qwen2_moe" and i not in dense)
+    # a substitute for a dense layer's down_proj / the shared expert's changes the output
+    i = min(dense) if dense else 0
+    n = "down_proj" if dense else "shared_expert.down_proj"
+    key = eng.linear_key(i, n)
+    zero = eng.forward(ids, lambda k: (lambda x: torch.zeros(*x.shape[:-1], eng.hidden_size)) if k == key else None)
+    assert not torch.allclose(zero, want, atol=1e-4)
+    if cfg["model_type"] == "qwen2_moe" and not dense:        # the shared expert reads all tokens of the block
+        r = eng.runner(1)
+        cap: dict = {}
+        h = torch.randn(2, 8, eng.hidden_size, generator=torch.Generator().manual_seed(0))
+        rec: list = []
+        r.forward(h, stop_mid=True, record_attn=rec)
+        r.forward(h, capture=cap, replay_attn=rec[0])
+        assert cap["shared_expert.gate_proj"].shape[:-1] == (16,) and cap["experts.0.gate_proj"].shape[0] < 16
+        assert eng.groups("mlp", 1)[:2] == [("shared_expert.gate_proj", "shared_expert.up_proj"),
+                                            ("shared_expert.down_proj",)]
     eng.release()
 
 
@@ -245,3 +294,79 @@ def test_calibrated_exl2_mixtral_meets_the_budget_and_reuses_its_measurement(tin
     quantize_model(d, tmp_path / "b", QuantOptions(**opts, measurement=str(m)))
     for f in ("output.safetensors", "config.json"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
+
+
+def test_calibrated_gptq_of_a_moe_model_with_a_shared_expert_and_a_dense_layer(tiny, tmp_path):
+    """Qwen2-MoE with ``mlp_only_layers``: every linear calibrated (GPTQ, not the weight-only fallback), the
+    shared expert and the dense layer quantized, the 16-bit gates left alone, the output validates."""
+    from exl2fmt.container import open_model
+    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.validate import validate_model
+
+    d = tiny("qwen2_moe_mlp_only")
+    r = quantize_model(d, tmp_path / "q", QuantOptions(target="gptq", bits=4, group_size=32,
+                                                       calibration=_ids(tmp_path, 4, 16), rows=4, length=16,
+                                                       device="cpu"))
+    assert not any("weight-only" in w for w in r.warnings), r.warnings
+    assert [b["block"] for b in r.blocks if "mlp" in b["block"] or "moe" in b["block"]] == [
+        "model.layers.0.mlp", "model.layers.1.block_sparse_moe", "model.layers.2.block_sparse_moe"]
+    assert not validate_model(tmp_path / "q", deep=True).failed
+    m = open_model(tmp_path / "q")
+    try:
+        names = set(m.names())
+    finally:
+        m.close()
+    for key in ("model.layers.0.mlp.gate_proj", "model.layers.1.mlp.shared_expert.down_proj",
+                "model.layers.2.mlp.experts.3.up_proj"):
+        assert f"{key}.qweight" in names and f"{key}.weight" not in names, key
+    for key in ("model.layers.1.mlp.gate", "model.layers.1.mlp.shared_expert_gate"):
+        assert f"{key}.weight" in names and f"{key}.qweight" not in names, key
+
+
+def test_hessian_chunks_fit_the_budget_and_keep_the_order():
+    from exl2fmt.quant.moe import hessian_bytes, hessian_chunks
+
+    owners = ["a", "b", "c", "d", "e"]
+    K = {"a": 64, "b": 96, "c": 64, "d": 300, "e": 64}
+    assert hessian_chunks(owners, K, budget=10 ** 9) == [owners]            # everything fits: one sweep
+    budget = hessian_bytes(96) + hessian_bytes(64)
+    chunks = hessian_chunks(owners, K, budget=budget)
+    assert [o for c in chunks for o in c] == owners
+    assert chunks == [["a", "b"], ["c"], ["d"], ["e"]]                     # d alone exceeds it: its own chunk
+    assert all(sum(hessian_bytes(K[o]) for o in c) <= budget for c in chunks if len(c) > 1)
+
+
+@pytest.mark.slow
+def test_exl2_measurement_in_hessian_chunks_is_byte_identical_and_bounded(tiny, tmp_path, monkeypatch):
+    """The EXL2 measurement of the tiny Mixtral with a Hessian budget of two down projections: at most that many
+    bytes of factorized Hessians are alive at any time (counted on every ``gptq.prepare`` result still
+    referenced), against 4x more in one sweep, and the output is byte-identical."""
+    import weakref
+
+    from exl2fmt.quant import gptq, moe
+    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+
+    d = tiny("mixtral")
+    opts = dict(target="exl2", bits=4.0, calibration=_ids(tmp_path, 2), rows=2, length=32, device="cpu")
+    orig = gptq.prepare
+    peak = {}
+
+    def run(name, budget):
+        live: weakref.WeakSet = weakref.WeakSet()
+        peak[name] = 0
+
+        def counting(*a, **k):
+            p = orig(*a, **k)
+            live.add(p)
+            peak[name] = max(peak[name], sum(moe.hessian_bytes(q.U.shape[0]) for q in live))
+            return p
+        monkeypatch.setattr(gptq, "prepare", counting)
+        monkeypatch.setattr(moe, "LIVE_HESSIAN_BYTES", budget)
+        quantize_model(d, tmp_path / name, QuantOptions(**opts))
+        return (tmp_path / name / "output.safetensors").read_bytes()
+
+    budget = 2 * moe.hessian_bytes(96)            # expert width 96: two down projections' Hessians
+    whole = run("whole", moe.LIVE_HESSIAN_BYTES)
+    chunked = run("chunked", budget)
+    assert chunked == whole
+    assert peak["chunked"] <= budget < peak["whole"]

@@ -31,6 +31,9 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                      "decoder_sparse_step": 1}),
+    # Qwen2-MoE: a shared expert (a dense MLP of all tokens, scaled by its 16-bit sigmoid gate) beside the experts
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1}),
     # decoder-only architectures outside ExLlamaV2's list, calibrated with a warning (Olmo2: post-norms only)
     "olmo2": ("Olmo2Config", {}),
     "stablelm": ("StableLmConfig", {}),
@@ -44,6 +47,12 @@ DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "gra
 
 #: mixture-of-experts architectures (transformers' fused 3-D experts; per-expert tensors in the checkpoint)
 MOE = ("mixtral", "qwen3_moe")
+
+#: MoE models with what else a MoE model holds: Qwen2-MoE's shared expert, dense MLP layers among the MoE ones
+#: (``mlp_only_layers``); ``make_tiny(MOE_EXTRA[name][0], d, **MOE_EXTRA[name][1])``
+MOE_EXTRA = {"qwen2_moe": ("qwen2_moe", {}),
+             "qwen3_moe_mlp_only": ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
+             "qwen2_moe_mlp_only": ("qwen2_moe", {"num_hidden_layers": 3, "mlp_only_layers": [0]})}
 
 
 def make_config(arch: str, **overrides):

@@ -11,9 +11,10 @@ device (buffers such as RoPE frequency tables are real: they are computed from t
   embedding path (Gemma's embedding scale, ...);
 * **materializes one decoder layer at a time** from the safetensors shards (``WeightSource``: pread, not the map),
   float32 on the compute device, and frees it afterwards: peak memory is one layer + activations + Hessians;
-* **discovers the linear layers from the module tree** (every ``nn.Linear`` inside the decoder layer), and the
-  structure of the layer by a probe run of layer 0 (which linears share an input, in which order they run, and
-  where the residual stream between the attention and the MLP half can be observed);
+* **discovers the linear layers from the module tree** (every ``nn.Linear`` inside the decoder layer but the
+  16-bit ones of ``layout.STAYS_16BIT``), and the structure of the layer by a probe run (which linears share an
+  input, in which order they run, and where the residual stream between the attention and the MLP half can be
+  observed), once per distinct layer build (Qwen-MoE's ``mlp_only_layers`` mix dense MLP and MoE layers);
 * runs the layer with **substitute linears** (candidates, quantized reconstructions) swapped into the modules and
   **captures the inputs** of any linear (for the GPTQ Hessians).
 
@@ -32,7 +33,9 @@ is one of them, else a small per-architecture map (Starcoder2 ``c_fc``/``c_proj`
 Mixture-of-experts blocks (``moe.py``): the fused 3-D expert parameters are built from the checkpoint's per-expert
 tensors, every expert projection is a linear of its own (``experts.3.gate_proj``, checkpoint key
 ``...block_sparse_moe.experts.3.w1`` for Mixtral), run on the tokens the model's router sends it, and the block's
-measurement key is ExLlamaV2's ``block_sparse_moe``.  The router stays 16-bit.
+measurement key is ExLlamaV2's ``block_sparse_moe``.  The router stays 16-bit.  A shared expert (Qwen2-MoE's
+``mlp.shared_expert``: a dense MLP fed every token of the block, scaled by its 16-bit ``shared_expert_gate``) is
+three more linears of the block, ``shared_expert.gate_proj`` ..., which take the block's gate/up/down setting.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ErrorCode, Exl2Error
+from ..layout import stays_16bit
 from .weights import WeightSource, dense_linear
 from .moe import EXL2_FILE_NAMES, ROLES, find_experts, pad_expert_hessian, routed_forward
 from .qparams import measurement_key
@@ -197,15 +201,13 @@ class HFModel:
         self._discover()
         self._kw_cache: dict = {}
         self._runner: _LayerRunner | None = None
-        self._structure: _Structure | None = None
+        self._v_structure: list[_Structure | None] = [None] * len(self._v_first)
 
     @property
     def structure(self) -> _Structure:
         """What a probe run of layer 0 finds (shared inputs, the norm between the halves); probed on first use,
         so building the model reads no weights (``validate --run`` checks every tensor first)."""
-        if self._structure is None:
-            self._structure = self._probe()
-        return self._structure
+        return self.structure_of(0)
 
     @classmethod
     def open(cls, model_dir: Any, device: "str | torch.device" = "cpu", split_fused: bool = True) -> "HFModel":
@@ -227,16 +229,52 @@ class HFModel:
 
     # --- names ----------------------------------------------------------------------------------------
     def _discover(self) -> None:
-        layer = self.layers[0]
+        """The linears of every decoder layer.  Layers may come in a few builds (Qwen-MoE's ``mlp_only_layers``:
+        dense MLP layers among the MoE ones): each distinct build (a *variant*, by parameter names and shapes) is
+        discovered once; a linear's name means the same module path and shape in every variant that has it."""
         self.path_of: dict[str, str] = {}          # name -> module path inside the layer
         self.kind_of: dict[str, str] = {}
         self.child_of: dict[str, str] = {}
         self.key_of: dict[str, str] = {}           # name -> checkpoint key suffix of the (split) layer
         self.part_of: dict[str, tuple[int, int]] = {}   # name -> output rows [a, b) of a fused module
+        self.experts: "ExpertsLayout | None" = None
+        self.expert_names: tuple[str, ...] = ()
+        self._home: dict[str, int] = {}            # name -> the first layer that has it
+        sigs: list = []
+        self.variant_of: list[int] = []            # layer -> index of its variant
+        for layer in self.layers:
+            sig = self._layer_signature(layer)
+            if sig not in sigs:
+                sigs.append(sig)
+            self.variant_of.append(sigs.index(sig))
+        self._v_first = [self.variant_of.index(v) for v in range(len(sigs))]
+        self._v_names: list[dict] = []             # per variant: kind -> names in run order
+        self._v_linears: list[tuple] = []          # per variant: names of the nn.Linear parts
+        self._v_moe: list[bool] = []
+        for v, first in enumerate(self._v_first):
+            linears, moe = self._discover_layer(self.layers[first], first)
+            order = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
+                     "down_proj")
+            rank = {r: k for k, r in enumerate(order)}
+            names = {k: tuple(sorted((n for n in linears if self.kind_of[n] == k),
+                                     key=lambda n: (n.count("."), rank.get(self.role(n), len(order)))))
+                     for k in ("attn", "mlp")}
+            if moe:
+                names["mlp"] += self.expert_names
+            if not names["attn"] or not names["mlp"]:
+                raise _cfg_error(f"{self.arch}: expected attention and MLP linears in decoder layer {first}")
+            self._v_names.append(names)
+            self._v_linears.append(tuple(linears))
+            self._v_moe.append(moe)
+        self.names = self._v_names[0]
+
+    def _discover_layer(self, layer: nn.Module, i: int) -> tuple[list[str], bool]:
+        """The linears of one layer (merged into the model's name tables) and whether it has fused experts."""
         c = self.hf_config
+        found: list[str] = []
         for path, mod in layer.named_modules():
-            if not isinstance(mod, nn.Linear):
-                continue
+            if not isinstance(mod, nn.Linear) or stays_16bit(path):
+                continue                   # routers, Qwen2-MoE's shared_expert_gate: 16-bit (layout.STAYS_16BIT)
             child = path.split(".")[0]
             parent, _, leaf = path.rpartition(".")
             kind = "attn" if ("attn" in child or "attention" in child) else "mlp"
@@ -244,36 +282,59 @@ class HFModel:
             if parts is None:
                 role = _ROLE.get(leaf) or (leaf if leaf in _FUSED and not self.split_fused else None)
                 parts = [(role, None)]
+            # a linear nested below the layer's child (Qwen2-MoE's mlp.shared_expert.gate_proj) keeps the path
+            # between them in its name: shared_expert.gate_proj (its EXL2 setting name is the last part)
+            inner = parent[len(child) + 1:] if parent != child else ""
             for role, rows in parts:
-                if role is None or role in self.path_of or (role in _ROLE.values() and role not in (
+                if role is None or (role in _ROLE.values() and role not in (
                         _ATTN_ROLES if kind == "attn" else _MLP_ROLES)):
                     raise _cfg_error(f"{self.arch}: linear layer {path!r} of the decoder layer has no EXL2 role")
-                self.path_of[role], self.kind_of[role], self.child_of[role] = path, kind, child
-                self.key_of[role] = f"{parent}.{role}" if rows is not None else path
+                name = f"{inner}.{role}" if inner else role
+                if name in found:
+                    raise _cfg_error(f"{self.arch}: two linear layers of decoder layer {i} are both {name!r}")
+                key = f"{parent}.{role}" if rows is not None else path
+                if name in self.path_of and (self.path_of[name], self.key_of[name], self.part_of.get(name)) != (
+                        path, key, rows):
+                    raise _cfg_error(f"{self.arch}: {name!r} is {path!r} in decoder layer {i} but "
+                                     f"{self.path_of[name]!r} in another")
+                self.path_of[name], self.kind_of[name], self.child_of[name] = path, kind, child
+                self._home.setdefault(name, i)
+                self.key_of[name] = key
                 if rows is not None:
-                    self.part_of[role] = rows
+                    self.part_of[name] = rows
+                found.append(name)
         # fused 3-D expert parameters (transformers 5's MoE blocks): one linear per expert projection
-        self.experts = find_experts(self.arch, layer, self.src, self.layer_prefix(0))
-        self.expert_names: tuple[str, ...] = ()
-        if self.experts is not None:
-            lay = self.experts
-            self.expert_names = tuple(lay.name(e, r) for e in range(lay.num_experts) for r in ROLES)
-            for e in range(lay.num_experts):
-                for r in ROLES:
-                    n = lay.name(e, r)
-                    self.kind_of[n], self.child_of[n] = "mlp", lay.block.split(".")[0]
-                    self.key_of[n] = lay.ckpt_key(e, r)
-        sig = self._layer_signature(layer)
-        for i in range(1, self.num_layers):
-            if self._layer_signature(self.layers[i]) != sig:
-                raise _cfg_error(f"{self.arch}: decoder layer {i} is built differently from layer 0 (mixed dense and "
-                                 "mixture-of-experts layers are not calibrated)")
-        order = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
-        self.names = {k: tuple(r for r in order if r in self.path_of and self.kind_of[r] == k)
-                      for k in ("attn", "mlp")}
-        self.names["mlp"] += self.expert_names
-        if not self.names["attn"] or not self.names["mlp"]:
-            raise _cfg_error(f"{self.arch}: expected attention and MLP linears in the decoder layer")
+        lay = find_experts(self.arch, layer, self.src, self.layer_prefix(i))
+        if lay is None:
+            return found, False
+        if self.experts is not None and lay != self.experts:
+            raise _cfg_error(f"{self.arch}: the MoE blocks of decoder layers differ ({lay} / {self.experts})")
+        self.experts = lay
+        self.expert_names = tuple(lay.name(e, r) for e in range(lay.num_experts) for r in ROLES)
+        for e in range(lay.num_experts):
+            for r in ROLES:
+                n = lay.name(e, r)
+                self.kind_of[n], self.child_of[n] = "mlp", lay.block.split(".")[0]
+                self.key_of[n] = lay.ckpt_key(e, r)
+        return found, True
+
+    def is_moe(self, i: int) -> bool:
+        """Whether decoder layer ``i`` has a mixture-of-experts block."""
+        return self._v_moe[self.variant_of[i]]
+
+    def layer_linears(self, i: int) -> tuple[str, ...]:
+        """Names of layer ``i``'s ``nn.Linear`` parts (without the expert projections)."""
+        return self._v_linears[self.variant_of[i]]
+
+    def layer_expert_names(self, i: int) -> tuple[str, ...]:
+        return self.expert_names if self.is_moe(i) else ()
+
+    def structure_of(self, i: int) -> "_Structure":
+        """The structure of layer ``i``'s build (variant), probed on the variant's first layer on first use."""
+        v = self.variant_of[i]
+        if self._v_structure[v] is None:
+            self._v_structure[v] = self._probe(self._v_first[v])
+        return self._v_structure[v]
 
     @staticmethod
     def _layer_signature(layer: nn.Module) -> tuple:
@@ -298,8 +359,8 @@ class HFModel:
     def source_keys(self, i: int) -> list[str]:
         """Checkpoint keys (without ``.weight``/``.bias``) of the source modules that layer ``i``'s quantized
         linears replace (the fused module itself when it is written split)."""
-        return sorted({f"{self.layer_prefix(i)}.{self.path_of[n]}" for n in self.path_of}
-                      | {self.linear_key(i, n) for n in self.expert_names})
+        return sorted({f"{self.layer_prefix(i)}.{self.path_of[n]}" for n in self.layer_linears(i)}
+                      | {self.linear_key(i, n) for n in self.layer_expert_names(i)})
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.layers_path}.{i}"
@@ -307,16 +368,17 @@ class HFModel:
     def block_key(self, i: int, kind: str) -> str:
         """The block's key in measurement.json: ``model.layers.3.self_attn`` / ``.mlp``, and for a
         mixture-of-experts block ``.block_sparse_moe`` (ExLlamaV2's key for every MoE architecture)."""
-        if kind == "mlp" and self.experts is not None:
+        if kind == "mlp" and self.is_moe(i):
             return f"{self.layer_prefix(i)}.block_sparse_moe"
         return measurement_key(self.layer_prefix(i), kind)
 
-    def measurement_names(self, kind: str) -> tuple[tuple[str, str], ...]:
-        """(name in measurement.json, EXL2 setting name) of the block's options: the linears' own names, and for
-        a MoE block ExLlamaV2's ``w1``/``w3``/``w2`` (one setting for every expert's gate/up/down)."""
-        if kind == "mlp" and self.experts is not None:
+    def measurement_names(self, kind: str, i: int = 0) -> tuple[tuple[str, str], ...]:
+        """(name in measurement.json, EXL2 setting name) of layer ``i``'s block's options: the linears' own
+        names, and for a MoE block ExLlamaV2's ``w1``/``w3``/``w2`` (one setting for every expert's gate/up/down,
+        and for a shared expert's)."""
+        if kind == "mlp" and self.is_moe(i):
             return tuple((EXL2_FILE_NAMES[r], r) for r in ROLES)
-        return tuple((n, n) for n in self.names[kind])
+        return tuple((n, n) for n in self.linear_names(kind, i))
 
     def role(self, name: str) -> str:
         """The EXL2 setting name of linear ``name`` (``experts.3.gate_proj`` -> ``gate_proj``)."""
@@ -328,30 +390,34 @@ class HFModel:
     def linear_key(self, i: int, name: str) -> str:
         return f"{self.layer_prefix(i)}.{self.key_of[name]}"
 
-    def linear_names(self, kind: str) -> tuple[str, ...]:
-        return self.names[kind]
+    def linear_names(self, kind: str, i: int = 0) -> tuple[str, ...]:
+        """Names of the linears of layer ``i``'s attention (``kind`` "attn") or MLP ("mlp") block."""
+        return self._v_names[self.variant_of[i]][kind]
 
     def linear_shape(self, name: str) -> tuple[int, int]:
-        """(N out_features, K in_features) of the linear ``name`` (layer 0's; layers are uniform)."""
+        """(N out_features, K in_features) of the linear ``name`` (the same in every layer that has it)."""
         if name in self.expert_names:
             return self.experts.shape(self.role(name))
-        m = self.layers[0].get_submodule(self.path_of[name])
+        m = self.layers[self._home[name]].get_submodule(self.path_of[name])
         a, b = self.part_of.get(name, (0, m.out_features))
         return int(b - a), int(m.in_features)
 
     def has_bias(self, name: str) -> bool:
         if name in self.expert_names:
             return False
-        return self.layers[0].get_submodule(self.path_of[name]).bias is not None
+        return self.layers[self._home[name]].get_submodule(self.path_of[name]).bias is not None
 
-    def groups(self, kind: str) -> list[tuple[str, ...]]:
-        """The linears of a block grouped by shared input, in the order the forward runs them."""
-        return self.structure.groups[kind]
+    def groups(self, kind: str, i: int = 0) -> list[tuple[str, ...]]:
+        """The linears of layer ``i``'s block grouped by shared input, in the order the forward runs them."""
+        return self.structure_of(i).groups[kind]
 
-    def owner(self, name: str) -> str:
-        for g in self.structure.groups[self.kind_of[name]]:
-            if name in g:
-                return g[0]
+    def owner(self, name: str, i: int | None = None) -> str:
+        """The first linear of ``name``'s shared-input group (in layer ``i``; a name's group is the same in
+        every layer that has it)."""
+        for st in ([self.structure_of(f) for f in self._v_first] if i is None else [self.structure_of(i)]):
+            for g in st.groups[self.kind_of[name]]:
+                if name in g:
+                    return g[0]
         raise KeyError(name)
 
     # --- weights --------------------------------------------------------------------------------------
@@ -366,7 +432,7 @@ class HFModel:
             for n, p in layer.named_parameters():
                 if n not in fused:
                     want[f"{self.layer_prefix(i)}.{self._ckpt_param(n)}"] = tuple(p.shape)
-            for n in self.expert_names:       # the fused expert parameters are stored one tensor per expert
+            for n in self.layer_expert_names(i):  # the fused expert parameters are stored one tensor per expert
                 want[f"{self.linear_key(i, n)}.weight"] = self.linear_shape(n)
         for n, p in self.norm_module.named_parameters():
             want[f"{self.norm_path}.{n}"] = tuple(p.shape)
@@ -494,7 +560,8 @@ class HFModel:
         if self._runner is not None and self._runner.i == i and self._runner.device == dev:
             return self._runner
         self.release()
-        self.structure          # probe layer 0 (once) before any layer is materialized for a run
+        for first in self._v_first:     # probe each layer build (once) before a layer is materialized for a run
+            self.structure_of(first)
         self._runner = _LayerRunner(self, i, dev)
         return self._runner
 
@@ -506,19 +573,19 @@ class HFModel:
     def block(self, i: int, kind: str, batches: list[slice], device=None) -> "LayerBlock":
         return LayerBlock(self.runner(i, device), kind, batches)
 
-    def _probe(self) -> _Structure:
-        """Run layer 0 on a few random tokens and record its structure."""
-        r = _LayerRunner(self, 0, self.device)
+    def _probe(self, i: int = 0) -> _Structure:
+        """Run layer ``i`` on a few random tokens and record its structure."""
+        r = _LayerRunner(self, i, self.device)
         try:
             g = torch.Generator().manual_seed(0)
             T = 4
             h = torch.randn(1, T, self.hidden_size, generator=g).to(self.device)
-            args, kw = self._layer_kwargs(1, T, self.device, cache=False)[0]
+            args, kw = self._layer_kwargs(1, T, self.device, cache=False)[i]
             calls: list = []          # (name, input tensor) in call order
             child_out: dict = {}
             child_order: list = []
             hooks = []
-            for name in self.path_of:
+            for name in self.layer_linears(i):
                 mod = r.layer.get_submodule(self.path_of[name])
                 def pre(m, a, _n=name):
                     calls.append((_n, a[0]))
@@ -554,15 +621,15 @@ class HFModel:
             else:
                 reps.append((x, kind, len(groups[kind])))
                 groups[kind].append((name,))
-        if self.experts is not None:       # each expert's gate and up read its routed tokens; down its own input
+        if self.is_moe(i):       # each expert's gate and up read its routed tokens; down its own input
             for e in range(self.experts.num_experts):
                 g, u, d = (self.experts.name(e, r) for r in ROLES)
                 groups["mlp"] += [(g, u), (d,)]
-        missing = [n for n in self.path_of if not any(n in grp for k in groups for grp in groups[k])]
+        missing = [n for n in self.layer_linears(i) if not any(n in grp for k in groups for grp in groups[k])]
         if missing:
-            raise _cfg_error(f"{self.arch}: the probe forward never ran {missing[0]}")
-        attn_child = self.child_of[self.names["attn"][0]]
-        mlp_child = self.child_of[self.names["mlp"][0]]
+            raise _cfg_error(f"{self.arch}: the probe forward of decoder layer {i} never ran {missing[0]}")
+        attn_child = self.child_of[self.linear_names("attn", i)[0]]
+        mlp_child = self.child_of[self.linear_names("mlp", i)[0]]
         # the norm in front of the MLP: the child whose output the MLP receives, run after attention finished
         mlp_in = next((x for ev, c, x in child_order if ev == "in" and c == mlp_child), None)
         attn_done = next((k for k, (ev, c, _) in enumerate(child_order) if ev == "out" and c == attn_child), None)
@@ -624,7 +691,8 @@ class HFModel:
         B, T = h.shape[:2]
         for i in range(self.num_layers):
             r = self.runner(i, dev)
-            subs = {n: f for n in (*self.path_of, *self.expert_names) if (f := get(self.linear_key(i, n))) is not None}
+            subs = {n: f for n in (*self.layer_linears(i), *self.layer_expert_names(i))
+                    if (f := get(self.linear_key(i, n))) is not None}
             h = r.forward(h, subs, B_T=(B, T))
         self.release()
         return self.logits(h, get("lm_head"))
@@ -650,7 +718,7 @@ class _LayerRunner:
 
     def weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         out = {}
-        for n in self.eng.path_of:
+        for n in self.eng.layer_linears(self.i):
             m = self.module(n)
             w, b = m.weight.data, None if m.bias is None else m.bias.data
             if n in self.eng.part_of:
@@ -658,7 +726,7 @@ class _LayerRunner:
                 w, b = w[a:e].clone(), None if b is None else b[a:e].clone()
             out[n] = (w, b)
         lay = self.eng.experts
-        if lay is not None:
+        if self.eng.is_moe(self.i):
             mod = self.layer.get_submodule(lay.path)
             I = lay.inter
             for e in range(lay.num_experts):      # views of the fused parameters (contiguous row blocks)
@@ -680,7 +748,7 @@ class _LayerRunner:
         patched: list = []
         hooks: list = []
         by_module: dict = {}
-        for n in eng.path_of:
+        for n in eng.layer_linears(self.i):
             by_module.setdefault(eng.path_of[n], []).append(n)
         for path, names in by_module.items():
             mod = self.layer.get_submodule(path)
@@ -705,11 +773,12 @@ class _LayerRunner:
             mod.forward = fwd
             patched.append(mod)
         lay = eng.experts
-        if lay is not None and (capture is not None or any(n in (subs or {}) for n in eng.expert_names)):
+        if eng.is_moe(self.i) and (capture is not None or any(n in (subs or {}) for n in eng.expert_names)):
             experts = self.layer.get_submodule(lay.path)
             experts.forward = routed_forward(experts, lay, subs, capture, self.routed)
             patched.append(experts)
-        attn = self.layer.get_submodule(eng.structure.attn_child)
+        st = eng.structure_of(self.i)
+        attn = self.layer.get_submodule(st.attn_child)
         if replay_attn is not None:
             attn.forward = lambda *a, **k: replay_attn
             patched.append(attn)
@@ -718,11 +787,11 @@ class _LayerRunner:
                 record_attn.append(o)
             hooks.append(attn.register_forward_hook(rec))
         got: list = []
-        if stop_mid and eng.structure.mid_norm is not None:
+        if stop_mid and st.mid_norm is not None:
             def stop(m, a, kw_):
                 got.append(a[0] if a else kw_["hidden_states"])
                 raise _Stop
-            hooks.append(self.layer.get_submodule(eng.structure.mid_norm).register_forward_pre_hook(
+            hooks.append(self.layer.get_submodule(st.mid_norm).register_forward_pre_hook(
                 stop, with_kwargs=True))
         try:
             with torch.no_grad():
@@ -747,7 +816,7 @@ class LayerBlock:
 
     def __init__(self, runner: _LayerRunner, kind: str, batches: list[slice]):
         self.r, self.kind, self.batches = runner, kind, batches
-        self.names = runner.eng.linear_names(kind)
+        self.names = runner.eng.linear_names(kind, runner.i)
         #: MoE blocks: tokens routed to each expert in the last sweep that drove the experts (None otherwise)
         self.expert_tokens: list[int] | None = None
         #: MoE blocks: expert linear -> prior tokens its Hessian was padded with (moe.pad_expert_hessian)
@@ -755,7 +824,7 @@ class LayerBlock:
 
     def owner(self, name: str) -> str:
         """The linear whose input Hessian ``name`` shares (the first of its group)."""
-        return self.r.eng.owner(name)
+        return self.r.eng.owner(name, self.r.i)
 
     def weights(self, device=None) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         w = self.r.weights()

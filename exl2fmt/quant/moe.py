@@ -35,6 +35,15 @@ observed.  Its Hessian is padded to K tokens' worth with a prior:  ``H = (S_rout
   without calibration.
 
 An expert with zero tokens therefore gets valid weights: the all-token Hessian for gate/up, RTN for down.
+
+**Bounded Hessian memory** (``hessian_chunks``).  The EXL2 measurement needs every linear's Hessian (and its
+factorization) to make the block's candidates.  A MoE block has many: Mixtral-8x7B's eight down projections
+alone are 8 x 14336^2 float32 = 6.6 GB, twice that once factorized.  The block's linears are therefore taken
+in chunks whose Hessians fit ``LIVE_HESSIAN_BYTES``: one sweep of the block over the calibration rows per chunk
+accumulates that chunk's Hessians, its candidates are made and the Hessians freed before the next chunk.  Each
+Hessian is the same sum over the same routed tokens in the same order whatever the chunking, so the output is
+byte-identical; a model whose block fits the budget (every dense model, small MoE models) takes one sweep, as
+before.
 """
 
 from __future__ import annotations
@@ -48,7 +57,8 @@ import torch.nn.functional as F
 
 from ..errors import ErrorCode, Exl2Error
 
-__all__ = ["ExpertsLayout", "find_experts", "routed_forward", "pad_expert_hessian", "ROLES", "EXL2_FILE_NAMES"]
+__all__ = ["ExpertsLayout", "find_experts", "routed_forward", "pad_expert_hessian", "ROLES", "EXL2_FILE_NAMES",
+           "hessian_chunks", "hessian_bytes", "LIVE_HESSIAN_BYTES"]
 
 #: EXL2 setting names of an expert's projections, in the order an expert runs them
 ROLES = ("gate_proj", "up_proj", "down_proj")
@@ -200,3 +210,30 @@ def pad_expert_hessian(acc: Any, prior: Any | None) -> int:
         acc.H.diagonal().add_(pad * c)
     acc.rows = K
     return pad
+
+
+#: The most bytes of Hessians (with their factorizations, ``hessian_bytes``) the measurement keeps alive at once.
+LIVE_HESSIAN_BYTES = 4 << 30
+
+
+def hessian_bytes(K: int) -> int:
+    """Bytes one K-feature Hessian takes while its candidates are made: the float32 [K, K] matrix and the float32
+    [K, K] factor ``gptq.prepare`` keeps beside it."""
+    return 8 * int(K) * int(K)
+
+
+def hessian_chunks(owners: "list[str]", K: Mapping[str, int], budget: int | None = None) -> list[list[str]]:
+    """Split ``owners`` (the linears whose Hessians a block needs, in order) into consecutive chunks whose
+    ``hessian_bytes`` sum to at most ``budget`` (``LIVE_HESSIAN_BYTES``); a single Hessian above it is a chunk of
+    its own.  ``K``: owner -> its input features.  Returns [[owner]], one list when everything fits."""
+    budget = LIVE_HESSIAN_BYTES if budget is None else int(budget)
+    chunks: list[list[str]] = []
+    used = 0
+    for ow in owners:
+        b = hessian_bytes(K[ow])
+        if not chunks or used + b > budget:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(ow)
+        used += b
+    return chunks or [[]]

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from ..errors import ErrorCode, Exl2Error
-from ..layout import pad32
+from ..layout import pad32, stays_16bit
 
 __all__ = ["QuantOptions", "QuantReport", "quantize_model", "plan_from_measurement", "WORK_VERSION"]
 
@@ -215,8 +215,14 @@ def _blocks(spec) -> list[tuple[int, str]]:
     return [(i, kind) for i in range(spec.num_layers) for kind in ("attn", "mlp")]
 
 
-def _linears(spec, kind):
-    return spec.linear_names(kind)
+def _linears(spec, kind, i: int = 0):
+    """The linears of layer ``i``'s ``kind`` block (layers may differ: dense MLP layers of a MoE model)."""
+    return spec.linear_names(kind, i)
+
+
+def _block_index(spec) -> dict[str, tuple[int, str]]:
+    """measurement key -> (layer, kind) of every block."""
+    return {spec.block_key(i, k): (i, k) for i, k in _blocks(spec)}
 
 
 def _opt_layers(opt, names) -> list:
@@ -225,12 +231,12 @@ def _opt_layers(opt, names) -> list:
     return [(n, opt.get(n)) for n in names]
 
 
-def _file_option(spec, kind, opt):
-    """The option as measurement.json names it: one setting per linear of the block, or for a MoE block one per
-    expert projection role (ExLlamaV2's ``w1``/``w3``/``w2``, applied to every expert)."""
+def _file_option(spec, kind, opt, i: int = 0):
+    """The option as measurement.json names it: one setting per linear of layer ``i``'s block, or for a MoE block
+    one per expert projection role (ExLlamaV2's ``w1``/``w3``/``w2``, applied to every expert)."""
     from .qparams import Option
 
-    return Option(tuple((f, opt.get(role)) for f, role in spec.measurement_names(kind)))
+    return Option(tuple((f, opt.get(role)) for f, role in spec.measurement_names(kind, i)))
 
 
 def _batches(rows: int, length: int, batch_tokens: int) -> list[slice]:
@@ -335,7 +341,7 @@ def _disk_needed(spec, src, o: QuantOptions, measuring: bool) -> tuple[int, int]
     at ``bits``, the head at ~``head_bits`` + overhead, everything else as fp16); in the work directory the
     per-layer copies (the quantized part again), one block's parked candidates while measuring, and two
     hidden-state snapshots."""
-    lin = sum(K * N for i, kind in _blocks(spec) for n in _linears(spec, kind) for N, K in [spec.linear_shape(n)])
+    lin = sum(K * N for i, kind in _blocks(spec) for n in _linears(spec, kind, i) for N, K in [spec.linear_shape(n)])
     quant_bits = float(o.bits) + 0.2 if o.target == "exl2" else float(o.bits) + 0.3
     head = spec.vocab_size * spec.hidden_size
     head_bits = (o.head_bits + 1.5) if o.target == "exl2" else 16
@@ -343,7 +349,8 @@ def _disk_needed(spec, src, o: QuantOptions, measuring: bool) -> tuple[int, int]
     headers = 2048 * len(src.names())          # safetensors header entries: ~6 slots x ~200 bytes per weight
     out = lin * quant_bits / 8 + head * head_bits / 8 + max(other, 0) * 2 + headers
     quantized = lin * quant_bits / 8 + (head * head_bits / 8 if o.target == "exl2" else 0)
-    block = max(sum(K * N for n in _linears(spec, kind) for N, K in [spec.linear_shape(n)]) for kind in ("attn", "mlp"))
+    block = max(sum(K * N for n in _linears(spec, kind, i) for N, K in [spec.linear_shape(n)])
+                for i, kind in _blocks(spec))
     variants = block * _CANDIDATE_BITS / 8 if measuring else 0
     hidden = 2 * 4 * o.rows * o.length * spec.hidden_size
     return int(out), int(quantized + variants + hidden)
@@ -390,8 +397,9 @@ _CANDIDATES_IN_MEMORY = 64 << 20
 
 def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory: int | None = None
               ) -> dict[str, dict]:
-    """GPTQ-quantize every distinct candidate setting of every layer of the block (once per distinct group plan
-    at the layer's K: settings whose proportions round to the same rows share the result).  Returns {layer: {QParams:
+    """GPTQ-quantize every distinct candidate setting of every layer of the block whose Hessian owner is in
+    ``hess`` (once per distinct group plan at the layer's K: settings whose proportions round to the same rows
+    share the result).  Returns {layer: {QParams:
     candidate}}, a candidate being the fp16 reconstruction (torch float16 [N, K], while the candidates kept so
     far take at most ``in_memory`` bytes, default ``_CANDIDATES_IN_MEMORY``) or the path of its packed EXL2 form in ``vdir`` (one small file per
     layer and setting).
@@ -402,11 +410,12 @@ def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory:
 
     in_memory = _CANDIDATES_IN_MEMORY if in_memory is None else in_memory
     prepared = {o: prepare(acc.take()) for o, acc in hess.items()}
-    out: dict[str, dict] = {n: {} for n in blk.names}
-    by_plan: dict[str, dict] = {n: {} for n in blk.names}
+    names = [n for n in blk.names if blk.owner(n) in prepared]
+    out: dict[str, dict] = {n: {} for n in names}
+    by_plan: dict[str, dict] = {n: {} for n in names}
     kept = 0
     for opt in options:
-        for n, qp in _opt_layers(opt, blk.names):
+        for n, qp in _opt_layers(opt, names):
             if qp in out[n]:
                 continue
             w, _ = W[n]
@@ -426,6 +435,12 @@ def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory:
             out[n][qp] = by_plan[n][tuple(plan)] = v
             del r
     return out
+
+
+def _kept_bytes(made: dict[str, dict]) -> int:
+    """Bytes of the candidates that ``_variants`` kept in memory (shared candidates counted once)."""
+    seen = {id(v): v for cands in made.values() for v in cands.values() if isinstance(v, torch.Tensor)}
+    return sum(v.numel() * v.element_size() for v in seen.values())
 
 
 class _VariantCache:
@@ -477,6 +492,7 @@ def _score_plan(rows: int, length: int, batch_tokens: int, measure_rows: int | N
 def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progress, report) -> dict:
     from . import weights as F
     from .gptq import HessianAccumulator
+    from .moe import hessian_chunks
 
     device = torch.device(o.device)
     blocks = _blocks(spec)
@@ -496,7 +512,9 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
         W = blk.weights(device)
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         owners = sorted({blk.owner(n) for n in blk.names})
-        hess = {ow: HessianAccumulator(W[ow][0].shape[1], device) for ow in owners}
+        # MoE blocks: Hessians in chunks that fit moe.LIVE_HESSIAN_BYTES, one sweep each (one chunk if all fit)
+        chunks = hessian_chunks(owners, {ow: W[ow][0].shape[1] for ow in owners})
+        hess = {ow: HessianAccumulator(W[ow][0].shape[1], device) for ow in chunks[0]}
         y_ref = blk.sweep(h, dense, hess, record=True)
         if key not in measured:
             options = options_of(kind)
@@ -505,7 +523,14 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
             vdir = work.root / "variants"
             shutil.rmtree(vdir, ignore_errors=True)
             vdir.mkdir()
-            cache = _VariantCache(F, _variants(blk, W, hess, options, vdir, bool(o.refine_scales)), W)
+            made = _variants(blk, W, hess, options, vdir, bool(o.refine_scales))
+            for chunk in chunks[1:]:         # the in-memory budget is the block's, shared by its chunks
+                hess = {ow: HessianAccumulator(W[ow][0].shape[1], device) for ow in chunk}
+                blk.sweep(h, dense, hess)
+                made.update(_variants(blk, W, hess, options, vdir, bool(o.refine_scales),
+                                      in_memory=_CANDIDATES_IN_MEMORY - _kept_bytes(made)))
+            hess = None
+            cache = _VariantCache(F, made, W)
             # the scoring rows: the first batches (the same layer runner, so the MLP half replays the attention
             # results the reference pass recorded for them)
             scorer = blk if n_score == len(batches) else spec.block(i, kind, batches[:n_score], device)
@@ -548,16 +573,17 @@ def _write_measurement_file(path: Path, spec, measured: dict, options_of) -> Non
     from .qparams import exllamav2_last_module_idx, write_measurement
 
     rows_by_key = {}
-    order = [spec.block_key(i, k) for i, k in _blocks(spec)]  # block order, however the
-    for key in [k for k in order if k in measured] + [k for k in measured if k not in order]:  # run was resumed
+    where = _block_index(spec)
+    order = list(where)                                   # block order, however the run was resumed
+    for key in [k for k in order if k in measured]:
         rows = measured[key]
-        kind = "attn" if key.endswith("self_attn") else "mlp"
+        i, kind = where[key]
         opts = options_of(kind)
         out = []
         for j, _, acc in rows:
-            opt = _file_option(spec, kind, opts[j])          # only the linears the block has
+            opt = _file_option(spec, kind, opts[j], i)       # only the linears the block has
             bits = 0
-            for n, qp in _opt_layers(opts[j], _linears(spec, kind)):     # every expert's linears, for MoE
+            for n, qp in _opt_layers(opts[j], _linears(spec, kind, i)):  # every expert's linears, for MoE
                 N, K = spec.linear_shape(n)
                 bits += qp.total_bits(K, N, spec.has_bias(n))
             out.append((opt, bits, acc))
@@ -570,13 +596,16 @@ def _read_measurement_for(spec, path) -> dict:
     another model is refused)."""
     from .qparams import read_measurement
 
-    names = {spec.block_key(i, k): tuple(f for f, _ in spec.measurement_names(k)) for i, k in _blocks(spec)}
-    shapes = {}             # file name -> [(K, N, has_bias)] of the linears that take its setting
-    for k in ("attn", "mlp"):
-        files = dict((r, f) for f, r in spec.measurement_names(k))
-        for n in _linears(spec, k):
-            shapes.setdefault(files.get(n, files.get(spec.role(n))), []).append(
+    names = {spec.block_key(i, k): tuple(f for f, _ in spec.measurement_names(k, i)) for i, k in _blocks(spec)}
+    shapes = {}             # file name -> [(K, N, has_bias)] of one block's linears that take its setting
+    for i, k in _blocks(spec):       # (dense and MoE MLP blocks name their settings apart: gate_proj / w1)
+        files = dict((r, f) for f, r in spec.measurement_names(k, i))
+        block: dict = {}
+        for n in _linears(spec, k, i):
+            block.setdefault(files.get(n, files.get(spec.role(n))), []).append(
                 (*spec.linear_shape(n)[::-1], spec.has_bias(n)))
+        for f, sh in block.items():
+            shapes.setdefault(f, sh)
     return read_measurement(path, names, shapes=shapes, num_layers=spec.num_layers)
 
 
@@ -585,12 +614,13 @@ def _measured_from_file(spec, loaded: dict, options_of, where) -> dict:
     19/17 rows in upstream's order; ours are sorted by cost), in our table's order, so the solver sees what a
     fresh measurement gives it: {block key: [[option index, bits, accuracy]]}."""
     measured = {}
+    block_at = _block_index(spec)
     for key, rows in loaded.items():
-        kind = "attn" if key.endswith("self_attn") else "mlp"
+        i, kind = block_at[key]
         opts = options_of(kind)
         index: dict = {}         # by the settings of the linears the block has (first option wins)
         for j, opt in enumerate(opts):
-            index.setdefault(_file_option(spec, kind, opt), j)
+            index.setdefault(_file_option(spec, kind, opt, i), j)
         seen = {}
         for opt, tb, acc in rows:
             if opt in index and index[opt] not in seen:
@@ -656,13 +686,13 @@ def _optimize(spec, src, measured, options_of, o: QuantOptions, report) -> dict:
         for j, _, acc in rows:
             opt = opts[j]
             c = 0
-            for n, qp in _opt_layers(opt, _linears(spec, kind)):
+            for n, qp in _opt_layers(opt, _linears(spec, kind, i)):
                 N, K = spec.linear_shape(n)
                 c += qp.total_bits(K, N, spec.has_bias(n))
             costs.append((c, 1.0 - acc))
         keys.append(key)
         slots.append(costs)
-        for n in _linears(spec, kind):
+        for n in _linears(spec, kind, i):
             N, K = spec.linear_shape(n)
             numel += K * pad32(N) + (pad32(N) if spec.has_bias(n) else 0)
     budget = int(numel * o.bits)
@@ -673,7 +703,7 @@ def _optimize(spec, src, measured, options_of, o: QuantOptions, report) -> dict:
     for s in sorted(range(len(keys)), key=lambda s: (-slots[s][picks[s]][1], s)):
         i, kind = _blocks(spec)[s]
         opt = options_of(kind)[strategy[keys[s]]]
-        for n in _linears(spec, kind):
+        for n in _linears(spec, kind, i):
             N, K = spec.linear_shape(n)
             items.append((spec.linear_key(i, n), K, N, spec.has_bias(n), opt.get(n)))
     overrides, used = _spend_slack(items, budget, used)
@@ -750,7 +780,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         W = blk.weights(device)
         lin = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         y_d = None
-        for group in spec.groups(kind):      # linears sharing an input, in the order the forward runs them
+        for group in spec.groups(kind, i):   # linears sharing an input, in the order the forward runs them
             owner = group[0]
             acc = HessianAccumulator(W[owner][0].shape[1], device)
             y = blk.sweep(h, lin, {owner: acc})
@@ -770,7 +800,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
                 work.job.setdefault("layers", {})[lk] = asdict(LayerResult(lk, _plan_of(r), _bpw_of(packed, w.shape[0]),
                                                                          r.error))
                 if progress:
-                    progress("quantize", bi * 10 + 1 + _linears(spec, kind).index(n), len(blocks) * 10, lk)
+                    progress("quantize", bi * 10 + 1 + _linears(spec, kind, i).index(n), len(blocks) * 10, lk)
         y_q = blk.sweep(h, lin, record=True)     # the MLP half replays this (quantized) attention result
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         if blk.expert_tokens is not None:    # MoE: the tokens per expert are reported from the dense sweep's routing
@@ -834,7 +864,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         head = dense_head
     _release_memory()
     # per-layer and per-block results, in model order, including those of an interrupted run's blocks
-    order = [spec.linear_key(i, n) for i, k in blocks for n in _linears(spec, k)] + ["lm_head"]
+    order = [spec.linear_key(i, n) for i, k in blocks for n in _linears(spec, k, i)] + ["lm_head"]
     report.layers = [LayerResult(**work.job["layers"][k]) for k in order if k in work.job["layers"]]
     report.blocks = [work.job["blocks"][spec.block_key(i, k)] for i, k in blocks]
     for b in report.blocks:
@@ -1061,30 +1091,17 @@ def _verify(tmp: Path, work: _Work, layer_keys: list[str], o: QuantOptions, repo
 
 
 def _measured_decoder_bpw(path: Path) -> float:
-    """The decoder linears' bpw as ``exl2fmt inspect`` reports it (headers only), without MoE routers: they stay
-    16-bit and ExLlamaV2's budget does not count them either (its MoE block's numel is the experts' alone)."""
+    """The decoder linears' bpw as ``exl2fmt inspect`` reports it (headers only): MoE routers are not counted
+    (``layout.STAYS_16BIT``: they stay 16-bit and are outside the budget, as in ExLlamaV2)."""
     from ..inspect import inspect_model
 
-    rep = inspect_model(path, layers=True)
-    routers = [r for r in rep["layers"] if r["block"] not in (None, "head") and r["format"] == "dense"
-               and _ROUTER.search(r["key"])]
-    if not routers:
-        return rep["summary"]["bpw"]["decoder"]
-    bits = numel = 0
-    for r in rep["layers"]:
-        if r["block"] in (None, "head") or r in routers:
-            continue
-        n = r["out_features_stored"]            # inspect's convention: K x N_pad (+ N_pad with a bias)
-        bits += r["stored_bytes"] * 8
-        numel += r["in_features"] * n + (n if r["bias"] else 0)
-    return bits / numel
+    return inspect_model(path, layers=False)["summary"]["bpw"]["decoder"]
 
 
 # ------------------------------------------------------------------------------------------------ weight-only
 
 
 _NUMBERED = re.compile(r"(?:^|\.)(\d+)\.")
-_ROUTER = re.compile(r"\.(gate|router|shared_expert_gate)$")
 
 
 def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, progress, config: dict,
@@ -1112,8 +1129,8 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
         shape = src.shape(name)
         if not name.endswith(".weight") or len(shape) != 2 or not _NUMBERED.search(name):
             continue
-        if _ROUTER.search(name[: -len(".weight")]):
-            continue                     # MoE routers stay 16-bit (as in ExLlamaV2)
+        if stays_16bit(name[: -len(".weight")]):
+            continue                     # MoE routers stay 16-bit (layout.STAYS_16BIT, as in ExLlamaV2)
         N, K = shape
         if K % 32 or (o.target == "gptq" and N % 32):
             report.warnings.append(f"{name}: K={K}, N={N} cannot be quantized; kept as fp16")
@@ -1296,7 +1313,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         _release_memory()                 # the head's work matrices: hand the pages back before compiling
         report.seconds["quantize"] = time.monotonic() - t
         t = time.monotonic()
-        layer_keys = [spec.linear_key(i, n) for i, k in _blocks(spec) for n in _linears(spec, k)]
+        layer_keys = [spec.linear_key(i, n) for i, k in _blocks(spec) for n in _linears(spec, k, i)]
         removed: list[str] = []
         tmp = make_partial_dir(dst_p, removed)
         report.warnings.extend(stale_note(removed))

@@ -183,8 +183,10 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
     if det.format is Format.EXL2:
         target = det.variant.get("target_bits")
         from ..inspect import block_of
+        from ..layout import counts_in_decoder_bpw
 
-        dec = [l for l in det.layers.values() if l.format is Format.EXL2 and block_of(l.key) is not None
+        # the decoder linears as inspect's bpw.decoder counts them (16-bit MoE routers left out: layout.STAYS_16BIT)
+        dec = [l for l in det.layers.values() if block_of(l.key) is not None and counts_in_decoder_bpw(l.key, l.format)
                and l.in_features and l.out_features]
         numel = sum(l.in_features * l.out_features + (l.out_features if l.has_bias else 0) for l in dec)
         if target is not None and numel:
