@@ -10,6 +10,10 @@ Per linear layer ``<key>``:
   head counts x head_dim for q/k/v, ...); the bias (padded to N_pad in EXL2) is cut to N and kept in the
   target dtype.
 * Dense layers of the source are treated like the other plain tensors.
+* Projections that transformers builds fused for the architecture (``arch.FUSED_PROJECTIONS``: Phi-3's
+  ``qkv_proj`` and ``gate_up_proj``) but that the source stores split (EXL2's convention) are fused back: the
+  parts' reconstructions concatenated along the output rows, in the fused module's row order, as one
+  ``<prefix>.qkv_proj.weight``.  Each part keeps its own report row.
 
 A dense source (``dense -> fp16/bf16``) is just cast, with the same rules.
 
@@ -55,6 +59,7 @@ class QuantToDense(Converter):
 
     def plan(self) -> list[Unit]:
         st = self._dtype()
+        self._reconstruct: dict = {}         # layer key -> its reconstruct(reader) (see _layer_unit)
         quant = {Format.EXL2, Format.GPTQ}
         units: list[Unit] = []
         layer_units = []
@@ -64,7 +69,8 @@ class QuantToDense(Converter):
             elif info.format is not Format.DENSE:
                 raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot be dequantized",
                                 tensor=key)
-        handled = {u.key for u in layer_units}
+        handled = {u.key for u in layer_units}       # the layers' own names, fused or not
+        layer_units = self._fuse(layer_units, st)
         plain = [self.cast_unit(n, st) for n in self.plain_tensor_names(handled)]
         units = layer_units + plain
         units.sort(key=lambda u: (u.key.startswith("lm_head"), natural_key(u.key)))
@@ -142,7 +148,75 @@ class QuantToDense(Converter):
                 raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, "the written weight is not the source's reconstruction "
                                 "bit for bit", tensor=f"{key}.{WEIGHT}")
 
+        self._reconstruct[key] = reconstruct     # for _fused_unit: the part's (layer, weight, bias)
         return Unit(key, outs, produce, verify, rep)
+
+    def _fuse(self, units: list[Unit], st: str) -> list[Unit]:
+        """Replace the split parts of every projection that transformers expects fused (``fused_projections``)
+        by one unit writing the fused weight; a fused group is formed only when every part is present."""
+        from ..arch import fused_projections
+
+        fused = fused_projections(self.config)
+        if not fused:
+            return units
+        by_key = {u.key: u for u in units}
+        groups = {}                               # first part's key -> (fused key, part units)
+        for u in units:
+            prefix, _, leaf = u.key.rpartition(".")
+            for f, parts in fused.items():
+                members = [by_key.get(f"{prefix}.{p}") for p in parts]
+                if parts[0] == leaf and all(m is not None for m in members):
+                    groups[u.key] = (f"{prefix}.{f}", members)
+        taken = {m.key for _, members in groups.values() for m in members}
+        return [self._fused_unit(*groups[u.key], st) if u.key in groups else u
+                for u in units if u.key in groups or u.key not in taken]
+
+    def _fused_unit(self, key: str, parts: list[Unit], st: str) -> Unit:
+        K = {p.outputs[0].shape[1] for p in parts}
+        biased = {len(p.outputs) == 2 for p in parts}
+        if len(K) != 1 or len(biased) != 1:
+            raise Exl2Error(ErrorCode.SLOT_SHAPE, f"the parts of {key} ({', '.join(p.key for p in parts)}) differ "
+                            "in input features or in having a bias, so they cannot be fused", tensor=key)
+        N = sum(p.outputs[0].shape[0] for p in parts)
+        outs = [OutSpec(f"{key}.{WEIGHT}", st, (N, K.pop()))]
+        if biased.pop():
+            outs.append(OutSpec(f"{key}.{BIAS}", st, (N,)))
+        reader, report = self.reader, self.report
+
+        def stacked(r: SourceReader, check: bool):
+            ws, bs = [], []
+            for p in parts:
+                layer, w, b = self._reconstruct[p.key](r)
+                if check:
+                    layer_issues_or_raise(layer, report)
+                    p.report.source_plan = layer.plan()
+                    p.report.target_plan = f"{st.lower()} (fused into {key})"
+                ws.append(w)
+                bs.append(b)
+            return np.concatenate(ws, axis=0), (None if bs[0] is None else np.concatenate(bs))
+
+        def encode(a):
+            return f16_to_bf16_bits(a) if st == "BF16" else a
+
+        def produce():
+            w, b = stacked(reader, True)
+            res = {f"{key}.{WEIGHT}": encode(w)}
+            if b is not None:
+                res[f"{key}.{BIAS}"] = encode(b)
+            return res
+
+        def verify(dst: SourceReader):
+            w, b = stacked(reader, False)
+            ok = np.array_equal(dst.read(f"{key}.{WEIGHT}").view(np.uint16), encode(w).view(np.uint16))
+            if ok and b is not None:
+                ok = np.array_equal(dst.read(f"{key}.{BIAS}").view(np.uint16), encode(b).view(np.uint16))
+            for p in parts:
+                p.report.verified = ok
+            if not ok:
+                raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, "the written fused weight is not the parts' "
+                                "reconstructions bit for bit", tensor=f"{key}.{WEIGHT}")
+
+        return Unit(key, outs, produce, verify, parts[0].report)
 
     def output_config(self) -> dict | None:
         if self.config is None:

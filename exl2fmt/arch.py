@@ -51,6 +51,19 @@ def _text_config(config: dict | None) -> dict:
     return config
 
 
+#: Fused projections by ``model_type``: the fused module transformers builds -> its parts in output-row order.
+#: EXL2 stores these split (ExLlamaV2's convention; the quantizer splits them too), so a dense model written from
+#: an EXL2 source fuses them back for transformers to load it.
+FUSED_PROJECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
+    "phi3": {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},
+}
+
+
+def fused_projections(config: dict | None) -> dict[str, tuple[str, ...]]:
+    """{fused leaf name: part leaf names} that transformers expects fused for this ``config.json`` ({} if none)."""
+    return FUSED_PROJECTIONS.get(str(_text_config(config).get("model_type", "")), {})
+
+
 def expected_features(config: dict | None, key: str) -> tuple[int | None, int | None]:
     """(in_features, out_features) that ``config.json`` implies for the linear layer ``key``; None = unknown.
 

@@ -229,6 +229,45 @@ def test_exl2_to_fp16_directory_is_a_plain_hf_model(sample, sample_fp16):
     assert not [p for p in out.parent.iterdir() if ".exl2fmt-" in p.name]
 
 
+@pytest.mark.parametrize("target", ["fp16", "bf16"])
+def test_split_phi3_exl2_is_fused_back_so_transformers_loads_it(tmp_path, target):
+    """EXL2 stores Phi-3's qkv_proj / gate_up_proj split (ExLlamaV2's convention); transformers' Phi-3 builds them
+    fused.  The dense output fuses them back: the fused weight is the parts' own reconstructions (the core's
+    dequantize, independently of the converter) stacked q, k, v / gate, up, and transformers loads every weight
+    (no missing or unexpected keys) and computes with exactly those weights."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import exl2_rtn_copy, make_tiny
+
+    src = make_tiny("phi3", tmp_path / "fp16")
+    keys = exl2_rtn_copy(src, tmp_path / "exl2")
+    assert "model.layers.0.self_attn.q_proj" in keys and "model.layers.0.mlp.up_proj" in keys
+    rep = convert(tmp_path / "exl2", tmp_path / "out", target, verify="full")
+    assert rep.verified and rep.validation["result"] == "PASS"
+    m = open_model(tmp_path / "out")
+    names = set(m.names())
+    leaves = {n.split(".")[-2] for n in names if n.endswith(".weight")}
+    assert {"qkv_proj", "gate_up_proj"} <= leaves and not leaves & {"q_proj", "k_proj", "v_proj", "gate_proj",
+                                                                    "up_proj"}, leaves
+    enc = (lambda a: bf16_reference(a)) if target == "bf16" else (lambda a: a)
+    for i in range(json.loads((src / "config.json").read_text())["num_hidden_layers"]):
+        for fused, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                             ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+            base = f"model.layers.{i}.{fused.split('.')[0]}."
+            want = np.concatenate([dequantize_layer(tmp_path / "exl2", base + p) for p in parts])
+            got = m.get(f"model.layers.{i}.{fused}.weight")
+            assert got.shape == want.shape and np.array_equal(got, enc(want)), (i, fused)
+    m.close()
+    dtype = torch.bfloat16 if target == "bf16" else torch.float16
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=dtype,
+                                                                 output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    bits = hf.model.layers[1].self_attn.qkv_proj.weight.detach().view(torch.int16).numpy().view(np.uint16)
+    q = dequantize_layer(tmp_path / "exl2", "model.layers.1.self_attn.q_proj")
+    assert np.array_equal(bits[:q.shape[0]], np.asarray(enc(q)).view(np.uint16))
+
+
 def test_exl2_to_bf16_is_the_fp16_reconstruction_rounded_once(sample, tmp_path):
     rep = convert(sample, tmp_path / "bf16", "bf16", verify="full")
     assert rep.verified and all(l.exact for l in rep.layers) and not rep.exact  # embeddings/norms are rounded

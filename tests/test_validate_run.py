@@ -140,44 +140,6 @@ def test_reference_pass_matches_transformers(sample_dir, tmp_path):
     m.close()
 
 
-def _exl2_copy(src_dir, out, seed=0):
-    """An EXL2 model of a dense tiny model: every decoder linear (Phi-3's fused qkv/gate_up split into q/k/v and
-    gate/up, as ExLlamaV2 stores them) and an untied head quantized round-to-nearest 4-bit g32 in a random
-    act-order permutation; everything else as stored."""
-    from exl2fmt.container import open_model, write_sharded
-    from exl2fmt.formats.exl2 import quantize_rtn
-    from exl2fmt.layout import Tier
-
-    cfg = json.loads((src_dir / "config.json").read_text())
-    q = cfg["num_attention_heads"] * cfg["head_dim"]
-    k = cfg["num_key_value_heads"] * cfg["head_dim"]
-    m = open_model(src_dir)
-    dense = {n: np.array(m.get(n)) for n in m.names()}
-    m.close()
-    rng = np.random.default_rng(seed)
-    out_t, linears = {}, {}
-    for name, arr in dense.items():
-        key = name[:-len(".weight")]
-        if name.endswith("qkv_proj.weight"):
-            base = key[:-len("qkv_proj")]
-            linears.update({base + "q_proj": arr[:q], base + "k_proj": arr[q:q + k], base + "v_proj": arr[q + k:]})
-        elif name.endswith("gate_up_proj.weight"):
-            base, half = key[:-len("gate_up_proj")], arr.shape[0] // 2
-            linears.update({base + "gate_proj": arr[:half], base + "up_proj": arr[half:]})
-        elif name.endswith("_proj.weight") or name == "lm_head.weight":
-            linears[key] = arr
-        else:
-            out_t[name] = arr
-    for key, w in linears.items():
-        perm = rng.permutation(w.shape[1])
-        for slot, arr in quantize_rtn(w, [Tier(1.0, 4, 32)], perm).items():
-            out_t[f"{key}.{slot}"] = arr
-    out.mkdir()
-    write_sharded(out, out_t, max_shard_bytes=1 << 40, prefix="output", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg))
-    return sorted(linears)
-
-
 @pytest.mark.parametrize("arch", ["gemma2", "phi3"])
 def test_reference_pass_on_other_architectures(arch, tmp_path):
     """The runner gives validate --run every architecture transformers implements.  Oracle: transformers' own
@@ -186,7 +148,7 @@ def test_reference_pass_on_other_architectures(arch, tmp_path):
     tied head; Phi-3: fused projections, stored split."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from tiny_models import make_tiny
+    from tiny_models import exl2_rtn_copy, make_tiny
 
     from exl2fmt.container import open_model
     from exl2fmt.detect import detect_layers
@@ -194,7 +156,7 @@ def test_reference_pass_on_other_architectures(arch, tmp_path):
     from exl2fmt.validate.run import run_forward, run_model
 
     src = make_tiny(arch, tmp_path / "fp16")
-    keys = _exl2_copy(src, tmp_path / "exl2")
+    keys = exl2_rtn_copy(src, tmp_path / "exl2")
     m = open_model(tmp_path / "exl2")
     layers = {k: load_layer(m, k) for k in detect_layers(m.tensors)}
     assert sorted(k for k, v in layers.items() if type(v).__name__ == "Exl2Linear") == keys

@@ -93,3 +93,46 @@ def make_tiny(arch: str, directory: "str | Path", seed: int = 0, std: float = 0.
     d.mkdir(parents=True, exist_ok=True)
     model.to(torch.float16).save_pretrained(d)
     return d
+
+
+def exl2_rtn_copy(src_dir, out, seed=0):
+    """Returns the quantized layer keys.  An EXL2 model of a dense tiny model: every decoder linear (Phi-3's fused qkv/gate_up split into q/k/v and
+    gate/up, as ExLlamaV2 stores them) and an untied head quantized round-to-nearest 4-bit g32 in a random
+    act-order permutation; everything else as stored."""
+    import json
+
+    import numpy as np
+
+    from exl2fmt.container import open_model, write_sharded
+    from exl2fmt.formats.exl2 import quantize_rtn
+    from exl2fmt.layout import Tier
+
+    src_dir, out = Path(src_dir), Path(out)
+    cfg = json.loads((src_dir / "config.json").read_text())
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    k = cfg["num_key_value_heads"] * cfg["head_dim"]
+    m = open_model(src_dir)
+    dense = {n: np.array(m.get(n)) for n in m.names()}
+    m.close()
+    rng = np.random.default_rng(seed)
+    out_t, linears = {}, {}
+    for name, arr in dense.items():
+        key = name[:-len(".weight")]
+        if name.endswith("qkv_proj.weight"):
+            base = key[:-len("qkv_proj")]
+            linears.update({base + "q_proj": arr[:q], base + "k_proj": arr[q:q + k], base + "v_proj": arr[q + k:]})
+        elif name.endswith("gate_up_proj.weight"):
+            base, half = key[:-len("gate_up_proj")], arr.shape[0] // 2
+            linears.update({base + "gate_proj": arr[:half], base + "up_proj": arr[half:]})
+        elif name.endswith("_proj.weight") or name == "lm_head.weight":
+            linears[key] = arr
+        else:
+            out_t[name] = arr
+    for key, w in linears.items():
+        perm = rng.permutation(w.shape[1])
+        for slot, arr in quantize_rtn(w, [Tier(1.0, 4, 32)], perm).items():
+            out_t[f"{key}.{slot}"] = arr
+    out.mkdir()
+    write_sharded(out, out_t, max_shard_bytes=1 << 40, prefix="output", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg))
+    return sorted(linears)
