@@ -7,7 +7,7 @@ pair of runs (one per tree) takes the heavy-job lock (``--lock``) for itself onl
 process; peak RSS is the child's own ``ru_maxrss`` from ``wait4``.  The outputs of the two trees are compared
 byte for byte (the engine change must not change them).
 
-    python bench/engine_ab.py --old /work/scratch/old-tree [--runs 3] [--lock /work/heavy.lock]
+    python bench/engine_ab.py --old /work/scratch/old-tree [--runs 3] [--lock /work/heavy.lock] [--new-args "--order act"]
 """
 
 from __future__ import annotations
@@ -48,14 +48,14 @@ def importable(tree: Path) -> Path:
     return tree
 
 
-def one_run(tree: Path) -> dict:
+def one_run(tree: Path, extra: list[str] = ()) -> dict:
     exe = str(Path(sys.executable).with_name("exl2fmt"))
     env = dict(os.environ, PYTHONPATH=str(tree))
     with tempfile.TemporaryDirectory(prefix="engine-ab-") as tmp:
         out = Path(tmp) / "out"
         load = os.getloadavg()[0]
         t0 = time.perf_counter()
-        p = subprocess.Popen(["nice", "-n", "5", exe, "convert", str(FIXTURE), str(out), *ARGS], env=env,
+        p = subprocess.Popen(["nice", "-n", "5", exe, "convert", str(FIXTURE), str(out), *ARGS, *extra], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp)
         _, status, ru = os.wait4(p.pid, 0)
         wall = time.perf_counter() - t0
@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--lock", default=None, help="flock this file around each run")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--new-args", default="", help="extra CLI arguments for the new tree only, e.g. '--order act' "
+                    "to give it the old tree's GPTQ default order (the default became static after c440f9c)")
     a = ap.parse_args()
     shutil.which("nice") or sys.exit("needs nice")
     trees = {"old": importable(a.old.resolve()), "new": ROOT}
@@ -83,7 +85,7 @@ def main() -> None:
             if fd is not None:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             for arm in (("old", "new") if r % 2 == 0 else ("new", "old")):
-                res = one_run(trees[arm])
+                res = one_run(trees[arm], a.new_args.split() if arm == "new" else [])
                 rows.append({"arm": arm, **res})
                 print(f"  {arm}: {res['wall_s']:7.2f} s  {res['peak_rss_mib']:7.1f} MiB  load {res['load1']}  "
                       f"{res['digest']}", flush=True)
