@@ -495,16 +495,7 @@ def _stacked_item(model, reader, cfg, det, pre, wid, parts, name_of, plain_t, la
         w16 = layer.dequantize()[:N]
         lrep = expert_reps[e]
         lrep.source_plan, lrep.target_plan = layer.plan(), gtype
-        if gtype in ("Q8_0", "Q4_0"):
-            qd = layer_integers(layer, N)
-            q, d = (None, None) if qd is None else qd
-            out, exact_mask = repack_blocks(w16, q, d, gtype)
-            n_exact, n_blocks = int(exact_mask.sum()), exact_mask.size
-            lrep.notes.append(f"{n_exact}/{n_blocks} blocks repacked exactly (source integers and scale), "
-                              f"{n_blocks - n_exact} quantized by gguf.quants")
-            lrep.rows_requantized = int((~exact_mask).any(axis=1).sum())
-        else:
-            out = _to_gtype(w16.astype(np.float32), gtype)
+        out = _layer_blocks(layer, w16, N, gtype, lrep)
         _score(lrep, decode(out, gtype).reshape(N, K), w16)
         return out
 
@@ -628,16 +619,7 @@ def _layer_item(reader, info, cfg, g, wname, shape, gtype, heads, report) -> _It
         layer_issues_or_raise(layer, report)
         rep.source_plan = layer.plan()
         rep.target_plan = gtype
-        if gtype in ("Q8_0", "Q4_0"):
-            qd = layer_integers(layer, N)
-            q, d = (None, None) if qd is None else qd
-            out, exact_mask = repack_blocks(w16, q, d, gtype)
-            n_exact, n_blocks = int(exact_mask.sum()), exact_mask.size
-            rep.notes.append(f"{n_exact}/{n_blocks} blocks repacked exactly (source integers and scale), "
-                             f"{n_blocks - n_exact} quantized by gguf.quants")
-            rep.rows_requantized = int((~exact_mask).any(axis=1).sum())
-        else:
-            out = _to_gtype(w16.astype(np.float32), gtype)
+        out = _layer_blocks(layer, w16, N, gtype, rep)
         back = decode(out, gtype).reshape(N, K)
         _score(rep, back, w16)
         if heads:
@@ -650,6 +632,22 @@ def _layer_item(reader, info, cfg, g, wname, shape, gtype, heads, report) -> _It
         return permute_qk(w, heads, wname) if heads else w
 
     return _Item(g, key, gtype, (N, K), produce, ref, rep)
+
+
+def _layer_blocks(layer, w16: np.ndarray, N: int, gtype: str, rep: LayerReport) -> np.ndarray:
+    """The GGUF data of one quantized layer: for Q8_0/Q4_0 the source's own integers and scales repacked where
+    they fit a block exactly (``repack_blocks``; the rest quantized by gguf.quants, counted in ``rep``), otherwise
+    its fp16 reconstruction ``w16`` (float16 [N, K]) converted to ``gtype``."""
+    if gtype not in ("Q8_0", "Q4_0"):
+        return _to_gtype(w16.astype(np.float32), gtype)
+    qd = layer_integers(layer, N)
+    q, d = (None, None) if qd is None else qd
+    out, exact_mask = repack_blocks(w16, q, d, gtype)
+    n_exact, n_blocks = int(exact_mask.sum()), exact_mask.size
+    rep.notes.append(f"{n_exact}/{n_blocks} blocks repacked exactly (source integers and scale), "
+                     f"{n_blocks - n_exact} quantized by gguf.quants")
+    rep.rows_requantized = int((~exact_mask).any(axis=1).sum())
+    return out
 
 
 def _score(rep: LayerReport, back: np.ndarray, w16: np.ndarray) -> None:
