@@ -45,9 +45,9 @@ def _reference(d):
     return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("arch", MOE)
-def test_moe_layerwise_forward_equals_transformers_and_names_follow_the_checkpoint(tiny, arch):
-    d = tiny(arch)
+def _engine_equals_transformers(d):
+    """(ids int64 [2, 24], transformers' logits on them, transformers' model, the engine) of ``d``, after checking that the engine's layer-by-layer logits equal
+    the full model's on fixed ids."""
     ids = torch.as_tensor(np.random.default_rng(1).integers(0, 160, (2, 24)))
     ref = _reference(d)
     with torch.no_grad():
@@ -55,6 +55,13 @@ def test_moe_layerwise_forward_equals_transformers_and_names_follow_the_checkpoi
     eng = _engine(d)
     eng.check_weights()
     torch.testing.assert_close(eng.forward(ids), want, rtol=1e-5, atol=1e-5)
+    return ids, want, ref, eng
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_moe_layerwise_forward_equals_transformers_and_names_follow_the_checkpoint(tiny, arch):
+    d = tiny(arch)
+    ids, want, ref, eng = _engine_equals_transformers(d)
     blk, g, u, dn = CKPT[arch]
     E = ref.config.num_local_experts if arch == "mixtral" else ref.config.num_experts
     assert eng.linear_names("mlp") == tuple(f"experts.{e}.{r}" for e in range(E)
@@ -122,13 +129,7 @@ def test_shared_experts_and_dense_layers_of_moe_models_are_driven(tiny, name):
     linears read every token of the block, and the gates/routers are not quantized."""
     d = tiny(name)
     cfg = json.loads((d / "config.json").read_text())
-    ids = torch.as_tensor(np.random.default_rng(1).integers(0, 160, (2, 24)))
-    ref = _reference(d)
-    with torch.no_grad():
-        want = ref(ids).logits
-    eng = _engine(d)
-    eng.check_weights()
-    torch.testing.assert_close(eng.forward(ids), want, rtol=1e-5, atol=1e-5)
+    ids, want, ref, eng = _engine_equals_transformers(d)
     dense = set(cfg.get("mlp_only_layers") or ())
     for i in range(eng.num_layers):
         mlp = eng.linear_names("mlp", i)

@@ -895,8 +895,6 @@ def _calibration_ppl(spec, src, h, ids, head, max_logit_bytes: int = 64 << 20) -
     [rows, T, hidden] and the token ids int64 [rows, T].  The logits are made a few thousand tokens at a time
     (at most ``max_logit_bytes`` of them), never for a whole batch: 8192 tokens x a 128k vocabulary would be
     4 GiB."""
-    from . import weights as F
-
     rows, T = ids.shape
     chunk = max(1, max_logit_bytes // (4 * spec.vocab_size))
     nll, count = 0.0, 0
