@@ -35,14 +35,15 @@ TINYLLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
              "torch_dtype": "float16"}
 
 
-def make_1b(d: Path) -> None:
-    """Write the random 1B-class model shard by shard (one layer in memory at a time)."""
+def make_1b(d: Path, layers: int | None = None) -> None:
+    """Write the random 1B-class model shard by shard (one layer in memory at a time); ``layers`` keeps
+    TinyLlama's shapes with fewer decoder layers (the same work per layer, the fixed costs weigh more)."""
     import numpy as np
 
     from exl2fmt.container import write_safetensors
 
     d.mkdir(parents=True)
-    c = TINYLLAMA
+    c = dict(TINYLLAMA, num_hidden_layers=layers or TINYLLAMA["num_hidden_layers"])
     H, I, V, L = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
     kv = H // c["num_attention_heads"] * c["num_key_value_heads"]
     rng = np.random.default_rng(0)
