@@ -472,6 +472,88 @@ def test_json_writer_on_reports(sample_dir):
     assert _json_or_exc(dumps_json, loop) == (ValueError, "Circular reference detected")
 
 
+# ------------------------------------------------------------------------------------------------ plain writer
+# Human output to a non-terminal goes around rich where rich would write the text unchanged (Output._emit).
+
+_PRINTABLE = st.lists(st.sampled_from(list(" abcXYZ019-_.:/|[]()*#%=\\`'\"~") + ["\n", " " * 7, "x" * 60]),
+                      max_size=60).map("".join)
+_ANY_TEXT = st.one_of(_PRINTABLE, st.text(max_size=60), st.sampled_from(["x" * 250, "y" * 201 + " ", "\t", "a\rb",
+                                                                         "\u4e2d\u6587" * 40, "\x1b[1m", ""]))
+
+
+def _rich_reference(segments, soft_wrap):
+    """What Output printed before the plain writer: rich, with the console settings of a non-terminal stdout."""
+    import io
+
+    from rich.console import Console
+    from rich.text import Text
+
+    f = io.StringIO()
+    con = Console(file=f, highlight=False, emoji=False, markup=False, width=200, no_color=True)
+    if len(segments) == 1:
+        out = Text(segments[0][0], style=segments[0][1] or "")
+    else:
+        out = Text()
+        for t, style in segments:
+            out.append(t, style=style)
+    con.print(out, soft_wrap=soft_wrap)
+    return f.getvalue()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_ANY_TEXT, st.sampled_from([None, "", "bold", "bold red"])), min_size=1, max_size=4),
+       st.booleans())
+def test_plain_writer_prints_what_rich_prints(segments, soft_wrap):
+    import io
+
+    from exl2fmt.cli.output import Output
+
+    buf = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "stdout", buf)
+        for var in ("FORCE_COLOR", "TTY_COMPATIBLE"):
+            mp.delenv(var, raising=False)
+        Output("human")._emit(segments, soft_wrap=soft_wrap)
+    assert buf.getvalue() == _rich_reference(segments, soft_wrap)
+
+
+def test_plain_writer_on_reports_and_only_off_terminals(sample_dir, tmp_path, monkeypatch):
+    """Whole human reports (inspect, validate with failures) through the plain writer equal rich's; a forced
+    terminal (FORCE_COLOR) goes through rich."""
+    import io
+
+    from exl2fmt.cli.output import Output
+    from exl2fmt.inspect import inspect_model
+    from exl2fmt.validate import validate_model
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((sample_dir / "config.json").read_text())
+    from safetensors.numpy import load_file
+
+    t = load_file(str(sample_dir / "output.safetensors"))
+    t["model.layers.0.mlp.up_proj.q_groups"] = t["model.layers.0.mlp.up_proj.q_groups"][::-1].copy()
+    write_safetensors(bad / "model.safetensors", t)
+
+    def render(fn, plain):
+        buf = io.StringIO()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sys, "stdout", buf)
+            out = Output("human")
+            mp.setattr(out, "_plain_stdout", lambda: plain)
+            fn(out)
+        return buf.getvalue()
+
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    for d in (sample_dir, bad):
+        rep, vrep = inspect_model(d), validate_model(d).as_dict()
+        for fn in (lambda o: o.inspect_report(rep, show_layers=True), lambda o: o.validate_report(vrep)):
+            assert render(fn, True) == render(fn, False)
+    assert Output("human")._plain_stdout() is not sys.stdout.isatty()
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    assert Output("human")._plain_stdout() is False
+
+
 # ------------------------------------------------------------------------------------------------ typer-free route
 # exl2fmt.cli.app.main runs the command lines of FAST without typer.  Both parsers get every combination of the
 # fast flags and of every option the typer commands declare: where the fast parser takes a command line, typer must
