@@ -8,10 +8,11 @@ GPTQ settings in ``quantization_config``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from .config_values import sane_int
 
-__all__ = ["expected_features", "GptqConfig", "gptq_config", "EXLLAMAV2_VERSION", "exl2_quantization_config",
+__all__ = ["expected_features", "features_of", "GptqConfig", "gptq_config", "EXLLAMAV2_VERSION", "exl2_quantization_config",
            "GPTQMODEL_V1_ZEROS", "AUTOGPTQ_KEYS", "gptq_quantization_config", "autogptq_quantize_config"]
 
 #: The ExLlamaV2 release whose EXL2 layout, candidate tables and ``quantization_config`` keys exl2fmt follows.
@@ -73,48 +74,68 @@ def expected_features(config: dict | None, key: str) -> tuple[int | None, int | 
     shared experts (``...shared_experts.``) ``moe_intermediate_size x n_shared_experts`` (DeepSeek).  Fused
     projections: Phi-3's ``qkv_proj`` (q + 2 kv heads) and ``gate_up_proj`` (2 x intermediate); Mixtral's expert
     ``w1``/``w3``/``w2``; Starcoder2's MLP ``c_fc``/``c_proj``.  Attention with low-rank q/kv (``kv_lora_rank``,
-    DeepSeek MLA) is not checked.
+    DeepSeek MLA) is not checked.  ``features_of(config)`` answers the same for many keys of one config.
     """
+    return features_of(config)(key)
+
+
+def features_of(config: dict | None) -> Callable[[str], tuple[int | None, int | None]]:
+    """``key -> expected_features(config, key)``, reading ``config`` once (inspect asks for every layer of a
+    model): the sizes are taken from the config here, each key then costs a few substring tests and a table
+    lookup.  The config must not change while the function is in use."""
     cfg = _text_config(config)
     if not cfg:
-        return None, None
+        return lambda key: (None, None)
     hidden = _int(cfg, "hidden_size", "n_embd", "d_model")
-    inter = _int(cfg, "intermediate_size", "n_inner", "ffn_dim")
-    if ".experts." in key:
-        inter = _int(cfg, "moe_intermediate_size") or inter
-    elif ".shared_expert." in key:
-        inter = _int(cfg, "shared_expert_intermediate_size") or inter
-    elif ".shared_experts." in key:
-        moe, n_shared = _int(cfg, "moe_intermediate_size"), _int(cfg, "n_shared_experts")
-        inter = moe * n_shared if moe and n_shared else None
+    inter_dense = _int(cfg, "intermediate_size", "n_inner", "ffn_dim")
     heads = _int(cfg, "num_attention_heads", "n_head")
     kv_heads = _int(cfg, "num_key_value_heads") or heads
     head_dim = _int(cfg, "head_dim")
     if head_dim is None and hidden and heads and hidden % heads == 0:
         head_dim = hidden // heads
     vocab = _int(cfg, "vocab_size")
-    leaf = key.rsplit(".", 1)[-1]
     q_out = heads * head_dim if heads and head_dim else None
     kv_out = kv_heads * head_dim if kv_heads and head_dim else None
     if cfg.get("kv_lora_rank") is not None or cfg.get("q_lora_rank") is not None:
         q_out = kv_out = None                     # multi-head latent attention: other shapes
-    table = {
-        "q_proj": (hidden, q_out),
-        "k_proj": (hidden, kv_out),
-        "v_proj": (hidden, kv_out),
-        "o_proj": (q_out, hidden),
-        "qkv_proj": (hidden, q_out + 2 * kv_out if q_out and kv_out else None),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-        "gate_up_proj": (hidden, 2 * inter if inter else None),
-        "lm_head": (hidden, vocab),
-    }
-    if ".experts." in key:
-        table.update({"w1": (hidden, inter), "w3": (hidden, inter), "w2": (inter, hidden)})
-    if ".mlp." in key:
-        table.update({"c_fc": (hidden, inter), "c_proj": (inter, hidden)})
-    return table.get(leaf, (None, None))
+    moe = _int(cfg, "moe_intermediate_size")
+    n_shared = _int(cfg, "n_shared_experts")
+    inter_of = {"experts": moe or inter_dense,
+                "shared_expert": _int(cfg, "shared_expert_intermediate_size") or inter_dense,
+                "shared_experts": moe * n_shared if moe and n_shared else None,
+                None: inter_dense}
+    tables: dict[tuple, dict] = {}
+
+    def table(where: str | None, mlp: bool) -> dict:
+        inter = inter_of[where]
+        t = {
+            "q_proj": (hidden, q_out),
+            "k_proj": (hidden, kv_out),
+            "v_proj": (hidden, kv_out),
+            "o_proj": (q_out, hidden),
+            "qkv_proj": (hidden, q_out + 2 * kv_out if q_out and kv_out else None),
+            "gate_proj": (hidden, inter),
+            "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden),
+            "gate_up_proj": (hidden, 2 * inter if inter else None),
+            "lm_head": (hidden, vocab),
+        }
+        if where == "experts":
+            t.update({"w1": (hidden, inter), "w3": (hidden, inter), "w2": (inter, hidden)})
+        if mlp:
+            t.update({"c_fc": (hidden, inter), "c_proj": (inter, hidden)})
+        return t
+
+    def features(key: str) -> tuple[int | None, int | None]:
+        where = ("experts" if ".experts." in key else "shared_expert" if ".shared_expert." in key
+                 else "shared_experts" if ".shared_experts." in key else None)
+        tk = (where, ".mlp." in key)
+        t = tables.get(tk)
+        if t is None:
+            t = tables[tk] = table(*tk)
+        return t.get(key.rsplit(".", 1)[-1], (None, None))
+
+    return features
 
 
 @dataclass(frozen=True)

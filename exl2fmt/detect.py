@@ -278,10 +278,18 @@ def detect_layers(tensors: Mapping[str, Any]) -> dict[str, LayerInfo]:
         if key and key not in found and leaf in _ORPHAN_SLOTS:
             found[key] = [_ORPHAN_SLOTS[leaf]]
     out: dict[str, LayerInfo] = {}
+    stored: dict[Format, tuple] = {}  # format -> ((slot, ".slot"), ...): the slot names once, not per layer
     for key in sorted(found):
         fmts = sorted(set(found[key]), key=_LAYER_ORDER.index)
         fmt = fmts[0]
-        infos = {s: tensors[f"{key}.{s}"] for s in slot_names(fmt, derived=False) if f"{key}.{s}" in tensors}
+        names = stored.get(fmt)
+        if names is None:
+            names = stored[fmt] = tuple((s, "." + s.value) for s in slot_names(fmt, derived=False))
+        infos = {}
+        for s, suffix in names:
+            t = tensors.get(key + suffix)
+            if t is not None:
+                infos[s] = t
         if fmt is Format.GPTQ:
             fmt = _gptq_or_awq(key, infos)
             if fmt is Format.AWQ:

@@ -8,7 +8,9 @@ input rows of group g is ``(qrow_{g+1} - qrow_g) * 32 / bits_g``, the last group
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from itertools import repeat
 
 from .lazynp import np  # numpy on first use: inspect reads headers only
 
@@ -87,6 +89,38 @@ def encode_q_groups(bits_rows) -> np.ndarray:
     return out
 
 
+_VALID_BITS = frozenset(BIT_WIDTHS)
+_UNIT_ROWS = {b: w.rows_per_unit for b, w in BIT_WIDTHS.items()}
+
+
+def _plan_if_valid(vals: list, q_weight_rows: int, require_multiple_of_32: bool) -> list[tuple[int, int]] | None:
+    """[(bits, rows)] when ``vals`` passes every rule of ``_q_groups_plan_checked``, else None (the caller then
+    runs the rule-by-rule checks, which name the first broken rule).  The same rules as whole-list operations
+    (min / max / sorted / map run in C), so a valid q_groups of a few hundred groups costs a few list passes."""
+    n = len(vals)
+    if not n or n % 2 or n // 2 > MAX_INT16:
+        return None
+    bits = vals[0::2]
+    qrow = vals[1::2]
+    if not _VALID_BITS.issuperset(bits) or sorted(bits, reverse=True) != bits:
+        return None
+    if qrow[0] != 0 or min(qrow) < 0 or max(qrow) > MAX_INT16:
+        return None
+    nxt = qrow[1:]
+    nxt.append(int(q_weight_rows))
+    qrows = list(map(operator.sub, nxt, qrow))
+    if min(qrows) <= 0:
+        return None
+    words = list(map(operator.mul, qrows, repeat(32)))
+    rows = list(map(operator.floordiv, words, bits))
+    if list(map(operator.mul, rows, bits)) != words:  # a fractional number of input rows
+        return None
+    unit = repeat(ROW_MULTIPLE) if require_multiple_of_32 else map(_UNIT_ROWS.__getitem__, bits)
+    if any(map(operator.mod, rows, unit)) or max(rows) > MAX_INT16 or sum(rows) > MAX_K:
+        return None
+    return list(zip(bits, rows))
+
+
 def q_groups_plan(values, q_weight_rows: int, *, tensor: str | None = None, file: str | None = None,
                   require_multiple_of_32: bool = True) -> list[tuple[int, int]]:
     """The checks of ``decode_q_groups`` on plain Python ints; returns [(bits, rows)] per group.
@@ -94,11 +128,22 @@ def q_groups_plan(values, q_weight_rows: int, *, tensor: str | None = None, file
     ``values``: the q_groups entries as ints (a list, or the int16 values unpacked from the tensor's bytes).
     Needs no numpy (inspect reads only headers and q_groups).  Python ints cannot overflow, so a hostile
     q_weight row count fails a limit check instead of wrapping.  Raises ``Exl2Error`` (GROUPS_*).
+    A valid vector takes the whole-list path (``_plan_if_valid``); anything else the rule-by-rule one.
     """
+    vals = list(values)
+    plan = _plan_if_valid(vals, q_weight_rows, require_multiple_of_32)
+    if plan is not None:
+        return plan
+    return _q_groups_plan_checked(vals, q_weight_rows, tensor=tensor, file=file,
+                                  require_multiple_of_32=require_multiple_of_32)
+
+
+def _q_groups_plan_checked(vals: list, q_weight_rows: int, *, tensor: str | None = None, file: str | None = None,
+                           require_multiple_of_32: bool = True) -> list[tuple[int, int]]:
+    """``q_groups_plan`` rule by rule, in the order spec/exl2.md lists them: raises for the first broken one."""
     def fail(code, msg):
         raise Exl2Error(code, msg, tensor=tensor, file=file)
 
-    vals = list(values)
     if not vals or len(vals) % 2:
         fail(ErrorCode.SLOT_SHAPE, f"q_groups has {len(vals)} entries; expected an even, non-zero count (2G)")
     G = len(vals) // 2

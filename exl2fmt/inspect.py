@@ -50,12 +50,13 @@ def has_control_chars(name: str) -> bool:
     return not name.isprintable()
 
 
+_DIGIT_RUNS = re.compile(r"(\d+)")
 _BLOCK_RE = re.compile(r"^(.*?(?:^|\.)(?:layers|h|blocks|block|blk)\.(\d+))\.")
 _EMBED_TOKENS = ("embed_tokens", "wte", "word_embeddings", "tok_embeddings", "token_embd")
 
 
 def natural_key(s: str):
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+    return [int(t) if t.isdigit() else t for t in _DIGIT_RUNS.split(s)]
 
 
 def block_of(key: str) -> str | None:
@@ -154,15 +155,20 @@ def producer(qc: dict | None, method: str | None, metadata: dict[str, str]) -> d
 # ------------------------------------------------------------------------------------------------ layers
 
 
-def _layer_row(model, info, config, issues: list[Issue]) -> dict:
+def _layer_row(model, info, config, issues: list[Issue], features=None) -> dict:
     """One per-layer row (header-only except EXL2 q_groups); the per-format facts come from
-    ``exl2fmt.formats``."""
+    ``exl2fmt.formats``.  ``features``: ``arch.features_of(config)``, shared by the rows of one model."""
     from .formats import inspect_facts
     from .layout import Format
 
     key, fmt = info.key, info.format
     N_stored = info.out_features
-    facts = inspect_facts(fmt)(model, info, config, issues)
+    if fmt is Format.EXL2:
+        from .formats.exl2 import inspect_facts as exl2_facts
+
+        facts = exl2_facts(model, info, config, issues, features=features)
+    else:
+        facts = inspect_facts(fmt)(model, info, config, issues)
     K, N, G, plan, hist, act, layer_bpw, error = (facts[k] for k in ("K", "N", "G", "plan", "hist", "act", "bpw",
                                                                       "error"))
     numel_n = N_stored if fmt is Format.EXL2 else N
@@ -276,9 +282,12 @@ def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
                                 tensor=name, file=str(tensors[name].file)))
     rows = []
     covered: set[str] = set()
+    from .arch import features_of
+
+    features = features_of(config)
     for key in sorted(det.layers, key=layer_order_key):
         info = det.layers[key]
-        rows.append(_layer_row(model, info, config, issues))
+        rows.append(_layer_row(model, info, config, issues, features))
         covered.update(t.name for t in info.slots.values())
     # tensors that belong to no layer (embeddings, norms, ...) plus stray slot tensors
     other = [t for n, t in tensors.items() if n not in covered]

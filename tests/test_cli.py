@@ -418,6 +418,266 @@ def test_cli_imports_no_torch_triton_numba(sample_dir, args):
     assert not mods & {"torch", "triton", "numba"}
     if args[0] == "inspect":  # header-only: q_groups are read as bytes; typer's pydantic adapters never built
         assert not mods & {"numpy", "pydantic"}
+    if args[0] != "--help":  # a plain inspect / validate command line never loads typer (exl2fmt.cli.app.FAST)
+        assert "typer" not in mods and "exl2fmt.cli.commands" not in {m.group(1) for m in re.finditer(
+            r"import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", p.stderr)}
+
+
+# ------------------------------------------------------------------------------------------------ JSON writer
+# Output.json writes through dumps_json: json.dumps(indent=2, ensure_ascii=True, allow_nan=False) byte for byte.
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_ODD_LEAVES = st.sampled_from([float("nan"), float("inf"), -float("inf"), (1, 2), ErrorCode.USAGE, np.int64(3),
+                               np.float32(0.5), 10 ** 5000, b"x", {1: 2}, {None: 1}, {1.5: "a"}, {True: 0}])
+_LEAVES = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-2**70, 2**70),
+                    st.floats(allow_nan=False, allow_infinity=False), st.text(), st.sampled_from([-0.0, 1e300, 5e-324]))
+
+
+def _json_or_exc(fn, doc):
+    try:
+        return fn(doc)
+    except Exception as e:  # noqa: BLE001 - the exception is the value compared
+        return (type(e), str(e))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(_LEAVES, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
+                    max_leaves=30),
+       st.one_of(st.none(), _ODD_LEAVES))
+def test_json_writer_is_json_dumps(doc, odd):
+    from exl2fmt.cli.output import _json_default, dumps_json
+
+    def ref(d):
+        return json.dumps(d, indent=2, ensure_ascii=True, allow_nan=False, default=_json_default)
+
+    for d in (doc, [doc, odd], {"a": {"b": [odd, doc]}}):
+        assert _json_or_exc(dumps_json, d) == _json_or_exc(ref, d)
+
+
+def test_json_writer_on_reports(sample_dir):
+    from exl2fmt.cli.output import _json_default, dumps_json
+    from exl2fmt.inspect import inspect_model
+    from exl2fmt.validate import validate_model
+
+    for doc in (inspect_model(sample_dir), validate_model(sample_dir).as_dict()):
+        assert dumps_json(doc) == json.dumps(doc, indent=2, ensure_ascii=True, allow_nan=False, default=_json_default)
+    deep = []
+    for _ in range(5000):
+        deep = [deep]
+    assert _json_or_exc(dumps_json, deep)[0] is RecursionError
+    loop = []
+    loop.append(loop)
+    assert _json_or_exc(dumps_json, loop) == (ValueError, "Circular reference detected")
+
+
+# ------------------------------------------------------------------------------------------------ plain writer
+# Human output to a non-terminal goes around rich where rich would write the text unchanged (Output._emit).
+
+_PRINTABLE = st.lists(st.sampled_from(list(" abcXYZ019-_.:/|[]()*#%=\\`'\"~") + ["\n", " " * 7, "x" * 60]),
+                      max_size=60).map("".join)
+_ANY_TEXT = st.one_of(_PRINTABLE, st.text(max_size=60), st.sampled_from(["x" * 250, "y" * 201 + " ", "\t", "a\rb",
+                                                                         "\u4e2d\u6587" * 40, "\x1b[1m", ""]))
+
+
+def _rich_reference(segments, soft_wrap):
+    """What Output printed before the plain writer: rich, with the console settings of a non-terminal stdout."""
+    import io
+
+    from rich.console import Console
+    from rich.text import Text
+
+    f = io.StringIO()
+    con = Console(file=f, highlight=False, emoji=False, markup=False, width=200, no_color=True)
+    if len(segments) == 1:
+        out = Text(segments[0][0], style=segments[0][1] or "")
+    else:
+        out = Text()
+        for t, style in segments:
+            out.append(t, style=style)
+    con.print(out, soft_wrap=soft_wrap)
+    return f.getvalue()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_ANY_TEXT, st.sampled_from([None, "", "bold", "bold red"])), min_size=1, max_size=4),
+       st.booleans())
+def test_plain_writer_prints_what_rich_prints(segments, soft_wrap):
+    import io
+
+    from exl2fmt.cli.output import Output
+
+    buf = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "stdout", buf)
+        for var in ("FORCE_COLOR", "TTY_COMPATIBLE"):
+            mp.delenv(var, raising=False)
+        Output("human")._emit(segments, soft_wrap=soft_wrap)
+    assert buf.getvalue() == _rich_reference(segments, soft_wrap)
+
+
+def test_plain_writer_on_reports_and_only_off_terminals(sample_dir, tmp_path, monkeypatch):
+    """Whole human reports (inspect, validate with failures) through the plain writer equal rich's; a forced
+    terminal (FORCE_COLOR) goes through rich."""
+    import io
+
+    from exl2fmt.cli.output import Output
+    from exl2fmt.inspect import inspect_model
+    from exl2fmt.validate import validate_model
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((sample_dir / "config.json").read_text())
+    from safetensors.numpy import load_file
+
+    t = load_file(str(sample_dir / "output.safetensors"))
+    t["model.layers.0.mlp.up_proj.q_groups"] = t["model.layers.0.mlp.up_proj.q_groups"][::-1].copy()
+    write_safetensors(bad / "model.safetensors", t)
+
+    def render(fn, plain):
+        buf = io.StringIO()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sys, "stdout", buf)
+            out = Output("human")
+            mp.setattr(out, "_plain_stdout", lambda: plain)
+            fn(out)
+        return buf.getvalue()
+
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    for d in (sample_dir, bad):
+        rep, vrep = inspect_model(d), validate_model(d).as_dict()
+        for fn in (lambda o: o.inspect_report(rep, show_layers=True), lambda o: o.validate_report(vrep)):
+            assert render(fn, True) == render(fn, False)
+    assert Output("human")._plain_stdout() is not sys.stdout.isatty()
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    assert Output("human")._plain_stdout() is False
+
+
+# ------------------------------------------------------------------------------------------------ typer-free route
+# exl2fmt.cli.app.main runs the command lines of FAST without typer.  Both parsers get every combination of the
+# fast flags and of every option the typer commands declare: where the fast parser takes a command line, typer must
+# call the same checks function with the same values; everything else the fast parser leaves to typer.
+
+
+def _typer_params(name):
+    from typer.main import get_command
+
+    return get_command(app).commands[name].params
+
+
+def _token_pool(name):
+    """Every option spelling of the typer command (flags alone; value options with a value, both ways) plus
+    tokens no command takes."""
+    pool = [["--help"], ["-h"], ["--"], ["-"], ["-x"], ["--debug"], ["--version"], ["--json=1"], ["--layers=no"]]
+    for p in _typer_params(name):
+        if p.param_type_name != "option":
+            continue
+        for opt in [*p.opts, *p.secondary_opts]:
+            if p.is_flag:
+                pool.append([opt])
+            else:
+                for v in ("junit", "json", "x", "-v", ""):
+                    pool += [[opt, v], [f"{opt}={v}"]]
+                pool.append([opt])  # value missing (last token)
+    return pool
+
+
+def _fast_vs_typer_cases(n=400, seed=0):
+    import random
+
+    from exl2fmt.cli.app import FAST
+
+    rng = random.Random(seed)
+    pools = {c: _token_pool(c) for c in FAST}
+    fast_tokens = {c: [[t] for t in FAST[c][0]] + [[o, v] for o in FAST[c][1] for v in ("junit", "github", "json")]
+                   for c in FAST}
+    for i in range(n):
+        cmd = rng.choice(["inspect", "inspect", "inspect", "validate", "validate", "validate", "dequantize"])
+        pool = pools.get(cmd, [["--force"], ["--help"], ["-o", "x.npy"]])
+        toks = []
+        for _ in range(rng.randint(0, 4)):  # mostly the fast flags, so that many cases take the fast route
+            toks.append(rng.choice(fast_tokens.get(cmd, pool) if rng.random() < 0.85 else pool))
+        for _ in range(rng.choice([0, 1, 1, 1, 1, 1, 1, 1, 2])):
+            toks.insert(rng.randint(0, len(toks)), [rng.choice(["m", "m", "dir/model.safetensors", "hf://o/r", "",
+                                                                "-p"])])
+        root = rng.choice([[], [], [], [], ["--debug"], ["--debug", "--debug"], ["--version"]])
+        yield root + [cmd] + [t for tok in toks for t in tok]
+
+
+def test_fast_route_parses_like_typer(monkeypatch, tmp_path):
+    from exl2fmt.cli import checks
+    from exl2fmt.cli.app import FAST, fast_args
+    from exl2fmt.cli.errors import set_debug
+
+    calls = []
+
+    def recorder(cmd):
+        def record(path, **kw):
+            calls.append((cmd, dict(kw, path=path)))
+            return 0
+        return record
+
+    monkeypatch.chdir(tmp_path)  # the command lines name relative paths; nothing may land in the checkout
+    monkeypatch.setattr(checks, "inspect_command", recorder("inspect"))
+    monkeypatch.setattr(checks, "validate_command", recorder("validate"))
+    taken = {c: set() for c in FAST}
+    n_fast = 0
+    try:
+        for argv in _fast_vs_typer_cases():
+            calls.clear()
+            r = runner.invoke(app, argv)
+            fast = fast_args(argv)
+            if fast is None:
+                continue
+            n_fast += 1
+            cmd, debug, kw = fast
+            assert r.exit_code == 0 and calls == [(cmd, dict(kw, debug=debug))], (argv, r.output, calls, fast)
+            taken[cmd].update(t.partition("=")[0] for t in argv if t.startswith("--"))
+    finally:
+        set_debug(False)
+    assert n_fast >= 100  # the comparison ran on many command lines the fast route takes
+    for cmd, (flags, valued, _) in FAST.items():  # ... with each of its options
+        assert set(flags) | set(valued) <= taken[cmd], (cmd, taken[cmd])
+
+
+def test_fast_route_defaults_are_typers():
+    """Every parameter of the typer command has its default in FAST (a new option gets one, or the fast route
+    would call the checks function without it)."""
+    from exl2fmt.cli.app import FAST
+
+    for cmd, (_, _, defaults) in FAST.items():
+        names = {p.name for p in _typer_params(cmd)} - {"path"}
+        assert names == set(defaults), cmd
+
+
+_TYPER_ONLY = ("import sys; from exl2fmt.cli.commands import app; app(prog_name='exl2fmt')")
+
+
+def _norm_timing(text: str) -> str:
+    return re.sub(r'("seconds": |time=")[0-9.]+|timestamp="[^"]+"', r"\1X", text)
+
+
+@pytest.mark.parametrize("args,code", [
+    (["inspect", "{sample}", "--json"], 0), (["inspect", "{sample}"], 0), (["inspect", "{sample}", "--markdown",
+     "--no-layers"], 0), (["--debug", "inspect", "{sample}/output.safetensors"], 0),
+    (["inspect", "{sample}", "--json", "--markdown"], 2), (["inspect", "{missing}"], 3),
+    (["inspect", "{missing}", "--json"], 3), (["validate", "{sample}"], 0), (["validate", "{sample}", "--json"], 0),
+    (["validate", "{sample}", "--format", "junit"], 0), (["validate", "{sample}", "--format=github", "--strict"], 0),
+    (["validate", "{sample}", "--format", "xml"], 2), (["validate", "{sample}", "--json", "--format", "markdown"], 2),
+    (["validate", "{missing}", "--markdown"], 3),
+])
+def test_fast_route_prints_what_typer_prints(sample_dir, tmp_path, args, code):
+    from exl2fmt.cli.app import fast_args
+
+    args = [a.replace("{sample}", str(sample_dir)).replace("{missing}", str(tmp_path / "none")) for a in args]
+    assert fast_args(args) is not None
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    fast = subprocess.run([sys.executable, "-m", "exl2fmt.cli.app", *args], capture_output=True, text=True, env=env)
+    slow = subprocess.run([sys.executable, "-c", _TYPER_ONLY, *args], capture_output=True, text=True, env=env)
+    assert fast.returncode == slow.returncode == code, (fast.stderr, slow.stderr)
+    assert _norm_timing(fast.stdout) == _norm_timing(slow.stdout) and fast.stderr == slow.stderr
+    assert fast.stdout or fast.stderr
 
 
 def test_console_script_entry_point():

@@ -745,6 +745,146 @@ def test_arbitrary_bytes_only_raise_exl2error(raw):
 
 
 # ------------------------------------------------------------------------------------------------
+# the parser's short paths agree with its rule-by-rule checks
+# ------------------------------------------------------------------------------------------------
+# A well-formed tensor entry is checked in one go (_check_entry) and anything else field by field
+# (_check_entry_fields); integers are parsed without the parse_int hook when the text holds no "-0" and no run of
+# 21 digits.  Each short path must give what the long one gives, on every input.
+
+def _entry_outcome(fn, name, entry):
+    try:
+        t = fn(name, entry, "f.safetensors", 88)
+    except Exl2Error as e:
+        return ("err", e.code, e.message, e.tensor, e.file)
+    return ("ok", t, type(t), t.__dict__)
+
+
+_ODD_VALUES = [True, False, 1.0, None, "2", -0.0, -1, 0, 2**63, 2**64 - 1, 2**64, 2**70, [], {}]
+
+
+@st.composite
+def _entries(draw):
+    """A well-formed entry, then 0-2 of its parts replaced by something odd (one of the values above, a dim of
+    0 after big ones, a missing or extra field, a tuple or a list where an object belongs, ...)."""
+    dtype = draw(st.sampled_from(sorted(P.DTYPE_BITS)))
+    shape = draw(st.lists(st.integers(1, 9), max_size=4))
+    numel = math.prod(shape)
+    begin = draw(st.sampled_from([0, 7, 2**63]))
+    size = numel * P.DTYPE_BITS[dtype] // 8
+    entry = {"dtype": dtype, "shape": shape, "data_offsets": [begin, begin + size]}
+    for _ in range(draw(st.integers(0, 2))):
+        what = draw(st.sampled_from(["dtype", "dim", "dims", "ndim", "begin", "end", "offsets", "drop", "extra",
+                                     "whole"]))
+        if what == "dtype":
+            entry["dtype"] = draw(st.sampled_from(["f16", "", "Q4", None, 16, ["F16"], "I64", "F4", "BOOL"]))
+        elif what == "dim" and entry.get("shape"):
+            sh = list(entry["shape"]) if isinstance(entry["shape"], list) else [1]
+            sh[draw(st.integers(0, len(sh) - 1))] = draw(st.sampled_from(_ODD_VALUES))
+            entry["shape"] = sh
+        elif what == "dims":  # products that overflow before a zero brings them back down
+            entry["shape"] = draw(st.sampled_from([[2**40, 2**40, 0], [2**63, 2, 0], [0, 2**64], [2**32, 2**32],
+                                                   [2**31, 2**30], [0], [1, 0, 5]]))
+        elif what == "ndim":
+            entry["shape"] = [1] * draw(st.integers(8, 10))
+        elif what in ("begin", "end"):
+            off = list(entry["data_offsets"]) if isinstance(entry["data_offsets"], list) else [0, 0]
+            near = [x + d for x in (off[0], off[-1]) if type(x) is int for d in (-1, 1)]
+            off[0 if what == "begin" else -1] = draw(st.sampled_from(_ODD_VALUES + near))
+            entry["data_offsets"] = off
+        elif what == "offsets":
+            entry["data_offsets"] = draw(st.sampled_from([[0], [0, 0, 0], None, (0, 0), [True, True], {}]))
+        elif what == "drop":
+            entry.pop(draw(st.sampled_from(["dtype", "shape", "data_offsets"])), None)
+        elif what == "extra":
+            entry["extra"] = [1, {"a": 2}]
+        else:
+            entry = draw(st.sampled_from([list(entry.values()), None, "x", 3]))
+            break
+    return entry
+
+
+@settings(max_examples=EXAMPLES * 2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_entries())
+def test_entry_short_path_agrees_with_field_by_field(entry):
+    assert _entry_outcome(P._check_entry, "t", entry) == _entry_outcome(P._check_entry_fields, "t", entry)
+
+
+def test_entry_short_path_is_taken_for_well_formed_entries(monkeypatch):
+    """The short path must actually run for ordinary entries (else the agreement above proves nothing)."""
+    def no_long_path(*a):
+        raise AssertionError("field-by-field path taken")
+
+    monkeypatch.setattr(P, "_check_entry_fields", no_long_path)
+    t = P._check_entry("w", ent("F16", (3, 4), 8, 32), "f", 16)
+    assert (t.name, t.dtype, t.shape, t.begin, t.end, t.file, t.data_start) == ("w", "F16", (3, 4), 8, 32, "f", 16)
+    assert P._check_entry("s", ent("F32", (), 0, 4), "f", 16).shape == ()
+
+
+def test_fast_tensor_info_is_a_plain_tensor_info():
+    import dataclasses
+
+    args = ("model.w", "F16", (3, 4), 8, 32, "x.safetensors", 100)
+    fast, slow = P._tensor_info(*args), P.TensorInfo(*args)
+    assert type(fast) is P.TensorInfo and fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
+    assert dataclasses.astuple(fast) == dataclasses.astuple(slow) and fast.nbytes == 24 and fast.abs_end == 132
+    assert not hasattr(P.TensorInfo, "__post_init__")  # _tensor_info skips __init__: nothing else may run there
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.name = "other"
+
+
+_JSON_NUMBERS = st.one_of(st.integers(-10**25, 10**25), st.sampled_from(["-0", "0", "-0.0", "1e400", "-1e400",
+                          "1" * 21, "-" + "9" * 21, "1" * 309, "1" * 400, "12345678901234567890", "-0e5", "0.5"]),
+                          st.floats(allow_nan=False, allow_infinity=False))
+
+
+@st.composite
+def _json_texts(draw):
+    """A header-like JSON text whose numbers (and name strings) come in every length and sign."""
+    parts = []
+    for i in range(draw(st.integers(1, 4))):
+        nums = draw(st.lists(_JSON_NUMBERS, min_size=1, max_size=4))
+        name = draw(st.sampled_from(["t", "layer-0", "x" + "1" * 22, "n9"])) + str(i)
+        parts.append(f'"{name}":[{",".join(str(n) for n in nums)}]')
+    return "{" + ",".join(parts) + "}"
+
+
+def _decoded(text):
+    try:
+        v, dup = P._decode_json(text)
+    except P._JsonReject as e:
+        return ("reject", str(e))
+    except ValueError as e:
+        return ("invalid", type(e).__name__)
+    return ("ok", json.dumps(v), repr(v), dup)  # repr tells -0.0 from 0 and 1 from 1.0
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_json_texts())
+def test_json_without_int_hook_decodes_like_with_it(text):
+    fast = _decoded(text)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(P, "_LONG_DIGITS", "")  # "" is in every text: the hook always runs
+        hooked = _decoded(text)
+    assert fast == hooked
+
+
+def test_int_hook_skipped_only_without_minus_zero_and_long_runs():
+    calls = []
+    real = json.JSONDecoder
+
+    def spy(**kw):
+        calls.append(kw["parse_int"])
+        return real(**kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(P.json, "JSONDecoder", spy)
+        for text in ('{"a":[1,2]}', '{"a":[-0]}', '{"a":[' + "1" * 21 + "]}", '{"a-0":[1]}', '{"a":[' + "1" * 20 + "]}"):
+            P._decode_json(text)
+    assert [c is None for c in calls] == [True, False, False, False, True]
+    assert P._decode_json('{"a":[-0]}')[0] == {"a": [-0.0]} and repr(P._decode_json('{"a":[-0]}')[0]["a"][0]) == "-0.0"
+
+
+# ------------------------------------------------------------------------------------------------
 # model directories
 # ------------------------------------------------------------------------------------------------
 

@@ -136,3 +136,64 @@ def test_limits():
     with pytest.raises(Exl2Error) as e:
         decode_q_groups(qg, G)
     assert e.value.code is ErrorCode.GROUPS_LIMIT
+
+
+# ------------------------------------------------------------------------------------------------ whole-list path
+# q_groups_plan takes a whole-list path for vectors that pass every rule and falls back to the rule-by-rule checks
+# otherwise: the two must agree on every input, valid or not (same plan, or the same code and message).
+
+from hypothesis import strategies as st  # noqa: E402
+
+from exl2fmt.groups import _q_groups_plan_checked, q_groups_plan  # noqa: E402
+
+
+def _outcome(fn, vals, rows, mult32):
+    try:
+        return ("ok", fn(list(vals), rows, tensor="t", file="f", require_multiple_of_32=mult32))
+    except Exl2Error as e:
+        return ("err", e.code, e.message, e.tensor, e.file)
+
+
+@st.composite
+def _q_groups_variants(draw):
+    """A valid (q_groups, q_weight rows) pair, then maybe one or two entries or the row count nudged."""
+    br = draw(bits_rows(max_K=2048))
+    qg = encode_q_groups(br).tolist()
+    rows = sum(r * b for b, r in br) // 32
+    for _ in range(draw(st.integers(0, 2))):
+        what = draw(st.sampled_from(["entry", "bits", "swap", "rows", "drop", "append"]))
+        if what == "bits" and len(qg) >= 2:  # another valid width: breaks the order or the packing, or neither
+            qg[2 * draw(st.integers(0, len(qg) // 2 - 1))] = draw(st.sampled_from([2, 3, 4, 5, 6, 8]))
+        elif what == "swap" and len(qg) >= 4:  # two groups trade widths (same packed rows: only the order breaks)
+            i, j = (2 * g for g in draw(st.lists(st.integers(0, len(qg) // 2 - 1), min_size=2, max_size=2,
+                                                 unique=True)))
+            qg[i], qg[j] = qg[j], qg[i]
+        elif what == "entry":
+            i = draw(st.integers(0, len(qg) - 1))
+            qg[i] = draw(st.sampled_from([qg[i] + 1, qg[i] - 1, 0, -1, 1, 7, 2, 8, 32767, 32768, qg[i] * 2]))
+        elif what == "rows":
+            rows = draw(st.sampled_from([rows + 1, rows - 1, 0, rows * 2, 2 ** 40]))
+        elif what == "drop" and len(qg) > 1:
+            qg.pop(draw(st.integers(0, len(qg) - 1)))
+        else:
+            qg.append(draw(st.integers(-3, 40)))
+    return qg, rows
+
+
+@hyp_settings(400)
+@given(_q_groups_variants(), st.booleans())
+def test_whole_list_path_agrees_with_rule_by_rule(case, mult32):
+    vals, rows = case
+    assert _outcome(q_groups_plan, vals, rows, mult32) == _outcome(_q_groups_plan_checked, vals, rows, mult32)
+
+
+def test_whole_list_path_edge_cases():
+    """Inputs at each limit, both paths (empty, odd length, too many groups, K above MAX_K, rows above int16)."""
+    from exl2fmt.layout import MAX_INT16, MAX_K
+
+    cases = [([], 0), ([4], 1), ([4, 0, 4], 8), ([4, 0] * (MAX_INT16 + 1), 4), ([8, 0], MAX_K // 4 + 8),
+             ([8, 0], MAX_K // 4), ([2, 0], MAX_INT16 + 1), ([2, 0], 2 * (MAX_INT16 + 1) // 32 * 2),
+             ([4, 0, 4, MAX_INT16], MAX_INT16 + 4), ([True, 0], 1), ([4, 0, 4, 4], 4)]
+    for vals, rows in cases:
+        for mult32 in (True, False):
+            assert _outcome(q_groups_plan, vals, rows, mult32) == _outcome(_q_groups_plan_checked, vals, rows, mult32)

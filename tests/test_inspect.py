@@ -441,3 +441,69 @@ def test_gguf_without_package(tmp_path, monkeypatch):
 def test_sample_config_matches_sample_constants():
     """The inspector's numbers above rely on these sample facts; fail loudly if the sample changes shape."""
     assert SAMPLE_CONFIG["vocab_size"] == 1000 and SAMPLE_CONFIG["hidden_size"] == 256
+
+
+# ------------------------------------------------------------------------------------------------ config features
+
+_LLAMA = {"hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 8, "num_key_value_heads": 2,
+          "vocab_size": 96}
+_FEATURE_CASES = [  # (config, key, expected (in, out)) worked out by hand from the config's numbers
+    (_LLAMA, "model.layers.0.self_attn.q_proj", (64, 64)),      # head_dim = 64 / 8 = 8
+    (_LLAMA, "model.layers.3.self_attn.k_proj", (64, 16)),      # 2 kv heads x 8
+    (_LLAMA, "model.layers.3.self_attn.o_proj", (64, 64)),
+    (_LLAMA, "model.layers.1.mlp.down_proj", (176, 64)),
+    (_LLAMA, "lm_head", (64, 96)),
+    (_LLAMA, "model.layers.1.mlp.c_fc", (64, 176)),             # starcoder2 names, only under .mlp.
+    (_LLAMA, "model.layers.1.attn.c_fc", (None, None)),
+    (_LLAMA, "model.layers.1.block_sparse_moe.experts.2.w2", (176, 64)),
+    (_LLAMA, "model.layers.1.mlp.w2", (None, None)),             # w1/w2/w3 only inside experts
+    (dict(_LLAMA, head_dim=16), "model.layers.0.self_attn.qkv_proj", (64, 8 * 16 + 2 * 2 * 16)),
+    (dict(_LLAMA, moe_intermediate_size=32), "model.layers.0.mlp.experts.7.up_proj", (64, 32)),
+    (dict(_LLAMA, moe_intermediate_size=32), "model.layers.0.mlp.gate_up_proj", (64, 352)),
+    (dict(_LLAMA, shared_expert_intermediate_size=48), "model.layers.0.mlp.shared_expert.gate_proj", (64, 48)),
+    (dict(_LLAMA, moe_intermediate_size=32, n_shared_experts=2), "model.layers.0.mlp.shared_experts.down_proj",
+     (64, 64)),
+    (dict(_LLAMA, moe_intermediate_size=32), "model.layers.0.mlp.shared_experts.down_proj", (None, 64)),
+    (dict(_LLAMA, kv_lora_rank=16), "model.layers.0.self_attn.q_proj", (64, None)),
+    ({"text_config": _LLAMA, "model_type": "x"}, "model.layers.0.mlp.up_proj", (64, 176)),
+    (None, "lm_head", (None, None)),
+    ({"hidden_size": True}, "lm_head", (None, None)),
+]
+
+
+@pytest.mark.parametrize("config,key,want", _FEATURE_CASES)
+def test_expected_features_by_hand(config, key, want):
+    from exl2fmt.arch import expected_features, features_of
+
+    assert expected_features(config, key) == want
+    feats = features_of(config)  # one function for many keys gives the same, whatever was asked before
+    for other_config, other_key, _ in _FEATURE_CASES:
+        if other_config is config:
+            feats(other_key)
+    assert feats(key) == want
+
+
+def test_plan_memo_never_hides_a_broken_layer(tmp_path, sample_dir):
+    """Two layers store the same q_groups bytes; in one, q_weight has a row more (the last group no longer packs
+    whole rows).  The decoded-plan memo is keyed by the bytes and the q_weight rows, so the second layer still
+    gets its error, and a fresh process gives the same report as a warm one."""
+    from exl2fmt.formats import exl2 as exl2_format
+
+    t = load_file(str(sample_dir / "output.safetensors"))
+    a, b = "model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"
+    t[b + ".q_groups"] = t[a + ".q_groups"].copy()
+    qw = t[a + ".q_weight"]
+    t[b + ".q_weight"] = np.concatenate([qw, qw[:1]])
+    d = _write(tmp_path / "m", t, json.loads((sample_dir / "config.json").read_text()))
+    exl2_format._PLAN_MEMO.clear()
+    cold = inspect_model(d)
+    warm = inspect_model(d)
+    assert cold == warm and len(exl2_format._PLAN_MEMO) > 0
+    rows = {r["key"]: r for r in warm["layers"]}
+    assert rows[a]["plan"] and rows[a]["error"] is None
+    assert rows[b]["plan"] is None and rows[b]["error"] and [i["tensor"] for i in warm["issues"]] == [b + ".q_groups"]
+    other = tmp_path / "fresh.json"
+    code = ("import json, sys; from exl2fmt.inspect import inspect_model; "
+            "open(sys.argv[2], 'w').write(json.dumps(inspect_model(sys.argv[1])))")
+    subprocess.run([sys.executable, "-c", code, str(d), str(other)], check=True)
+    assert json.loads(other.read_text()) == json.loads(json.dumps(warm))

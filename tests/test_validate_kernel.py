@@ -163,7 +163,7 @@ def test_overflowing_layer_fails_kernel_check(bad_doc):
 
 @needs_kernels
 def test_kernel_table_renders_failures(bad_doc, capsys):
-    from exl2fmt.cli.app import _kernel_table
+    from exl2fmt.cli.checks import kernel_table as _kernel_table
     from exl2fmt.cli.output import Output
 
     _kernel_table(Output("human"), bad_doc)

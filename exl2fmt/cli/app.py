@@ -1,647 +1,130 @@
-"""The ``exl2fmt`` command line: a thin typer shell over library calls.
+"""The ``exl2fmt`` entry point (``exl2fmt.cli.app:main``, also ``python -m exl2fmt.cli.app``).
 
-Each command calls one library function (``exl2fmt.inspect.inspect_model``, ``exl2fmt.validate.validate_model``,
-``exl2fmt.sample.write_sample``, ``exl2fmt.dequantize_layer``) and hands the result to the one output sink
-(``exl2fmt.cli.output.Output``).  Exceptions become a message and an exit code in ``exl2fmt.cli.errors``.
+Plain ``inspect`` and ``validate`` command lines run without typer: importing typer and building its command tree
+costs more than inspecting a 70B model's headers (bench/RESULTS.md, issue 18), and those two commands are the ones
+run in loops and CI gates.  ``fast_args`` recognises exactly the command lines of ``FAST`` below - the command,
+one path and a few flags, in any order - and hands every other command line (``--help``, any other option, an
+option value, a second argument, a path starting with ``-``, ``--``, other commands) to the typer app in
+``exl2fmt.cli.commands``, which owns the syntax and its messages.  Both routes call the same functions
+(``exl2fmt.cli.checks``), so they print the same bytes and exit with the same code; tests/test_cli.py parses
+every combination of these flags and of every option the typer commands declare with both parsers and requires
+the same values from each, or a hand-over to typer.
 
-Start-up cost matters (``inspect`` of a 70B model: at most 5x a bare Python process that parses the same headers,
-bench/bench_inspect.py): this module imports only typer and exl2fmt.errors at import time; rich, the container
-and numba are imported inside the commands that need them, numpy on the first array (``inspect`` reads q_groups
-as bytes and never imports it), typer's pydantic adapters only for values that need one (``_lazy_coercion``),
-and torch/triton only for ``validate --kernel`` / ``--run``.
+``app`` and the other names of ``exl2fmt.cli.commands`` are available here too (loaded on first use).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Annotated, List, Optional
-
-import typer
-
-from .errors import EXIT_INVALID, EXIT_OK, EXIT_USAGE, handle_exception, set_debug
-
-__all__ = ["app", "main"]
-
-EXIT_CODES_HELP = (
-    "Exit codes: 0 success (validate: no check failed) · 1 the input breaks a rule / a check failed · "
-    "2 usage error · 3 unreadable or unsupported input · 4 internal error (details with --debug)."
-)
-
-app = typer.Typer(
-    name="exl2fmt",
-    help="Reference toolkit for the EXL2 quantized-LLM format: inspect, validate, dequantize, convert.",
-    epilog=EXIT_CODES_HELP,
-    add_completion=False,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    rich_markup_mode="markdown",
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-
-_STATE = {"debug": False}
-
-
-def _version_callback(value: bool) -> None:
-    if value:
-        from .. import __version__
-
-        typer.echo(f"exl2fmt {__version__}")
-        raise typer.Exit(0)
-
-
-@app.callback()
-def _root(
-    version: Annotated[Optional[bool], typer.Option("--version", callback=_version_callback, is_eager=True,
-                                                    help="Print the version and exit.")] = None,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of internal errors "
-                                        "(also EXL2FMT_DEBUG=1).")] = False,
-) -> None:
-    """Reference toolkit for the EXL2 quantized-LLM format: inspect, validate, dequantize, convert."""
-    _STATE["debug"] = debug
-    set_debug(debug)   # every command's exception boundary, convert's included
-
-
-def _output(json_: bool = False, markdown: bool = False):
-    from .output import Output
-
-    if json_ and markdown:
-        out = Output("human")
-        out.error("USAGE", "--json and --markdown exclude each other", category="usage", exit_code=EXIT_USAGE)
-        raise typer.Exit(EXIT_USAGE)
-    return Output("json" if json_ else "markdown" if markdown else "human")
-
-
-def _run(out, body) -> None:
-    """Run a command body; map every exception to a message and an exit code."""
-    try:
-        code = body()
-    except typer.Exit:
-        raise
-    except BaseException as e:  # noqa: BLE001 - this is the CLI's one exception boundary
-        if isinstance(e, SystemExit):
-            raise
-        code = handle_exception(e, out, debug=_STATE["debug"])
-    raise typer.Exit(code or 0)
-
-
-# ------------------------------------------------------------------------------------------------ inspect
-
-RevisionOpt = Annotated[Optional[str], typer.Option("--revision", metavar="BRANCH|TAG|COMMIT", help="For hf:// "
-                        "paths: the revision (same as hf://ORG/REPO@REV; EXL2 repos use one branch per bitrate; a "
-                        "missing one lists the branches).", show_default=False)]
-
-
-def _not_hub(path: str) -> str:
-    from ..errors import ErrorCode, Exl2Error
-
-    raise Exl2Error(ErrorCode.USAGE, f"--revision applies to hf://ORG/REPO paths only, not {path!r}")
-
-
-PathArg = Annotated[str, typer.Argument(help="A .safetensors file, a model directory (sharded or not), a .gguf "
-                                        "file, or a Hub model hf://ORG/REPO[@REVISION][/PATH] (read by range: "
-                                        "pip install 'exl2fmt[hub]').", show_default=False)]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout "
-                                       "(schema: spec/inspect.schema.json).")]
-
-
-@app.command(epilog=EXIT_CODES_HELP)
-def inspect(
-    path: PathArg,
-    json_: JsonOpt = False,
-    markdown: Annotated[bool, typer.Option("--markdown", help="GitHub markdown for a model card.")] = False,
-    layers: Annotated[bool, typer.Option("--layers/--no-layers", help="Show the per-layer table.")] = True,
-    revision: RevisionOpt = None,
-) -> None:
-    """Show what a model really is, from its headers alone (never reads tensor data).
-
-    Format per layer and for the model (EXL2, GPTQ, AWQ, EXL3, dense, GGUF), producer, logical parameters,
-    stored bytes, bits per weight (decoder, head, overall; overhead included), estimated weight memory,
-    per-layer group plans, per-block totals and a bit-width histogram.
-
-    **Examples**
-
-    * `exl2fmt inspect ./Llama-3-8B-exl2-4.0bpw/`
-    * `exl2fmt inspect model.safetensors --no-layers`
-    * `exl2fmt inspect ./model --json > report.json`
-    * `exl2fmt inspect ./model --markdown >> README.md`
-    * `exl2fmt inspect hf://turboderp/Llama-3-8B-exl2@4.0bpw` (Hub: headers by range, nothing downloaded)
-    """
-    out = _output(json_, markdown)
-
-    def body():
-        if path.startswith("hf://") or revision is not None:
-            from ..hub import inspect_hub
-
-            rep = inspect_hub(path if path.startswith("hf://") else _not_hub(path), revision=revision, layers=layers)
-        else:
-            from ..inspect import inspect_model
-
-            rep = inspect_model(path, layers=layers)
-        out.inspect_report(rep, show_layers=layers)
-        return EXIT_OK
-
-    _run(out, body)
-
-
-# ------------------------------------------------------------------------------------------------ validate
-
-
-@app.command()
-def validate(
-    path: Annotated[str, typer.Argument(help="A .safetensors file, a model directory, or hf://ORG/REPO[@REVISION] "
-                                        "(structural checks by range requests).", show_default=False)],
-    deep: Annotated[bool, typer.Option("--deep", help="Also read the data: permutations, scales, NaN/Inf, "
-                                       "dequantize every layer, per-layer weight statistics.")] = False,
-    reference: Annotated[Optional[str], typer.Option("--reference", metavar="DIR|hf://ORG/REPO", help="Compare "
-                         "every dequantized layer with this FP16/BF16 model (implies --deep); an hf:// source is "
-                         "compared by shapes and config from its headers alone.", show_default=False)] = None,
-    fix_index: Annotated[bool, typer.Option("--fix-index", help="First write a correct "
-                         "model.safetensors.index.json (atomically; tensor files are never touched).")] = False,
-    strict: Annotated[bool, typer.Option("--strict", help="Treat warnings as failures.")] = False,
-    kernel: Annotated[bool, typer.Option("--kernel", help="Run every EXL2 layer (and 2/4/8-bit GPTQ layer) through the bundled Triton kernels "
-                      "on random inputs and compare with the reference: dequantization bit for bit, y = x @ W "
-                      "within the fp32-accumulation bound (needs pip install 'exl2fmt[kernels]').")] = False,
-    run: Annotated[bool, typer.Option("--run", help="A full forward pass (transformers' modeling code for the "
-                   "model's architecture, one layer at a time) on fixed token ids with every EXL2 linear through the Triton kernel, compared with the forward over the "
-                   "dequantized weights: max logit difference, KL, top-1 agreement (needs pip install "
-                   "'exl2fmt[kernels]').")] = False,
-    prompt_ids: Annotated[Optional[str], typer.Option("--prompt-ids", metavar="ID,ID,...", help="Token ids for "
-                          "--run (default: 16 ids drawn with a fixed seed over the vocabulary).",
-                          show_default=False)] = None,
-    device: Annotated[Optional[str], typer.Option("--device", metavar="cpu|cuda[:N]", help="Where --kernel / --run run "
-                      "(default: cuda when torch sees one, else cpu = Triton's interpreter, slow: small models "
-                      "only).", show_default=False)] = None,
-    kernel_m: Annotated[Optional[List[int]], typer.Option("--kernel-m", metavar="M", help="Rows of x for "
-                        "--kernel, repeatable (default: 1 and 16; on CUDA also 128).", show_default=False)] = None,
-    json_: JsonOpt = False,
-    markdown: Annotated[bool, typer.Option("--markdown", help="A markdown table of the checks.")] = False,
-    fmt: Annotated[Optional[str], typer.Option("--format", metavar="human|json|markdown|junit|github",
-                   help="Output format: junit = JUnit XML (one test case per rule per file, for GitLab / Jenkins / "
-                   "GitHub test reporters), github = GitHub Actions annotations; --json / --markdown are "
-                   "short for --format json / markdown.", show_default=False)] = None,
-    revision: RevisionOpt = None,
-) -> None:
-    """Check a model against every rule exl2fmt knows: one line per check, PASS / WARN / FAIL with a stable code.
-
-    Structural checks read headers only: safetensors container, index <-> shards both ways, config.json <->
-    tensor shapes, every EXL2 invariant, GPTQ shapes, control characters in names, one format per layer,
-    quantization_config.bits vs measured bpw.  `--deep` reads the data; `--reference DIR` adds an error
-    bound per layer against the original model; `--kernel` proves every EXL2 (and 2/4/8-bit GPTQ) layer runs through the Triton
-    kernels and matches the reference (on `--device cpu` in Triton's interpreter: slow, small models only);
-    `--run` runs the whole model through the kernel on fixed token ids and compares the logits with the
-    forward over the dequantized weights.
-
-    **Exit codes**: 0 every check passed (warnings allowed unless `--strict`) · 1 a check failed ·
-    2 usage error · 3 unreadable or unsupported input · 4 internal error.
-
-    **Examples**
-
-    * `exl2fmt validate ./model/` (CI gate before publishing)
-    * `exl2fmt validate ./model/ --deep --strict`
-    * `exl2fmt validate ./model-exl2/ --reference ./model-fp16/`
-    * `exl2fmt validate ./model/ --fix-index`
-    * `exl2fmt validate ./model/ --kernel` (GPU; `--device cpu` for a small model)
-    * `exl2fmt validate ./model/ --run --prompt-ids 1,15043,3186 --json | jq .run.kernel`
-    * `exl2fmt validate ./model/ --json | jq '.checks[] | select(.status != "PASS")'`
-    * `exl2fmt validate ./model/ --format junit > exl2fmt-junit.xml` (CI test report)
-    * `exl2fmt validate ./model/ --format github` (annotations in a GitHub Actions job)
-    * `exl2fmt validate hf://ORG/REPO@4.0bpw` (structural checks on the Hub, headers by range)
-    * `exl2fmt validate ./model-exl2/ --reference hf://ORG/REPO-fp16` (shapes and config from headers alone)
-    """
-    from .ci_formats import CiErrorOutput, FORMATS
-
-    if fmt is not None and fmt not in FORMATS:
-        _output().error("USAGE", f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}", category="usage",
-                        exit_code=EXIT_USAGE)
-        raise typer.Exit(EXIT_USAGE)
-    if fmt is not None and (json_ or markdown) and fmt != ("json" if json_ else "markdown"):
-        _output().error("USAGE", "--format contradicts --json / --markdown", category="usage", exit_code=EXIT_USAGE)
-        raise typer.Exit(EXIT_USAGE)
-    ci = fmt if fmt in ("junit", "github") else None
-    out = CiErrorOutput(ci) if ci else _output(json_ or fmt == "json", markdown or fmt == "markdown")
-    hub_path = path.startswith("hf://")
-    hub_ref = reference is not None and reference.startswith("hf://")
-
-    def body():
-        from ..validate import fix_index as write_index
-        from ..validate import validate_model
-
-        from ..errors import ErrorCode, Exl2Error
-
-        ks = None
-        ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
-        if ids is not None and not run:
-            raise Exl2Error(ErrorCode.USAGE, "--prompt-ids only applies with --run")
-        if kernel_m and not kernel:
-            raise Exl2Error(ErrorCode.USAGE, "--kernel-m only applies with --kernel")
-        if revision is not None and not hub_path and not hub_ref:
-            raise Exl2Error(ErrorCode.USAGE, "--revision applies to hf://ORG/REPO paths only")
-        if hub_path and (deep or reference or fix_index or kernel or run):
-            raise Exl2Error(ErrorCode.USAGE, "an hf:// model gets the structural checks only (headers by range); "
-                            "--deep, --reference, --fix-index, --kernel and --run need a local copy")
-        if hub_path:
-            from ..hub import validate_hub
-
-            doc, code = validate_hub(path, revision=revision, strict=strict)
-            _validate_out(out, ci, doc)
-            return code
-        if kernel or run:  # before anything else: torch/triton load first (interpreter mode) and fail fast
-            ks = _load_kernels(out, device, kernel_m, "--kernel" if kernel else "--run")
-        elif device is not None:
-            raise Exl2Error(ErrorCode.USAGE, "--device only applies with --kernel or --run")
-        written = None
-        if fix_index:
-            written = write_index(path)
-            if out.mode == "human":
-                out.info(f"wrote {written['path']}: {written['tensors']} tensors in {written['shards']} shard(s), "
-                         f"total_size {written['total_size']}")
-        what = ("validate --kernel" if kernel else "validate --run" if run else "validate --deep"
-                if reference is None or hub_ref else "validate --reference")
-        with out.progress(what) as cb, _jit_notice(out, deep or (reference is not None and not hub_ref)
-                                                   or kernel or run):
-            rep = validate_model(path, deep=deep, reference=None if hub_ref else reference, strict=strict,
-                                 progress=cb, kernel=kernel, device=None if ks is None else ks.device,
-                                 kernel_ms=tuple(kernel_m) if kernel_m else None, run=run, prompt_ids=ids)
-        hub_info = None
-        if hub_ref:  # shapes and config against the Hub source, from its headers alone
-            from ..hub import reference_shape_checks
-
-            hub_info = reference_shape_checks(rep, path, reference, revision=revision)
-            rep.reference = reference
-            rep.apply_strict()
-        rep.index_written = written
-        if kernel:
-            _kernel_table(out, rep.as_dict())
-        doc = rep.as_dict()
-        if hub_info is not None:
-            doc["hub"] = hub_info
-            doc["exit_code"] = rep.exit_code
-        _validate_out(out, ci, doc)
-        return rep.exit_code
-
-    _run(out, body)
-
-
-def _jit_notice(out, uses_codecs: bool):
-    """"compiling kernels, once per install..." on stderr when the Numba codecs are compiled (not when they load
-    from the cache); nothing when the command does not use them (structural validate never imports numba)."""
-    import contextlib
-
-    if not uses_codecs or out.mode == "json":
-        return contextlib.nullcontext()
-    from ..jitnote import compile_notice
-
-    return compile_notice(out.info)
-
-
-def _validate_out(out, ci, doc: dict) -> None:
-    """The validate report in the chosen format (junit / github through ci_formats, else the output sink)."""
-    hub = doc.get("hub")
-    if hub and out.mode == "human":
-        out.info(f"hub: read {hub['bytes_fetched']:,} of {hub['model_bytes']:,} bytes ({hub['requests']} requests) "
-                 f"from {hub['repo']}@{hub['revision']} (commit {str(hub['commit'])[:12]})")
-    if ci:
-        from .ci_formats import emit
-
-        emit(ci, doc)
-    else:
-        out.validate_report(doc)
-
-
-def _load_kernels(out, device, kernel_m, what="--kernel"):
-    """validate --kernel / --run: load the Triton kernels (exit 3 with a one-line reason when torch, triton or the
-    device is missing) and say when they run in the CPU interpreter."""
-    from ..validate import check_ms, load_kernels
-
-    if kernel_m:
-        check_ms(tuple(kernel_m))
-    ks = load_kernels(device, what)
-    if ks.interpreted and out.mode != "json":
-        out.info(f"note: {what} on cpu runs the Triton kernels in Triton's CPU interpreter: slow (seconds per "
-                 "layer), meant for small models; a CUDA device runs them compiled")
-    return ks
-
-
-def _parse_ids(text: str) -> list[int]:
-    """--prompt-ids "1,2,3" (commas and/or spaces) -> [1, 2, 3]; USAGE for anything else.  The vocabulary range
-    is checked against config.json by validate."""
-    from ..errors import ErrorCode, Exl2Error
-
-    parts = [p for p in text.replace(",", " ").split()]
-    if not parts:
-        raise Exl2Error(ErrorCode.USAGE, "--prompt-ids: give comma-separated token ids, e.g. 1,15043,3186")
-    out = []
-    for p in parts:
-        try:
-            v = int(p, 10)
-        except ValueError:
-            raise Exl2Error(ErrorCode.USAGE, f"--prompt-ids: {p!r} is not an integer token id") from None
-        out.append(v)
-    return out
-
-
-def _kernel_table(out, rep: dict) -> None:
-    """Per-layer kernel results as a plain table (human mode; JSON carries them in layers[].kernel)."""
-    rows_in = [l for l in rep["layers"] if l.get("kernel")]
-    if not rows_in:
-        return
-    cols: list[tuple[int, str]] = []
-    for l in rows_in:
-        for r in l["kernel"]["results"]:
-            if (r["M"], r["path"]) not in cols:
-                cols.append((r["M"], r["path"]))
-    rows = []
-    for l in rows_in:
-        k = l["kernel"]
-        cells = {(r["M"], r["path"]): r for r in k["results"]}
-        row = [l["key"], " x ".join(str(x) for x in l["shape"] or []),
-               "bit-exact" if k["dequant_exact"] else f"DIFFERS ({k['mismatches']})"]
-        for c in cols:
-            r = cells.get(c)
-            if r is None:
-                row.append("-")
-                continue
-            rel = "not finite" if r["max_rel_err"] is None else f"{r['max_rel_err']:.2e}"
-            row.append(rel if r["within_bound"] else f"{rel} OUT ({r['outside']})")
-        ok = k["dequant_exact"] and all(r["within_bound"] for r in k["results"])
-        row.append("ok" if ok else "FAIL")
-        rows.append(row)
-    kd = rep.get("kernel") or {}
-    where = f"{kd.get('device')}" + (", Triton interpreter" if kd.get("interpreter") else "")
-    out.table(f"Triton kernels vs reference ({where}; max relative error of y = x @ W per M and path, x fp16 "
-              f"unit-normal, seed {kd.get('seed')})",
-              ["layer", "out x in", "dequantize", *[f"M={m} {p}" for m, p in cols], ""], rows)
-
-
-# ------------------------------------------------------------------------------------------------ sample
-
-
-@app.command()
-def sample(
-    directory: Annotated[str, typer.Argument(help="Where to write config.json and output.safetensors.",
-                                             show_default=False)],
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing sample.")] = False,
-) -> None:
-    """Write the embedded sample: a tiny Llama-shaped EXL2 model (deterministic, all six bit widths).
-
-    **Examples**
-
-    * `exl2fmt sample ./exl2fmt-sample`
-    * `exl2fmt sample ./exl2fmt-sample --force`
-    """
-    out = _output()
-
-    def body():
-        from ..sample import write_sample
-
-        d = write_sample(directory, overwrite=force)
-        files = sorted(p.name for p in d.iterdir() if p.is_file())
-        out.line(f"wrote the sample model to {d} ({', '.join(files)})")
-        return EXIT_OK
-
-    _run(out, body)
-
-
-# ------------------------------------------------------------------------------------------------ dequantize
-
-
-@app.command()
-def dequantize(
-    path: Annotated[str, typer.Argument(help="A .safetensors file or a model directory.", show_default=False)],
-    key: Annotated[str, typer.Argument(help="The layer prefix, e.g. model.layers.0.mlp.down_proj.",
-                                       show_default=False)],
-    output: Annotated[Optional[str], typer.Option("-o", "--output", metavar="FILE.npy", help="Write the weight "
-                      "as a .npy file (float16 [out_features, in_features]).", show_default=False)] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output file.")] = False,
-    json_: JsonOpt = False,
-) -> None:
-    """Dequantize one linear layer (EXL2, GPTQ or dense) to the nn.Linear weight, float16 [out, in].
-
-    Prints the shape and weight statistics; `-o` also writes a .npy file (atomically).
-
-    **Examples**
-
-    * `exl2fmt dequantize ./model model.layers.0.mlp.down_proj`
-    * `exl2fmt dequantize ./model lm_head -o lm_head.npy`
-    """
-    out = _output(json_)
-
-    def body():
-        from .. import dequantize_layer
-        from ..errors import ErrorCode, Exl2Error
-        from ..validate import weight_stats
-
-        if output is not None and os.path.isdir(output):
-            raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "the output path is a directory; -o names the .npy file to "
-                            "write (e.g. -o down.npy)", file=output)
-        if output is not None and os.path.lexists(output) and not force:
-            raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "the output file exists; pass --force to replace it",
-                            file=output)
-        try:
-            w = dequantize_layer(path, key)
-        except Exl2Error as e:
-            if e.code is not ErrorCode.LAYER_NOT_FOUND:
-                raise
-            raise Exl2Error(e.code, e.message + _did_you_mean(path, key), file=e.file, tensor=e.tensor) from None
-        if output is not None:
-            _save_npy(output, w)
-        s = weight_stats(w)
-        out.kv(f"{key}", [("key", key), ("shape", list(w.shape)), ("dtype", str(w.dtype)),
-                          ("mean", s["mean"]), ("std", s["std"]), ("absmax", s["absmax"]),
-                          ("nonfinite", s["nonfinite"]), ("written", output)])
-        return EXIT_OK
-
-    _run(out, body)
-
-
-def _did_you_mean(path: str, key: str) -> str:
-    """"; did you mean: A, B?" with the model's closest linear-layer names (difflib), or "" when none is close."""
-    import difflib
-
-    try:
-        from ..container import open_model
-        from ..model import find_layers
-
-        m = open_model(path)
-        try:
-            names = sorted(find_layers(m.names()))
-        finally:
-            m.close()
-    except Exception:  # noqa: BLE001 - only a hint: the original error stands
-        return ""
-    close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
-    return f"; did you mean: {', '.join(close)}?" if close else ""
-
-
-def _save_npy(path: str, w) -> None:
-    import numpy as np
-
-    from ..errors import ErrorCode, Exl2Error
-
-    d = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, w, allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        hint = "" if e.errno is not None else " (is the disk full?)"  # numpy's short-write error has no errno
-        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot write: {e.strerror or e}{hint}", file=path) from None
-
-
-# ------------------------------------------------------------------------------------------------ demo
-
-
-@app.command()
-def demo(
-    directory: Annotated[Optional[str], typer.Option("--dir", metavar="DIR", help="Where to write the sample "
-                         "(default: a new temporary directory).", show_default=False)] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace a sample already in --dir.")] = False,
-) -> None:
-    """The main job, end to end on the embedded sample: write it, inspect it, validate it with --deep, and
-    dequantize every layer, comparing the fast Numba decoder with the slow NumPy oracle bit for bit.
-
-    Exits 0 only if every step passed.
-
-    **Examples**
-
-    * `exl2fmt demo`
-    * `exl2fmt demo --dir ./exl2fmt-sample --force`
-    """
-    out = _output()
-
-    def body():
-        import tempfile
-        import time
-
-        from ..inspect import inspect_model
-        from ..sample import write_sample
-        from ..validate import compare_with_oracle, validate_model
-
-        t0 = time.perf_counter()
-        d = directory or tempfile.mkdtemp(prefix="exl2fmt-demo-")
-        out.line(f"[1/4] writing the sample model to {d}", "bold")
-        write_sample(d, overwrite=force)
-        out.line(f"[2/4] exl2fmt inspect {d}", "bold")
-        out.inspect_report(inspect_model(d), show_layers=True)
-        out.line(f"[3/4] exl2fmt validate --deep {d}", "bold")
-        rep = validate_model(d, deep=True)
-        out.validate_report(rep.as_dict())
-        out.line("[4/4] dequantize every layer: Numba decoder vs NumPy oracle, bit for bit", "bold")
-        rows = compare_with_oracle(d)
-        out.table("Bit-exactness", ["layer", "out x in", "plan", "fp16 mismatches", "verdict"],
-                  [[r["key"], " x ".join(map(str, r["shape"])), r["plan"], r["mismatches"],
-                    "bit-exact" if r["bit_exact"] else "MISMATCH"] for r in rows])
-        exact = sum(r["bit_exact"] for r in rows)
-        ok = not rep.failed and rows and exact == len(rows)
-        verdict = (f"demo {'PASS' if ok else 'FAIL'}: inspect ok, validate --deep {rep.as_dict()['result']} "
-                   f"({rep.counts()['fail']} failed), {exact}/{len(rows)} layers bit-exact against the oracle "
-                   f"({time.perf_counter() - t0:.1f} s); sample in {d}")
-        out.line(verdict, "bold green" if ok else "bold red")
-        return EXIT_OK if ok else EXIT_INVALID
-
-    _run(out, body)
-
-
-# ------------------------------------------------------------------------------------------------ convert
-
-# The converters own their command (exl2fmt.converters.cli); importing it loads neither numpy nor numba.
-from ..converters.cli import convert_command  # noqa: E402
-
-app.command("convert")(convert_command)   # its own exit-code paragraph (in its help) replaces the epilog
-
-
-# ------------------------------------------------------------------------------------------------ entry
-
-
-def _no_bool_metavar() -> None:
-    """Flags take no value: typer's help shows a ``<bool>`` type for them (and for -h/--help); show none."""
-    from typer.core import TyperOption
-
-    if getattr(TyperOption.display_type_rich, "_exl2fmt", False):
-        return
-    plain = TyperOption.display_type_rich
-
-    def display_type_rich(self, ctx):
-        if getattr(self, "is_flag", False) and self.metavar is None:
+import sys
+
+__all__ = ["app", "main", "fast_args", "FAST"]
+
+#: command -> ({flag: (parameter, value)}, {"--option": parameter} taking one value, defaults of every parameter of
+#: the typer command).  A flag may repeat; the last of ``--layers`` / ``--no-layers`` wins, as in click.
+FAST: dict[str, tuple[dict[str, tuple[str, bool]], dict[str, str], dict[str, object]]] = {
+    "inspect": (
+        {"--json": ("json_", True), "--markdown": ("markdown", True), "--layers": ("layers", True),
+         "--no-layers": ("layers", False)},
+        {},
+        {"json_": False, "markdown": False, "layers": True, "revision": None},
+    ),
+    "validate": (
+        {"--json": ("json_", True), "--markdown": ("markdown", True), "--strict": ("strict", True),
+         "--deep": ("deep", True)},
+        {"--format": "fmt"},
+        {"deep": False, "reference": None, "fix_index": False, "strict": False, "kernel": False, "run": False,
+         "prompt_ids": None, "device": None, "kernel_m": None, "json_": False, "markdown": False, "fmt": None,
+         "revision": None},
+    ),
+}
+
+
+def fast_args(argv: list[str]) -> tuple[str, bool, dict] | None:
+    """``(command, debug, keyword arguments of its checks function)`` for a command line of ``FAST``, else None
+    (typer's to parse).  ``argv`` excludes the program name; ``--debug`` may come first, any number of times."""
+    i = 0
+    while i < len(argv) and argv[i] == "--debug":
+        i += 1
+    if i >= len(argv) or argv[i] not in FAST:
+        return None
+    cmd = argv[i]
+    flags, valued, defaults = FAST[cmd]
+    kw = dict(defaults)
+    path = None
+    rest = argv[i + 1:]
+    j = 0
+    while j < len(rest):
+        tok = rest[j]
+        j += 1
+        if tok in flags:
+            name, value = flags[tok]
+            kw[name] = value
+            continue
+        opt, eq, value = tok.partition("=")
+        if opt in valued:
+            if not eq:
+                if j >= len(rest):
+                    return None
+                value = rest[j]
+                j += 1
+            if not value or value.startswith("-"):
+                return None
+            kw[valued[opt]] = value
+            continue
+        if path is not None or not tok or tok.startswith("-"):
             return None
-        return plain(self, ctx)
-
-    display_type_rich._exl2fmt = True
-    TyperOption.display_type_rich = display_type_rich
-
-
-_no_bool_metavar()
-
-
-def _lazy_coercion() -> None:
-    """Typer 0.2x coerces parameter values through pydantic ``TypeAdapter``s, built when a parameter is first
-    processed - even for an absent optional one - and the import of pydantic alone costs more than ``inspect`` of
-    a 70B model (bench/RESULTS.md, issue 18).  Here the adapter is built only for a value that needs it: absent
-    values (None) never reach it in typer's ``RuntimeParam.coerce``, a ``str`` value of a ``str`` /
-    ``Optional[str]`` parameter and a ``bool`` value of a ``bool`` / ``Optional[bool]`` one are returned as they
-    are (what the adapter returns for them); everything else goes to typer's own coercion, unchanged.  Typer
-    versions without this machinery (``typer.core._TyperParameter``) are left alone."""
-    try:
-        from dataclasses import dataclass
-        from typing import Optional as _Opt
-
-        from typer import _coercion
-        from typer.core import _TyperParameter
-    except ImportError:  # pragma: no cover - typer < 0.2x: click types, no pydantic
-        return
-    plain = getattr(_TyperParameter, "get_runtime_param", None)
-    if plain is None or getattr(plain, "_exl2fmt", False) or not hasattr(_coercion, "build_runtime_param"):
-        return
-    as_is = {str: str, _Opt[str]: str, bool: bool, _Opt[bool]: bool}
-
-    @dataclass(frozen=True)
-    class _Lazy(_coercion.RuntimeParam):
-        descriptor: object = None
-        built: dict = None
-
-        def _coerce_value(self, value, param, ctx):
-            kind = as_is.get(self.annotation)
-            if kind is not None and type(value) is kind:
-                return value
-            if "rp" not in self.built:
-                self.built["rp"] = _coercion.build_runtime_param(self.descriptor)
-            return self.built["rp"]._coerce_value(value, param=param, ctx=ctx)
-
-    def get_runtime_param(self):
-        d = getattr(self, "type_descriptor", None)
-        if getattr(self, "_runtime_param", True) is None and d is not None:
-            self._runtime_param = _Lazy(parameter_info=d.parameter_info, annotation=d.annotation, descriptor=d,
-                                        built={})
-        return plain(self)
-
-    get_runtime_param._exl2fmt = True
-    _TyperParameter.get_runtime_param = get_runtime_param
-
-
-_lazy_coercion()
+        path = tok
+    if path is None:
+        return None
+    kw["path"] = path
+    return cmd, i > 0, kw
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (``exl2fmt``)."""
     import signal
-    import sys
 
     from .errors import EXIT_INTERRUPTED, Interrupted, interrupt_handler
 
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # leave an ignored SIGINT ignored
         signal.signal(signal.SIGINT, interrupt_handler)
     try:
+        # a shell-completion request is typer's (it answers it from the full command tree)
+        fast = None if os.environ.get("_EXL2FMT_COMPLETE") else fast_args(sys.argv[1:] if argv is None else argv)
+        if fast is not None:
+            from . import checks
+            from .errors import set_debug
+
+            cmd, debug, kw = fast
+            set_debug(debug)  # what typer's root callback does with --debug
+            if cmd == "inspect" or not kw["deep"]:
+                # header-only work allocates tens of thousands of small objects (entries, rows) and frees them
+                # at exit: the cyclic collector would walk them again and again (~10% of inspect's time) and find
+                # nothing to collect; reference counting still frees everything that is dropped
+                import gc
+
+                gc.disable()
+            run = checks.inspect_command if cmd == "inspect" else checks.validate_command
+            sys.exit(run(**kw, debug=debug))
+        from .commands import app
+
         app(args=argv, prog_name="exl2fmt")
     except Interrupted:  # before or after a command body (start-up, option parsing)
         sys.stderr.write("error: [INTERRUPTED] interrupted\n")
         sys.exit(EXIT_INTERRUPTED)
+
+
+def __getattr__(name: str):
+    """``app`` and the rest of ``exl2fmt.cli.commands`` (the typer app), imported on first use."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    from . import commands
+
+    try:
+        return getattr(commands, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
 if __name__ == "__main__":  # python -m exl2fmt.cli.app

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 from ..errors import Category, Exl2Error
 
@@ -81,6 +80,12 @@ def _extra_error(exc: BaseException):
     return missing_extra(exc)
 
 
+def _print_traceback(exc: BaseException) -> None:
+    import traceback  # only with --debug: the CLI's start-up does not pay for it
+
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+
+
 def handle_exception(exc: BaseException, out, *, debug: bool = False) -> int:
     """Report ``exc`` through the output sink ``out`` and return the exit code."""
     code = exit_code_for(exc)
@@ -105,11 +110,11 @@ def handle_exception(exc: BaseException, out, *, debug: bool = False) -> int:
         out.error(e.code.value, e.message, category=e.code.category.value, exit_code=EXIT_UNREADABLE)
         code = EXIT_UNREADABLE
         if debug_enabled(debug):
-            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+            _print_traceback(exc)
     else:
         hint = None if debug_enabled(debug) else "run with --debug (or EXL2FMT_DEBUG=1) for the traceback"
         out.error("INTERNAL", f"internal error: {type(exc).__name__}: {exc}", category="internal",
                   exit_code=code, hint=hint)
         if debug_enabled(debug):
-            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+            _print_traceback(exc)
     return code

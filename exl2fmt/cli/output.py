@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 from ..errors import escape_name
 
-__all__ = ["Output", "human_bytes", "human_count", "md_escape"]
+__all__ = ["Output", "human_bytes", "human_count", "md_escape", "dumps_json"]
 
 MODES = ("human", "json", "markdown")
 
@@ -29,6 +29,8 @@ MODES = ("human", "json", "markdown")
 #: findings become one "... and M more" line, so a file with 100k broken entries cannot make printing dominate
 #: the run.  JSON output keeps every finding (it is for machines and stays complete).
 MAX_ISSUES_PER_RULE = 20
+
+_PLAIN_WIDTH = 200  # the console width when stdout is not a terminal
 
 
 def _capped(items: list, key, more_line) -> list:
@@ -99,6 +101,7 @@ class Output:
         self.mode = mode
         self._out = None
         self._err = None
+        self._plain = None
 
     # --- consoles (created lazily: sys.stdout may be replaced by a test runner) ------------------------
     @property
@@ -106,7 +109,7 @@ class Output:
         if self._out is None:
             tty = sys.stdout.isatty()
             self._out = _console_class()(file=sys.stdout, highlight=False, emoji=False, markup=False,
-                                width=None if tty else 200, no_color=not tty)
+                                         width=None if tty else _PLAIN_WIDTH, no_color=not tty)
         return self._out
 
     @property
@@ -125,6 +128,42 @@ class Output:
 
         return Text(escape_name("-" if s is None else str(s)), style=style or "")
 
+    def _plain_stdout(self) -> bool:
+        """True when rich would write our text to stdout unstyled: stdout is not a terminal and no variable makes
+        rich take it for one (``TTY_COMPATIBLE=1``, a non-empty ``FORCE_COLOR``; not under IPython)."""
+        if self._plain is None:
+            import builtins
+            import os
+
+            env = os.environ
+            self._plain = (not sys.stdout.isatty() and env.get("TTY_COMPATIBLE", "") != "1"
+                           and not env.get("FORCE_COLOR") and not hasattr(builtins, "get_ipython"))
+        return self._plain
+
+    def _emit(self, segments: list[tuple[str, str | None]], soft_wrap: bool = True) -> None:
+        """``console.print(Text(...), soft_wrap=soft_wrap)`` of the concatenated ``(text, style)`` segments.
+
+        Where rich would write the text unchanged - stdout not a terminal (``_plain_stdout``, no styles then),
+        printable ASCII lines, and with ``soft_wrap=False`` none longer than the console's 200 columns - it is
+        written here (and flushed, as rich does) without importing rich, which costs more than the rest of
+        ``inspect`` of a large model.  tests/test_cli.py compares both writers on generated text."""
+        text = "".join(t for t, _ in segments)
+        if self._plain_stdout() and text.isascii():
+            lines = text.split("\n")
+            if all(ln.isprintable() and (soft_wrap or len(ln) <= _PLAIN_WIDTH) for ln in lines):
+                sys.stdout.write(text + "\n")
+                sys.stdout.flush()
+                return
+        from rich.text import Text
+
+        if len(segments) == 1:  # one styled text (its base style), as self.text() builds it
+            out = Text(segments[0][0], style=segments[0][1] or "")
+        else:
+            out = Text()
+            for t, style in segments:
+                out.append(t, style=style)
+        self.console.print(out, soft_wrap=soft_wrap)
+
     def line(self, s: str = "", style: str | None = None) -> None:
         """A plain line on stdout (file-derived parts must already be escaped by the caller or be ours)."""
         if self.mode == "json":
@@ -132,7 +171,7 @@ class Output:
         if self.mode == "markdown":
             sys.stdout.write(s + "\n")
             return
-        self.console.print(self.text(s, style), soft_wrap=True)
+        self._emit([(escape_name("-" if s is None else str(s)), style or "")])
 
     def warn(self, s: str) -> None:
         self.err_console.print(self.text(f"warning: {s}", "yellow"), soft_wrap=True)
@@ -142,7 +181,7 @@ class Output:
         self.err_console.print(self.text(s, "dim"), soft_wrap=True)
 
     def json(self, doc: dict) -> None:
-        sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=True, allow_nan=False, default=_json_default) + "\n")
+        sys.stdout.write(dumps_json(doc) + "\n")
         sys.stdout.flush()
 
     # --- errors -----------------------------------------------------------------------------------------
@@ -304,35 +343,28 @@ class Output:
 
     def pairs(self, pairs: list[tuple[str, Any]]) -> None:
         """Key / value lines (values escaped here)."""
-        from rich.text import Text
-
         w = max((len(k) for k, _ in pairs), default=0)
-        out = Text()
+        segments = []
         for i, (k, v) in enumerate(pairs):
-            out.append(k.ljust(w + 2), style="bold")
-            out.append(escape_name("-" if v is None else str(v)) + ("\n" if i + 1 < len(pairs) else ""))
-        self.console.print(out, soft_wrap=True)
+            segments.append((k.ljust(w + 2), "bold"))
+            segments.append((escape_name("-" if v is None else str(v)) + ("\n" if i + 1 < len(pairs) else ""), None))
+        self._emit(segments)
 
     def plain_table(self, title: str, headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> None:
         """Aligned columns without box drawing; cells must already be escaped."""
-        from rich.text import Text
-
         widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
 
         def fmt(cells):
             return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
-        out = Text()
-        out.append("\n" + title + "\n", style="bold")
-        out.append(fmt(headers).rstrip() + "\n", style="bold")
-        out.append("\n".join(fmt(r).rstrip() for r in rows))
-        self.console.print(out, soft_wrap=True)
+        self._emit([("\n" + title + "\n", "bold"), (fmt(headers).rstrip() + "\n", "bold"),
+                    ("\n".join(fmt(r).rstrip() for r in rows), None)])
 
     def _issues_human(self, issues: list[dict]) -> None:
         if not issues:
             return
-        self.console.print(self.text(f"{len(issues)} issue(s) seen while inspecting (run exl2fmt validate for all "
-                                     "checks):", "bold yellow"))
+        self._emit([(f"{len(issues)} issue(s) seen while inspecting (run exl2fmt validate for all checks):",
+                     "bold yellow")], soft_wrap=False)
         issues = _capped(issues, lambda i: (i["severity"], i["code"]),
                          lambda k, m: {"severity": k[0], "code": k[1],
                                        "message": f"... and {m} more (--json lists all)"})
@@ -343,8 +375,8 @@ class Output:
             if i.get("tensor") is not None:
                 where.append(f"tensor {i['tensor']}")
             sev = "FAIL" if i["severity"] == "error" else "WARN"
-            self.console.print(self.text(f"  {sev} {i['code']}  {': '.join(where) + ': ' if where else ''}"
-                                         f"{i['message']}", "red" if sev == "FAIL" else "yellow"), soft_wrap=True)
+            self._emit([(escape_name(f"  {sev} {i['code']}  {': '.join(where) + ': ' if where else ''}"
+                                     f"{i['message']}"), "red" if sev == "FAIL" else "yellow")])
 
     def _inspect_markdown(self, rep: dict, show_layers: bool) -> None:
         w = sys.stdout.write
@@ -396,10 +428,9 @@ class Output:
             w(f"## exl2fmt validate: {md_escape(rep['path'])}\n\n| status | code | where | message |\n"
               "|---|---|---|---|\n")
         else:
-            self.console.print(self.text(f"exl2fmt validate {rep['path']}"
-                                         + (" --deep" if rep["deep"] else "")
-                                         + (f" --reference {rep['reference']}" if rep["reference"] else "")
-                                         + (" --strict" if rep["strict"] else ""), "bold"), soft_wrap=True)
+            self._emit([(escape_name(f"exl2fmt validate {rep['path']}" + (" --deep" if rep["deep"] else "")
+                                     + (f" --reference {rep['reference']}" if rep["reference"] else "")
+                                     + (" --strict" if rep["strict"] else "")), "bold")])
         styles = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
         checks = _capped(rep["checks"], lambda c: None if c["status"] == "PASS" else (c["status"], c["code"]),
                          lambda k, m: {"status": k[0], "code": k[1], "message": f"... and {m} more (--json lists all)"})
@@ -413,14 +444,8 @@ class Output:
             if md:
                 w(f"| {c['status']} | {c['code']} | {md_escape(': '.join(where))} | {md_escape(msg)} |\n")
             else:
-                from rich.text import Text
-
-                line = Text()
-                line.append(f"{c['status']} ", style=styles[c["status"]])
-                line.append(f"{c['code']:<22} ", style="bold")
-                line.append(escape_name(": ".join(where) + ": " if where else ""))
-                line.append(escape_name(msg))
-                self.console.print(line, soft_wrap=True)
+                self._emit([(f"{c['status']} ", styles[c["status"]]), (f"{c['code']:<22} ", "bold"),
+                            (escape_name(": ".join(where) + ": " if where else ""), None), (escape_name(msg), None)])
         layers = [l for l in rep.get("layers") or [] if l.get("stats")]
         if layers and not md:
             cols = ["layer", "out x in", "mean", "std", "absmax"]
@@ -448,7 +473,8 @@ class Output:
         if md:
             w(f"\n**{verdict}**\n")
         else:
-            self.console.print(self.text(verdict, "bold green" if rep["result"] == "PASS" else "bold red"))
+            self._emit([(escape_name(verdict), "bold green" if rep["result"] == "PASS" else "bold red")],
+                       soft_wrap=False)
 
     # =====================================================================================================
     # small results
@@ -482,6 +508,78 @@ def _console_class():
             raise BrokenPipeError(32, "Broken pipe")
 
     return _Console
+
+
+def dumps_json(doc) -> str:
+    """``json.dumps(doc, indent=2, ensure_ascii=True, allow_nan=False, default=_json_default)``, byte for byte.
+
+    The standard encoder runs in Python when it indents (its C encoder only writes compact JSON), one generator per
+    container; a report of a 70B model (561 layer rows) took longer to print than to read its headers.  Documents
+    of plain types (dict with str keys, list, str, int, finite float, bool, None; exact types, no subclasses) are
+    written here by appending to one list; anything else - an enum, a tuple, a numpy scalar, a non-str key, NaN,
+    nesting too deep - goes to ``json.dumps`` itself, which then decides (value, or its exception).
+    tests/test_cli.py compares the two on generated documents and on real reports."""
+    parts: list[str] = []
+    try:
+        _write_json(doc, "\n", parts)
+    except (_NotPlain, ValueError, RecursionError):
+        return json.dumps(doc, indent=2, ensure_ascii=True, allow_nan=False, default=_json_default)
+    return "".join(parts)
+
+
+class _NotPlain(Exception):
+    """A value ``dumps_json`` leaves to ``json.dumps``."""
+
+
+_esc = json.encoder.encode_basestring_ascii
+_INF = float("inf")
+
+
+def _write_json(o, nl: str, parts: list) -> None:
+    """Append ``o`` as indented JSON; ``nl`` is a newline plus the indentation of the line ``o`` starts on."""
+    t = type(o)
+    if t is str:
+        parts.append(_esc(o))
+    elif o is None:
+        parts.append("null")
+    elif o is True:
+        parts.append("true")
+    elif o is False:
+        parts.append("false")
+    elif t is int:
+        parts.append(int.__repr__(o))
+    elif t is float:
+        if o != o or o == _INF or o == -_INF:
+            raise _NotPlain
+        parts.append(float.__repr__(o))
+    elif t is dict:
+        if not o:
+            parts.append("{}")
+            return
+        inner = nl + "  "
+        sep = "{" + inner
+        for k, v in o.items():
+            if type(k) is not str:
+                raise _NotPlain
+            parts.append(sep)
+            parts.append(_esc(k))
+            parts.append(": ")
+            _write_json(v, inner, parts)
+            sep = "," + inner
+        parts.append(nl + "}")
+    elif t is list:
+        if not o:
+            parts.append("[]")
+            return
+        inner = nl + "  "
+        sep = "[" + inner
+        for v in o:
+            parts.append(sep)
+            _write_json(v, inner, parts)
+            sep = "," + inner
+        parts.append(nl + "]")
+    else:
+        raise _NotPlain
 
 
 def _json_default(o):

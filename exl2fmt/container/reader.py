@@ -559,9 +559,13 @@ def _open_indexed(directory: Path, index: Path) -> ModelFiles:
     if getattr(wm, "dups", None):
         raise _err(ErrorCode.INDEX_INVALID, f"expected each tensor once in weight_map, found {wm.dups[0]!r} twice",
                    ip, tensor=wm.dups[0])
+    plain: set[str] = set()  # shard names already checked (a model has a few, named thousands of times)
     for name, shard in wm.items():
+        if type(shard) is str and shard in plain:
+            continue
         if not isinstance(shard, str):
             raise _err(ErrorCode.INDEX_INVALID, f"expected a shard file name, found {json_type(shard)}", ip, tensor=name)
+        plain.add(shard)
         if not is_plain_file_name(shard):
             raise _err(ErrorCode.INDEX_INVALID,
                        f"expected a plain file name inside the model directory, found {shorten(shard)!r}", ip,
@@ -571,9 +575,7 @@ def _open_indexed(directory: Path, index: Path) -> ModelFiles:
         raise _err(ErrorCode.INDEX_INVALID, f"expected \"metadata\" to be an object, found {json_type(meta)}", ip)
 
     issues: list[Issue] = []
-    per_shard: dict[str, int] = {}  # shard name -> indexed tensors (one pass: linear in the index)
-    for v in wm.values():
-        per_shard[v] = per_shard.get(v, 0) + 1
+    per_shard: dict[str, int] = collections.Counter(wm.values())  # shard name -> indexed tensors
     shard_names = sorted(per_shard)
     shard_path = {s: str(directory / s) for s in shard_names}
     files: list[Path] = []
@@ -589,7 +591,68 @@ def _open_indexed(directory: Path, index: Path) -> ModelFiles:
         files.append(sp)
         headers[str(sp)] = read_header(sp)
 
-    # where each tensor is; which copy `tensors` exposes (the indexed shard, else the last file)
+    simple = _single_copies(files, headers, wm, shard_path)
+    if simple is not None:  # the usual model: whole-dict operations give what the tensor-by-tensor pass below gives
+        tensors, loc = simple
+        if len(loc.keys() - wm.keys()):
+            for name, sf in loc.items():
+                if name not in wm:
+                    issues.append(Issue(ErrorCode.INDEX_UNLISTED_TENSOR,
+                                        f"expected every shard tensor in the index, found {name!r} in "
+                                        f"{os.path.basename(sf)} but not in weight_map (loaders that follow "
+                                        f"the index never load it)", tensor=name, file=sf, severity=Severity.ERROR))
+        # every tensor of every shard is exposed, and a shard's tensors fill its data buffer without gaps (the
+        # header's layout check), so their bytes add up to the data buffers' lengths
+        actual = sum(headers[str(f)].data_len for f in files)
+    else:
+        tensors, actual = _resolve_copies(files, headers, wm, shard_path, issues)
+    if isinstance(meta, dict) and "total_size" in meta:
+        ts = meta["total_size"]
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+            issues.append(Issue(ErrorCode.INDEX_TOTAL_SIZE,
+                                f"expected metadata.total_size to be a number, found {json_type(ts)}",
+                                file=ip, severity=Severity.WARNING))
+        elif ts != actual:
+            issues.append(Issue(ErrorCode.INDEX_TOTAL_SIZE,
+                                f"expected metadata.total_size = {actual} (sum of tensor bytes), found {json_repr(ts)}",
+                                file=ip, severity=Severity.WARNING))
+    # other .safetensors files in the directory the index does not reference
+    referenced = {f.name for f in files} | set(shard_names)
+    for extra in _glob_shards(directory):
+        if extra.name not in referenced:
+            issues.append(Issue(ErrorCode.INDEX_UNLISTED_TENSOR,
+                                f"expected every .safetensors file in the directory to be referenced by the index, "
+                                f"found {extra.name!r} unreferenced (ExLlamaV2 loads every *.safetensors file)",
+                                file=str(extra), severity=Severity.WARNING))
+    issues.extend(_outside_links(directory, files))
+    return ModelFiles(directory, files, headers, tensors, index, issues)
+
+
+def _single_copies(files: list[Path], headers: dict[str, SafetensorsHeader], wm: dict, shard_path: dict[str, str]
+                   ) -> tuple[dict[str, TensorInfo], dict[str, str]] | None:
+    """(tensors in file order, tensor -> its shard) when no tensor is in two shards and every indexed tensor is in
+    the shard the index names (or that shard is missing); None otherwise, for ``_resolve_copies``."""
+    loc: dict[str, str] = {}
+    tensors: dict[str, TensorInfo] = {}
+    total = 0
+    for f in files:
+        sf = str(f)
+        ts = headers[sf].tensors
+        total += len(ts)
+        loc.update(dict.fromkeys(ts, sf))
+        tensors.update(ts)
+    if len(loc) != total:
+        return None
+    indexed = dict(zip(wm, map(shard_path.__getitem__, wm.values())))
+    if any(sp in headers for _, sp in indexed.items() - loc.items()):
+        return None
+    return tensors, loc
+
+
+def _resolve_copies(files: list[Path], headers: dict[str, SafetensorsHeader], wm: dict, shard_path: dict[str, str],
+                    issues: list[Issue]) -> tuple[dict[str, TensorInfo], int]:
+    """Tensor by tensor: which copy ``tensors`` exposes (the indexed shard, else the last file), the index's
+    unlisted and missing tensors and the duplicates (appended to ``issues``); returns (tensors, their bytes)."""
     where: dict[str, list[str]] = {}
     for f in files:
         for name in headers[str(f)].tensors:
@@ -622,27 +685,7 @@ def _open_indexed(directory: Path, index: Path) -> ModelFiles:
             if chosen[name] == str(f):
                 tensors[name] = t
     issues.extend(_duplicate_issues(where, chosen))
-    if isinstance(meta, dict) and "total_size" in meta:
-        ts = meta["total_size"]
-        actual = sum(t.nbytes for t in tensors.values())
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)):
-            issues.append(Issue(ErrorCode.INDEX_TOTAL_SIZE,
-                                f"expected metadata.total_size to be a number, found {json_type(ts)}",
-                                file=ip, severity=Severity.WARNING))
-        elif ts != actual:
-            issues.append(Issue(ErrorCode.INDEX_TOTAL_SIZE,
-                                f"expected metadata.total_size = {actual} (sum of tensor bytes), found {json_repr(ts)}",
-                                file=ip, severity=Severity.WARNING))
-    # other .safetensors files in the directory the index does not reference
-    referenced = {f.name for f in files} | set(shard_names)
-    for extra in _glob_shards(directory):
-        if extra.name not in referenced:
-            issues.append(Issue(ErrorCode.INDEX_UNLISTED_TENSOR,
-                                f"expected every .safetensors file in the directory to be referenced by the index, "
-                                f"found {extra.name!r} unreferenced (ExLlamaV2 loads every *.safetensors file)",
-                                file=str(extra), severity=Severity.WARNING))
-    issues.extend(_outside_links(directory, files))
-    return ModelFiles(directory, files, headers, tensors, index, issues)
+    return tensors, sum(t.nbytes for t in tensors.values())
 
 
 

@@ -272,44 +272,79 @@ def quantize_rtn(weight: np.ndarray, tiers: list[Tier], perm: np.ndarray | None 
 # ---------------------------------------------------------------------------------------------------- inspect
 
 
-def inspect_facts(model, info, config, issues: list[Issue]) -> dict:
+# Layers quantized with the same setting share their q_groups byte for byte (in a model from one optimizer run,
+# most layers of a kind do), so inspect decodes each distinct vector once: (q_groups bytes, q_weight rows) ->
+# (plan text, G, K, Q, ((bits, rows at that width), ...)), and (K, N_pad, G, Q, slot dtypes) -> bpw.  Both are
+# pure functions of their keys; only vectors that pass every rule are kept, and at most _MEMO_MAX of each.
+_PLAN_MEMO: dict = {}
+_BPW_MEMO: dict = {}
+_MEMO_MAX = 4096
+
+
+def _plan_facts(raw: bytes, q_weight_rows: int, tensor: str, file: str | None) -> tuple:
+    key = (raw, q_weight_rows)
+    hit = _PLAN_MEMO.get(key)
+    if hit is not None:
+        return hit
+    bits_rows = q_groups_plan(struct.unpack(f"<{len(raw) // 2}h", raw), q_weight_rows, tensor=tensor, file=file)
+    per_bits: dict[int, int] = {}
+    for b, r in bits_rows:
+        per_bits[b] = per_bits.get(b, 0) + r
+    hit = (plan_desc(bits_rows), len(bits_rows), sum(per_bits.values()), sum(r * b for b, r in bits_rows) // 32,
+           tuple(per_bits.items()))
+    if len(_PLAN_MEMO) < _MEMO_MAX:
+        _PLAN_MEMO[key] = hit
+    return hit
+
+
+def _layer_bpw(K: int, N_pad: int, G: int, Q: int, dtypes: tuple) -> float | None:
+    key = (K, N_pad, G, Q, dtypes)
+    try:
+        return _BPW_MEMO[key]
+    except KeyError:
+        pass
+    try:
+        v = bpw(Format.EXL2, Exl2Geometry(K=K, N_pad=N_pad, G=G, Q=Q), dict(dtypes))
+    except KeyError:
+        v = None
+    if len(_BPW_MEMO) < _MEMO_MAX:
+        _BPW_MEMO[key] = v
+    return v
+
+
+def inspect_facts(model, info, config, issues: list[Issue], features=None) -> dict:
     """The EXL2 part of an ``inspect`` layer row, from the headers plus the layer's q_groups vector (2G int16).
 
     ``info`` is a ``detect.LayerInfo``; returns ``{"K", "N", "G", "plan", "hist", "act", "bpw", "error"}``
     (``hist`` bits -> stored weights; ``N`` the true width when config.json names it, else N_pad).  A broken
-    q_groups is appended to ``issues`` and named in ``error``."""
-    from ..arch import expected_features
+    q_groups is appended to ``issues`` and named in ``error``.  ``features``: ``arch.features_of(config)``
+    when the caller asks for many layers of one config."""
+    if features is None:
+        from ..arch import features_of
 
+        features = features_of(config)
     K, N_stored, G = info.in_features, info.out_features, info.groups
     N = N_stored
     out = {"plan": None, "hist": {}, "act": True, "bpw": None, "error": None}
-    n_cfg = expected_features(config, info.key)[1]
+    n_cfg = features(info.key)[1]
     if N_stored is not None and n_cfg is not None and pad32(n_cfg) == N_stored:
         N = n_cfg
-    qg, qw = info.slots.get(Exl2Slot.Q_GROUPS), info.slots.get(Exl2Slot.Q_WEIGHT)
+    slots = info.slots
+    qg, qw = slots.get(Exl2Slot.Q_GROUPS), slots.get(Exl2Slot.Q_WEIGHT)
     if qg is not None and qw is not None and len(qw.shape) == 2 and len(qg.shape) == 1 and qg.dtype == "I16":
-        raw = model.get_bytes(qg.name)  # int16 little-endian; plain ints, so inspect never imports numpy
+        raw = bytes(model.get_bytes(qg.name))  # int16 little-endian; plain ints, so inspect never imports numpy
         try:
-            bits_rows = q_groups_plan(struct.unpack(f"<{len(raw) // 2}h", raw), int(qw.shape[0]), tensor=qg.name,
-                                      file=qg.file)
+            plan, G, gK, Q, per_bits = _plan_facts(raw, int(qw.shape[0]), qg.name, qg.file)
         except Exl2Error as e:
             out["error"] = e.message
             issues.append(e.as_issue())
         else:
-            out["plan"] = plan_desc(bits_rows)
-            G = len(bits_rows)
-            gK = sum(r for _, r in bits_rows)
+            out["plan"] = plan
             if K is None:
                 K = gK
-            hist = out["hist"]
-            for b, r in bits_rows:
-                hist[b] = hist.get(b, 0) + r * N_stored
+            out["hist"] = {b: r * N_stored for b, r in per_bits}
             if K == gK:
-                geom = Exl2Geometry(K=gK, N_pad=N_stored, G=G, Q=sum(r * b for b, r in bits_rows) // 32)
-                try:
-                    out["bpw"] = bpw(Format.EXL2, geom, {s: t.dtype for s, t in info.slots.items()})
-                except KeyError:
-                    out["bpw"] = None
+                out["bpw"] = _layer_bpw(gK, N_stored, G, Q, tuple((s, t.dtype) for s, t in slots.items()))
     else:
         out["error"] = "q_groups or q_weight missing or malformed"
     out.update(K=K, N=N, G=G)
