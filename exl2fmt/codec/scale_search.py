@@ -7,7 +7,7 @@ most frequent inner loop (once per group per candidate setting), so it gets a ke
 one parallel work item that sweeps the group once, accumulating per column in float32 and over columns in
 float64, in a fixed order, so the result does not depend on the thread count.
 
-``grid_errors`` is checked against a NumPy twin in ``tests/test_quant_gptq.py``.
+``grid_errors`` is checked against a NumPy twin in ``tests/test_scale_search.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from numba import njit, prange
 
 from ._f16 import f16_bits_to_f32, f32_to_f16_bits
 
-__all__ = ["P_GRID", "grid_errors", "grid_argmin", "refine_scale_codes", "REFINE_RADIUS"]
+__all__ = ["P_GRID", "grid_errors", "refine_scale_codes", "REFINE_RADIUS"]
 
 #: Scale codes tried on either side of the searched one by ``refine_scale_codes``.
 REFINE_RADIUS = 2
@@ -63,81 +63,6 @@ def grid_errors(x: np.ndarray, trial: np.ndarray, bits: int, pgrid: np.ndarray =
     out = np.empty(len(pgrid), dtype=np.float64)
     _grid_errors(x, trial, np.ascontiguousarray(pgrid, dtype=np.float32), 1 << (bits - 1), (1 << bits) - 1, out)
     return out
-
-
-#: Where ``grid_argmin`` starts looking, per bit width (an index of ``P_GRID``): near where the minimum usually
-#: lies for weights (trained fixture, all layers: 2-bit 0-19, 3-bit 31-52, 4-bit 51-62, 6-bit 67-73, 8-bit
-#: 72-77).  Only the visiting order depends on it, never the result.
-_START = {2: 10, 3: 42, 4: 56, 5: 63, 6: 70, 8: 75}
-
-#: Columns summed between two checks of ``grid_argmin``'s early exit.
-_TILE = 16
-
-
-@njit(cache=True, parallel=True, fastmath=False)
-def _grid_argmin(x, trial, pgrid, order, zero, maxq, workers, tile, out, best):
-    R, N = x.shape
-    lo = np.float32(-zero)
-    hi = np.float32(maxq - zero)
-    for w in prange(workers):
-        s = np.empty(N, dtype=np.float32)
-        col = np.zeros(N, dtype=np.float32)
-        for k in range(w, order.shape[0], workers):
-            pi = order[k]
-            p = pgrid[pi]
-            for n in range(N):
-                s[n] = trial[n] * p
-                col[n] = 0
-            acc = 0.0
-            lost = False
-            for n0 in range(0, N, tile):
-                n1 = min(N, n0 + tile)
-                for r in range(R):
-                    for n in range(n0, n1):
-                        v = x[r, n]
-                        q = min(max(np.rint(v / s[n]), lo), hi)
-                        a = abs(q * s[n] - v)
-                        col[n] += a * a * a * np.sqrt(a)
-                for n in range(n0, n1):
-                    acc += col[n]
-                if acc > best[0]:
-                    # the columns left only add non-negative terms: E(p) > a complete E(p') >= the minimum
-                    lost = True
-                    break
-            if lost:
-                out[pi] = np.inf
-            else:
-                out[pi] = acc
-                if acc < best[0]:
-                    best[0] = acc
-
-
-def grid_argmin(x: np.ndarray, trial: np.ndarray, bits: int, pgrid: np.ndarray = P_GRID) -> int:
-    """``int(np.argmin(grid_errors(x, trial, bits, pgrid)))``, computed with an early exit.
-
-    E(p) is summed over columns in a fixed order of non-negative float64 additions, so its partial sums never
-    decrease: once the partial sum of p exceeds a complete E(p') of another grid point, p cannot be the
-    (first) minimum and the rest of its columns are skipped.  Grid points are visited outwards from where the
-    minimum usually lies (``_START``), by every thread in turn, so a good E(p') is known early; skipped points
-    read as +inf.  Every point that is not skipped gets exactly ``grid_errors``'s value (same per-column float32
-    sums over rows, same float64 sum over columns in column order), the minimum and any point tied with it are
-    never skipped, so the index equals ``grid_errors``'s argmin whatever the thread count or timing.  Inputs
-    with a non-finite value take ``grid_errors`` itself (NaN orders nothing)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    trial = np.ascontiguousarray(trial, dtype=np.float32)
-    pgrid = np.ascontiguousarray(pgrid, dtype=np.float32)
-    if not (np.isfinite(x).all() and np.isfinite(trial).all()):
-        return int(np.argmin(grid_errors(x, trial, bits, pgrid)))
-    import numba
-
-    G = len(pgrid)
-    start = min(G - 1, int(round(_START.get(bits, G // 2) * (G - 1) / 96))) if G > 1 else 0
-    order = np.array(sorted(range(G), key=lambda i: (abs(i - start), i)), dtype=np.int64)
-    out = np.empty(G, dtype=np.float64)
-    best = np.full(1, np.inf, dtype=np.float64)
-    _grid_argmin(x, trial, pgrid, order, 1 << (bits - 1), (1 << bits) - 1, max(1, numba.get_num_threads()),
-                 _TILE, out, best)
-    return int(np.argmin(out))
 
 
 @njit(cache=True)

@@ -216,7 +216,7 @@ def find_scales(x: np.ndarray, bits: int, refine: bool = False):
     ``refine``: afterwards, each column takes the nearby code with the smallest squared error
     (``codec.scale_search.refine_scale_codes``; exl2fmt's, not ExLlamaV2's).
     """
-    from ..codec.scale_search import P_GRID, grid_argmin, refine_scale_codes
+    from ..codec.scale_search import P_GRID, grid_errors, refine_scale_codes
 
     x = np.ascontiguousarray(x, dtype=np.float32)
     maxq = (1 << bits) - 1
@@ -225,7 +225,7 @@ def find_scales(x: np.ndarray, bits: int, refine: bool = False):
     smax = base.max()
     qs = np.clip(np.round(16 * np.sqrt(base / smax)), 1, 16).astype(np.int64)
     trial = ((qs.astype(np.float32) / 16) ** 2 * smax).astype(np.float32)
-    best_p = float(P_GRID[grid_argmin(x, trial, bits)])
+    best_p = float(P_GRID[int(np.argmin(grid_errors(x, trial, bits)))])
     qsm = np.float16(max(float(np.float16(smax * np.float32(best_p))), 2.0 ** -24))
     m = _f16(np.float32(qsm) * np.float32(1 / 256))
     if refine:
