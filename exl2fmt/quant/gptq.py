@@ -379,8 +379,9 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
     plans are taken in sorted order (a depth-first walk of the trie of their groups), and where the next plan
     parts from the current one after j groups, the rows not yet processed at that point were saved and are
     copied back (into the same matrix, so every later product sees the same memory layout) instead of
-    sweeping the first j groups again.  Saved states take at most ``share_bytes`` (default ``SHARE_MATRICES``
-    times the work matrix); past that, a plan restarts from the deepest state that was saved.
+    sweeping the first j groups again (plans that part at the first group start from the weight again).  Saved
+    states take at most ``share_bytes`` (default ``SHARE_MATRICES`` times the work matrix); past that, a plan
+    restarts from the deepest state that was saved.
 
     ``error``: compute each result's ``proxy_error`` (the measurement does not read it; otherwise None).
     ``use_kernel``: as in ``_sweep``."""
@@ -432,7 +433,8 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
                 need.add(low)
         for j in range(depth, len(plan)):
             a = starts[j]
-            if j in need and not (saved and saved[-1][0] == j):
+            # (never at depth 0: the weight itself is the state there, rebuilt by _work_matrix as cheaply as a copy)
+            if j > 0 and j in need and not (saved and saved[-1][0] == j):
                 held = sum(t.numel() * t.element_size() for _, _, t in saved)
                 if held + (K - a) * row_bytes <= budget:
                     saved.append((j, a, Wt[a:].clone()))
