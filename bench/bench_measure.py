@@ -7,9 +7,12 @@ quantize.  Every arm saves its measurement; the plans the optimizer picks from e
 quantizer runs) are compared with the first arm's, block by block.
 
     python bench/bench_measure.py [--model DIR] [--rows 16] [--length 256] [--arms all,4] [--record]
+    python bench/bench_measure.py --arms all --trees /work/main,. --repeat 2     # before/after, interleaved
 
 An arm is ``all`` (every calibration row scores the candidates, the default of ``--measure-rows``) or a row
-count (``--measure-rows N``).  ``--record`` appends the table to bench/RESULTS.md.
+count (``--measure-rows N``).  ``--trees`` runs every arm with each source tree's exl2fmt (``PYTHONPATH``), one
+after the other, ``--repeat`` times, so that two versions are timed side by side under the same load; the
+table gives each run's full output hashes.  ``--record`` appends the table to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -35,11 +38,14 @@ def _arm(model: str, dst: str, rows: int, length: int, bits: float, measure_rows
 
     o = QuantOptions(target="exl2", bits=bits, rows=rows, length=length, device="cpu", measure_rows=measure_rows,
                      save_measurement=mfile)
+    import exl2fmt
+
     rep = quantize_model(model, dst, o)
-    sha = {f: hashlib.sha256((Path(dst) / f).read_bytes()).hexdigest()[:16]
+    sha = {f: hashlib.sha256((Path(dst) / f).read_bytes()).hexdigest()
            for f in ("output.safetensors", "measurement.json")}
-    return {"seconds": rep.seconds, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "sha": sha}
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"seconds": rep.seconds, "maxrss_mb": ru.ru_maxrss / 1024, "cpu_s": ru.ru_utime + ru.ru_stime,
+            "sha": sha, "tree": str(Path(exl2fmt.__file__).resolve().parent.parent), "load": os.getloadavg()[0]}
 
 
 def main() -> None:
@@ -50,6 +56,8 @@ def main() -> None:
     ap.add_argument("--bits", type=float, default=4.15)
     ap.add_argument("--arms", default="all,4")
     ap.add_argument("--plan-bits", default="2.5,3,4,5,6")
+    ap.add_argument("--trees", default="", help="comma-separated source trees (default: the imported exl2fmt)")
+    ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--_arm", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -61,24 +69,35 @@ def main() -> None:
 
     load = os.getloadavg()
     arms = [None if x == "all" else int(x) for x in a.arms.split(",")]
+    trees = [str(Path(t).resolve()) for t in a.trees.split(",") if t] or [None]
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-measure-") as tmp:
-        for mr in arms:
-            dst, mfile = os.path.join(tmp, f"out-{mr}"), os.path.join(tmp, f"m-{mr}.json")
-            p = subprocess.run([sys.executable, __file__, "--model", a.model, "--rows", str(a.rows), "--length",
-                                str(a.length), "--bits", str(a.bits), "--_arm", json.dumps([mr, dst, mfile])],
-                               capture_output=True, text=True)
-            if p.returncode:
-                sys.exit(p.stderr[-3000:])
-            r = json.loads(p.stdout.strip().splitlines()[-1])
-            r["plans"] = {b: plan_from_measurement(a.model, mfile, float(b)) for b in a.plan_bits.split(",")}
-            results.append((mr, r))
+        for rep in range(a.repeat):
+            for mr in arms:
+                for ti, tree in enumerate(trees):
+                    tag = f"{mr}-{ti}-{rep}"
+                    dst, mfile = os.path.join(tmp, f"out-{tag}"), os.path.join(tmp, f"m-{tag}.json")
+                    env = dict(os.environ)
+                    if tree is not None:
+                        env["PYTHONPATH"] = tree
+                    p = subprocess.run([sys.executable, __file__, "--model", a.model, "--rows", str(a.rows),
+                                        "--length", str(a.length), "--bits", str(a.bits),
+                                        "--_arm", json.dumps([mr, dst, mfile])], capture_output=True, text=True,
+                                       env=env)
+                    if p.returncode:
+                        sys.exit(p.stderr[-3000:])
+                    r = json.loads(p.stdout.strip().splitlines()[-1])
+                    r["plans"] = {b: plan_from_measurement(a.model, mfile, float(b)) for b in a.plan_bits.split(",")}
+                    results.append((mr, r))
+                    print(json.dumps({"arm": mr, "tree": r["tree"], "seconds": r["seconds"], "cpu_s": r["cpu_s"],
+                                      "load": r["load"], "sha": r["sha"]}), flush=True)
     base = results[0][1]["plans"]
     lines = [f"model {a.model}, {a.rows} rows x {a.length} tokens, --bits {a.bits}, load {load[0]:.2f} "
              f"{load[1]:.2f} {load[2]:.2f}", "",
-             "| scoring rows | measure s | quantize s | measure / quantize | peak RSS MB | output sha256 | "
+             "| tree | scoring rows | measure s | quantize s | measure / quantize | process CPU s | load at end | "
+             "peak RSS MB | output.safetensors sha256 | measurement.json sha256 | "
              "blocks whose plan differs from the first arm's (at " + ", ".join(base) + " bpw) |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for mr, r in results:
         s = r["seconds"]
         diffs = []
@@ -87,9 +106,10 @@ def main() -> None:
             d += sum(plan["overrides"].get(k) != v for k, v in base[b]["overrides"].items())
             d += sum(k not in base[b]["overrides"] for k in plan["overrides"])
             diffs.append(str(d))
-        lines.append(f"| {'all' if mr is None else mr} | {s['measure']:.1f} | {s['quantize']:.1f} | "
-                     f"{s['measure'] / s['quantize']:.2f} | {r['maxrss_mb']:.0f} | "
-                     f"{r['sha']['output.safetensors']} | {' / '.join(diffs)} |")
+        lines.append(f"| {r['tree']} | {'all' if mr is None else mr} | {s['measure']:.1f} | {s['quantize']:.1f} | "
+                     f"{s['measure'] / s['quantize']:.2f} | {r['cpu_s']:.1f} | {r['load']:.2f} | "
+                     f"{r['maxrss_mb']:.0f} | {r['sha']['output.safetensors']} | {r['sha']['measurement.json']} | "
+                     f"{' / '.join(diffs)} |")
     print("\n".join(lines))
     print(json.dumps([[mr, r["plans"]] for mr, r in results]))
     if a.record:

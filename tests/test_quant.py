@@ -15,6 +15,9 @@ import os
 
 import numpy as np
 import pytest
+from conftest import hyp_settings
+from hypothesis import given
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -496,6 +499,171 @@ def test_cpu_kernel_and_torch_row_loop_give_the_same_bits():
         codes = G._sweep(Wt, p.U, groups, fit, use_kernel=use_kernel)
         out.append((codes, Wt))
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+def _exl2_separately(W, p, plan, use_kernel=None):
+    """One plan on its own: a fresh work matrix, the plain group-by-group sweep, ExLlamaV2's scale search."""
+    from exl2fmt.layout import pad32
+    from exl2fmt.quant import gptq as G
+
+    N, K = W.shape
+    Wt = G._work_matrix(W, p.perm, pad32(N))
+    sc = np.empty((len(plan), pad32(N)), dtype=np.uint8)
+    qsm = np.empty(len(plan), dtype=np.float16)
+    starts, a = [], 0
+    for _, r in plan:
+        starts.append((a, r))
+        a += r
+
+    def fit(g, X):
+        b = plan[g][0]
+        sc[g], qsm[g], s = find_scales(X.numpy(), b)
+        s = torch.from_numpy(s)
+        return s, torch.full_like(s, float(BIT_WIDTHS[b].zero_point)), float((1 << b) - 1)
+
+    codes = G._sweep(Wt, p.U, starts, fit, use_kernel=use_kernel)
+    return codes.numpy(), sc, qsm, G._unpermute(Wt, p.perm, N)
+
+
+def _assert_plans_match_separate_runs(W, p, plans, **kw):
+    from exl2fmt.quant.gptq import quantize_exl2_plans
+
+    seen = {}
+    for i, r in quantize_exl2_plans(W, p, plans, **kw):
+        assert i not in seen
+        seen[i] = r
+        codes, sc, qsm, w_hat = _exl2_separately(W, p, plans[i], kw.get("use_kernel"))
+        assert r.bits_rows == list(plans[i]) and r.error is None
+        assert np.array_equal(r.codes, codes), (i, plans[i])
+        assert np.array_equal(r.scale_codes, sc) and np.array_equal(r.q_scale_max, qsm), (i, plans[i])
+        assert torch.equal(r.weight_hat, w_hat), (i, plans[i])
+        assert np.array_equal(r.q_invperm, np.argsort(p.perm.numpy())), i
+    assert sorted(seen) == list(range(len(plans)))
+
+
+@pytest.mark.parametrize("share_bytes,use_kernel", [(None, None), (None, False), (0, None), (40 * 96 * 4, None)])
+def test_plans_sharing_their_first_groups_give_the_bits_of_separate_runs(share_bytes, use_kernel):
+    """quantize_exl2_plans sweeps a layer's candidate plans as a trie (a shared prefix is swept once, the state
+    at a branch saved and copied back); every result must equal that plan quantized on its own, bit for bit,
+    whether states are saved (default), never saved (0 bytes: every branch restarts from the weight) or only
+    the small ones (a budget of 40 rows), and in the torch row loop the CUDA path runs."""
+    K, N = 256, 80                                              # N padded to 96
+    p = prepare(_correlated(K, seed=11))
+    W = _weight(N, K, seed=12)
+    # the measurement's real case: every distinct plan of the attention settings at this K (they share
+    # prefixes such as 0.1x4/128's first group), one asked twice
+    plans = list(dict.fromkeys(tuple(opt.get("q_proj").bits_rows(K)) for opt in QP.block_options("attn", True)))
+    plans = plans + [plans[3]]
+    assert len(plans) > 10
+    _assert_plans_match_separate_runs(W, p, plans, share_bytes=share_bytes, use_kernel=use_kernel)
+
+
+def test_quantize_exl2_is_the_one_plan_case_and_keeps_its_error():
+    from exl2fmt.quant.gptq import quantize_exl2_plans
+
+    K, N = 192, 64
+    H = _correlated(K, seed=13)
+    p = prepare(H)
+    W = _weight(N, K, seed=14)
+    plan = plan_rows(K, [Tier(0.2, 6, 32), Tier(0.8, 3, 64)])
+    r = quantize_exl2(W, p, plan)
+    codes, sc, qsm, w_hat = _exl2_separately(W, p, plan)
+    assert np.array_equal(r.codes, codes) and torch.equal(r.weight_hat, w_hat)
+    assert r.error == proxy_error(W, w_hat, H) and r.error > 0
+    _, r2 = next(quantize_exl2_plans(W, p, [plan], error=True))
+    assert r2.error == r.error
+    with pytest.raises(Exl2Error) as e:
+        next(quantize_exl2_plans(W, p, [plan, [(4, 64)]]))       # a plan that does not cover K
+    assert e.value.code is ErrorCode.USAGE
+
+
+@st.composite
+def _prefix_sharing_plans(draw):
+    """(K, plans, share_bytes): a random plan, then plans that each keep a random prefix of an earlier one
+    (possibly all of it: a duplicate, or none) and go on with random groups."""
+    K = 32 * draw(st.integers(2, 8))
+    group = st.tuples(st.sampled_from((8, 6, 5, 4, 3, 2)), st.sampled_from((32, 64)))
+
+    def complete(prefix):
+        out, a = list(prefix), sum(r for _, r in prefix)
+        while a < K:
+            b, r = draw(group)
+            out.append((b, min(r, K - a)))
+            a += min(r, K - a)
+        return tuple(out)
+
+    plans = [complete(())]
+    for _ in range(draw(st.integers(1, 5))):
+        src = plans[draw(st.integers(0, len(plans) - 1))]
+        plans.append(complete(src[:draw(st.integers(0, len(src)))]))
+    return K, plans, draw(st.sampled_from((None, 0, 32 * 64 * 4)))
+
+
+@hyp_settings(25)
+@given(case=_prefix_sharing_plans())
+def test_random_prefix_sharing_plans_give_the_bits_of_separate_runs(case):
+    K, plans, share = case
+    p = prepare(_correlated(K, rows=512, seed=K))
+    _assert_plans_match_separate_runs(_weight(40, K, seed=K + 1), p, plans, share_bytes=share)
+
+
+def test_shared_outputs_reuse_only_the_same_candidate_on_the_same_input():
+    """The option scoring's reuse of first-linear outputs: a later option with the same candidate and the same
+    input gets the same values without a product; another input, another candidate, or a candidate no later
+    option needs is computed; outputs are dropped after their last use; the kept copy is immune to the caller."""
+    from exl2fmt.quant.pipeline import _SharedOutputs
+    from exl2fmt.quant.weights import dense_linear
+
+    g = torch.Generator().manual_seed(0)
+    cands = {c: torch.randn(8, 16, generator=g) for c in "abc"}
+    variants = {"q": {c: cands[c] for c in "abc"}, "o": {c: cands[c] for c in "abc"}}
+
+    class Opt:
+        def __init__(self, q, o):
+            self.d = {"q": q, "o": o}
+
+        def get(self, n):
+            return self.d[n]
+
+    options = [Opt("a", "a"), Opt("b", "a"), Opt("a", "b"), Opt("c", "c"), Opt("b", "c")]
+    calls = []
+
+    def counted(c):
+        f = dense_linear(cands[c])
+
+        def apply(x):
+            calls.append(c)
+            return f(x)
+        return apply
+
+    x0, x1 = torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g)
+    sh = _SharedOutputs(variants, options, ["q"])
+    for j, opt in enumerate(options):
+        q = sh.wrap(j, "q", opt.get("q"), counted(opt.get("q")))
+        assert sh.wrap(j, "o", opt.get("o"), counted(opt.get("o"))) is not q   # o is not shared
+        for bi, x in enumerate((x0, x1)):                                       # one call per batch
+            y = q(x.clone())
+            assert torch.equal(y, x @ cands[opt.get("q")].T)
+            y.mul_(0)                                                          # the caller may write to it
+        sh.done(j)
+    # a computed in option 0 and reused in 2; b computed in 1, reused in 4; c (one use) computed once
+    assert calls == ["a", "a", "b", "b", "c", "c"]
+    assert sh.y == {} and sh.x == {} and sh.held == 0
+    # another input in the same batch is multiplied, not served from the kept output
+    calls.clear()
+    sh = _SharedOutputs(variants, options, ["q"])
+    sh.wrap(0, "q", "a", counted("a"))(x0)
+    sh.done(0)
+    sh.wrap(1, "q", "b", counted("b"))(x0)
+    sh.done(1)
+    y = sh.wrap(2, "q", "a", counted("a"))(x1)
+    assert calls == ["a", "b", "a"] and torch.equal(y, x1 @ cands["a"].T)
+    # nothing is kept beyond the budget
+    calls.clear()
+    sh = _SharedOutputs(variants, options, ["q"], budget=0)
+    for j in (0, 2):
+        sh.wrap(j, "q", "a", counted("a"))(x0)
+    assert calls == ["a", "a"] and sh.held == 0 and sh.x == {}
 
 
 def test_calibration_perplexity_in_chunks_equals_the_whole_logit_computation(tiny_llama):

@@ -7,7 +7,7 @@ most frequent inner loop (once per group per candidate setting), so it gets a ke
 one parallel work item that sweeps the group once, accumulating per column in float32 and over columns in
 float64, in a fixed order, so the result does not depend on the thread count.
 
-``grid_errors`` is checked against a NumPy twin in ``tests/test_quant_gptq.py``.
+``grid_errors`` is checked against a NumPy twin in ``tests/test_scale_search.py``.
 """
 
 from __future__ import annotations

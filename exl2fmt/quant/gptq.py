@@ -22,6 +22,7 @@ Inside, the work matrix is ``W^T`` in stored (permuted) row order, float32 [K, N
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from ..errors import ErrorCode, Exl2Error
 from ..layout import BIT_WIDTHS, pad32
 
 __all__ = ["HessianAccumulator", "Prepared", "prepare", "group_aware_order", "Exl2Result", "GptqResult", "quantize_exl2",
-           "quantize_gptq", "proxy_error", "EXL2_PERCDAMP", "GPTQ_PERCDAMP"]
+           "quantize_exl2_plans", "quantize_gptq", "proxy_error", "EXL2_PERCDAMP", "GPTQ_PERCDAMP"]
 
 #: Relative damping of ExLlamaV2 (``percdamp = 0.12``) and of the GPTQ reference implementations (0.01).
 EXL2_PERCDAMP = 0.12
@@ -170,6 +171,44 @@ def _group_kernel():
 
 
 
+def _sweep_group(Wt: torch.Tensor, U: torch.Tensor, codes: torch.Tensor, g: int, a: int, r: int, fit,
+                 use_kernel: bool | None = None) -> None:
+    """One group of the GPTQ sweep, in place: rows a..a+r of ``Wt`` float32 [K, N] (stored order) are fitted
+    (``fit(g, Wt[a:a + r])``, see ``_sweep``), rounded one by one with their errors pushed into the group's
+    later rows, written back as their fp16 reconstructions, their codes stored in ``codes[a:a + r]``; then one
+    matrix product pushes the group's errors into every later row.  Reads and writes nothing else, so the
+    state after a group depends only on the state before it and the group's (a, r, fit)."""
+    K, N = Wt.shape
+    b = a + r
+    s, z, maxq = fit(g, Wt[a:b])
+    blk = Wt[a:b]
+    Ublk = U[a:b, a:b]
+    err = torch.empty((r, N), dtype=torch.float32, device=Wt.device)
+    if use_kernel if use_kernel is not None else Wt.device.type == "cpu":
+        kernel = _group_kernel()
+        codes_g = codes[a:b].numpy()                  # views: the kernel writes Wt and codes in place
+        blk_np = blk.numpy()
+        kernel(blk_np, np.ascontiguousarray(Ublk.numpy()), s.numpy(), z.numpy(), np.float32(maxq), codes_g,
+               err.numpy())
+    else:
+        live = s > 0
+        s_div = torch.where(live, s, torch.ones_like(s))
+        for c in range(r):
+            w = blk[c]
+            q = torch.clamp(torch.round(w / s_div) + z, 0, maxq)
+            q = torch.where(live, q, z)
+            w_hat = ((q - z) * s).half().float()
+            e = (w - w_hat) / Ublk[c, c]
+            err[c] = e
+            if c + 1 < r:
+                # (a broadcast product: Tensor.addr_ takes a slow generic path on the CPU)
+                blk[c + 1:].sub_(Ublk[c, c + 1:, None] * e[None, :])
+            codes[a + c] = q.to(torch.uint8)
+            blk[c] = w_hat
+    if b < K:
+        Wt[b:].addmm_(U[a:b, b:].T, err, alpha=-1.0)
+
+
 def _sweep(Wt: torch.Tensor, U: torch.Tensor, groups: list[tuple[int, int]], fit,
            use_kernel: bool | None = None) -> torch.Tensor:
     """Run the GPTQ sweep in place on ``Wt`` float32 [K, N] (stored order).
@@ -183,37 +222,7 @@ def _sweep(Wt: torch.Tensor, U: torch.Tensor, groups: list[tuple[int, int]], fit
     K, N = Wt.shape
     codes = torch.empty((K, N), dtype=torch.uint8, device=Wt.device)
     for g, (a, r) in enumerate(groups):
-        b = a + r
-        s, z, maxq = fit(g, Wt[a:b])
-        live = s > 0
-        s_div = torch.where(live, s, torch.ones_like(s))
-        blk = Wt[a:b]
-        Ublk = U[a:b, a:b]
-        err = torch.empty((r, N), dtype=torch.float32, device=Wt.device)
-        if use_kernel if use_kernel is not None else Wt.device.type == "cpu":
-            kernel = _group_kernel()
-            codes_g = np.empty((r, N), dtype=np.uint8)
-            blk_np = blk.numpy()                      # a view: the kernel updates Wt in place
-            kernel(blk_np, np.ascontiguousarray(Ublk.numpy()), s.numpy(), z.numpy(), np.float32(maxq), codes_g,
-                   err.numpy())
-            codes[a:b] = torch.from_numpy(codes_g)
-            if b < K:
-                Wt[b:].addmm_(U[a:b, b:].T, err, alpha=-1.0)
-            continue
-        for c in range(r):
-            w = blk[c]
-            q = torch.clamp(torch.round(w / s_div) + z, 0, maxq)
-            q = torch.where(live, q, z)
-            w_hat = ((q - z) * s).half().float()
-            e = (w - w_hat) / Ublk[c, c]
-            err[c] = e
-            if c + 1 < r:
-                # (a broadcast product: Tensor.addr_ takes a slow generic path on the CPU)
-                blk[c + 1:].sub_(Ublk[c, c + 1:, None] * e[None, :])
-            codes[a + c] = q.to(torch.uint8)
-            blk[c] = w_hat
-        if b < K:
-            Wt[b:].addmm_(U[a:b, b:].T, err, alpha=-1.0)
+        _sweep_group(Wt, U, codes, g, a, r, fit, use_kernel)
     return codes
 
 
@@ -301,7 +310,8 @@ class Exl2Result:
 
     ``codes`` uint8 [K, N_pad] (stored order), ``scale_codes`` uint8 [G, N_pad] (0..15), ``q_scale_max``
     float16 [G], ``bits_rows`` [(bits, rows)] per group, ``q_invperm`` int32 [K], ``weight_hat`` float32
-    [N, K] (the exact fp16 reconstruction, original order), ``error`` (``proxy_error``)."""
+    [N, K] (the exact fp16 reconstruction, original order), ``error`` (``proxy_error``; None where it was not
+    computed: ``quantize_exl2_plans(error=False)``)."""
 
     codes: np.ndarray
     scale_codes: np.ndarray
@@ -309,7 +319,7 @@ class Exl2Result:
     bits_rows: list[tuple[int, int]]
     q_invperm: np.ndarray
     weight_hat: torch.Tensor
-    error: float
+    error: float | None
 
     def tensors(self, bias: np.ndarray | None = None) -> dict[str, np.ndarray]:
         from ..formats.exl2 import exl2_tensors
@@ -321,35 +331,126 @@ def quantize_exl2(weight: torch.Tensor, prep: Prepared, bits_rows: list[tuple[in
                   refine_scales: bool = False) -> Exl2Result:
     """GPTQ-quantize ``weight`` float [N, K] to the EXL2 group plan ``bits_rows`` (``layout.plan_rows``), with
     ExLlamaV2's per-group 4-bit scale search (``exl2fmt.formats.exl2.find_scales``) on the compensated rows;
-    ``refine_scales`` adds exl2fmt's per-column refinement of the scale codes (``find_scales(refine=True)``)."""
+    ``refine_scales`` adds exl2fmt's per-column refinement of the scale codes (``find_scales(refine=True)``).
+    The result carries ``proxy_error``.  (``quantize_exl2_plans`` with one plan: the same sweep.)"""
+    return next(quantize_exl2_plans(weight, prep, [bits_rows], refine_scales, error=True))[1]
+
+
+#: ``quantize_exl2_plans`` keeps saved sweep states (the not yet processed rows of the work matrix at a point
+#: where plans part) up to this many times the work matrix's own size.
+SHARE_MATRICES = 2
+
+
+def _exl2_fit(bits: int, refine: bool, scale_codes: np.ndarray, qsm: np.ndarray):
+    """The ``fit`` of ``_sweep_group`` for one EXL2 group of ``bits``: ExLlamaV2's scale search on the current
+    rows, its codes and q_scale_max written into ``scale_codes[g]`` / ``qsm[g]``."""
     from ..formats.exl2 import find_scales
 
-    N, K = weight.shape
-    if K % 32 or sum(r for _, r in bits_rows) != K:
-        raise Exl2Error(ErrorCode.USAGE, f"EXL2 needs K % 32 == 0 and a group plan covering K={K}")
-    n_pad = pad32(N)
-    Wt = _work_matrix(weight, prep.perm, n_pad)
-    G = len(bits_rows)
-    scale_codes = np.empty((G, n_pad), dtype=np.uint8)
-    qsm = np.empty(G, dtype=np.float16)
-    starts, a = [], 0
-    for _, r in bits_rows:
-        starts.append((a, r))
-        a += r
+    z = float(BIT_WIDTHS[bits].zero_point)
+    maxq = float((1 << bits) - 1)
 
     def fit(g, X):
-        bits = bits_rows[g][0]
-        c, m, s = find_scales(X.detach().cpu().numpy(), bits, refine=refine_scales)
+        c, m, s = find_scales(X.detach().cpu().numpy(), bits, refine=refine)
         scale_codes[g], qsm[g] = c, m
-        z = float(BIT_WIDTHS[bits].zero_point)
         s_t = torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32)).to(X.device)
-        return s_t, torch.full_like(s_t, z), float((1 << bits) - 1)
+        return s_t, torch.full_like(s_t, z), maxq
+    return fit
 
-    codes = _sweep(Wt, prep.U, starts, fit)
-    w_hat = _unpermute(Wt, prep.perm, N)
+
+def _common_prefix(p: tuple, q: tuple) -> int:
+    n = 0
+    for x, y in zip(p, q):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[tuple[int, int]]],
+                        refine_scales: bool = False, *, error: bool = False, share_bytes: int | None = None,
+                        use_kernel: bool | None = None) -> Iterator[tuple[int, Exl2Result]]:
+    """``quantize_exl2`` of ``weight`` for every group plan in ``plans``, sharing the work the plans have in
+    common; yields ``(i, result)`` once for every index i of ``plans`` (equal plans get the same result object),
+    in an order of its own.  Each result is bit for bit what ``quantize_exl2(weight, prep, plans[i])`` returns.
+
+    Why sharing is exact: a group's step of the sweep (``_sweep_group``) reads and writes only the rows from
+    the group's first row on, and depends only on them and the group's (first row, rows, bits).  Two plans
+    whose first j groups are equal therefore leave the work matrix in the same state after those groups; the
+    plans are taken in sorted order (a depth-first walk of the trie of their groups), and where the next plan
+    parts from the current one after j groups, the rows not yet processed at that point were saved and are
+    copied back (into the same matrix, so every later product sees the same memory layout) instead of
+    sweeping the first j groups again (plans that part at the first group start from the weight again).  Saved
+    states take at most ``share_bytes`` (default ``SHARE_MATRICES`` times the work matrix); past that, a plan
+    restarts from the deepest state that was saved.
+
+    ``error``: compute each result's ``proxy_error`` (the measurement does not read it; otherwise None).
+    ``use_kernel``: as in ``_sweep``."""
+    N, K = weight.shape
+    plans_t = [tuple((int(b), int(r)) for b, r in p) for p in plans]
+    if K % 32 or any(sum(r for _, r in p) != K for p in plans_t):
+        raise Exl2Error(ErrorCode.USAGE, f"EXL2 needs K % 32 == 0 and a group plan covering K={K}")
+    if not plans_t:
+        return
+    n_pad = pad32(N)
+    Wt = _work_matrix(weight, prep.perm, n_pad)
+    row_bytes = n_pad * Wt.element_size()
+    budget = SHARE_MATRICES * K * row_bytes if share_bytes is None else int(share_bytes)
+    codes = torch.empty((K, n_pad), dtype=torch.uint8, device=Wt.device)
+    G = max(len(p) for p in plans_t)
+    scale_codes = np.empty((G, n_pad), dtype=np.uint8)
+    qsm = np.empty(G, dtype=np.float16)
     invperm = torch.argsort(prep.perm).to(torch.int32).cpu().numpy()
-    return Exl2Result(codes=codes.cpu().numpy(), scale_codes=scale_codes, q_scale_max=qsm, bits_rows=list(bits_rows),
-                      q_invperm=invperm, weight_hat=w_hat, error=proxy_error(weight.to(w_hat.device), w_hat, prep.H))
+    fits: dict[int, object] = {}                      # bits -> the fit of a group of that width
+
+    # distinct plans in sorted order (the trie's depth-first order) and the indices that ask for each
+    distinct = sorted(set(plans_t))
+    asked: dict[tuple, list[int]] = {}
+    for i, p in enumerate(plans_t):
+        asked.setdefault(p, []).append(i)
+    # lcp[m]: groups plan m shares with plan m + 1; a state at depth d is needed again when d is one of them
+    lcp = [_common_prefix(distinct[m], distinct[m + 1]) for m in range(len(distinct) - 1)]
+    saved: list[tuple[int, int, torch.Tensor]] = []   # (depth, first row, Wt[row:] there), depth increasing
+    depth = 0                                         # groups of the current plan that Wt has been swept through
+    for m, plan in enumerate(distinct):
+        starts = [0]
+        for _, r in plan:
+            starts.append(starts[-1] + r)
+        if m > 0:                                     # back to the state after the groups shared with the last plan
+            keep = lcp[m - 1]
+            while saved and saved[-1][0] > keep:
+                saved.pop()
+            if saved:
+                depth, a0, t = saved[-1]
+                Wt[a0:].copy_(t)
+            else:
+                depth = 0
+                Wt.copy_(_work_matrix(weight, prep.perm, n_pad))
+        # the depths at which a later plan parts from this one, whose state is not saved yet
+        need, low = set(), None
+        for d in lcp[m:]:
+            low = d if low is None else min(low, d)
+            if low >= depth:
+                need.add(low)
+        for j in range(depth, len(plan)):
+            a = starts[j]
+            # (never at depth 0: the weight itself is the state there, rebuilt by _work_matrix as cheaply as a copy)
+            if j > 0 and j in need and not (saved and saved[-1][0] == j):
+                held = sum(t.numel() * t.element_size() for _, _, t in saved)
+                if held + (K - a) * row_bytes <= budget:
+                    saved.append((j, a, Wt[a:].clone()))
+            bits, r = plan[j]
+            fit = fits.get(bits)
+            if fit is None:
+                fit = fits[bits] = _exl2_fit(bits, refine_scales, scale_codes, qsm)
+            _sweep_group(Wt, prep.U, codes, j, a, r, fit, use_kernel)
+        depth = len(plan)
+        w_hat = _unpermute(Wt, prep.perm, N)
+        res = Exl2Result(codes=codes.cpu().numpy().copy(), scale_codes=scale_codes[:len(plan)].copy(),
+                         q_scale_max=qsm[:len(plan)].copy(), bits_rows=list(plan), q_invperm=invperm.copy(),
+                         weight_hat=w_hat,
+                         error=proxy_error(weight.to(w_hat.device), w_hat, prep.H) if error else None)
+        for i in asked[plan]:
+            yield i, res
 
 
 # ------------------------------------------------------------------------------------------------ GPTQ format

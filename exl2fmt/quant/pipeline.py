@@ -406,33 +406,33 @@ def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory:
 
     Only one parked candidate is in memory at a time; scoring loads them back one by one (``_VariantCache``), so
     the measurement's memory does not grow with the number of candidates."""
-    from .gptq import prepare, quantize_exl2
+    from .gptq import prepare, quantize_exl2_plans
 
     in_memory = _CANDIDATES_IN_MEMORY if in_memory is None else in_memory
     prepared = {o: prepare(acc.take()) for o, acc in hess.items()}
     names = [n for n in blk.names if blk.owner(n) in prepared]
     out: dict[str, dict] = {n: {} for n in names}
-    by_plan: dict[str, dict] = {n: {} for n in names}
     kept = 0
-    for opt in options:
-        for n, qp in _opt_layers(opt, names):
-            if qp in out[n]:
-                continue
-            w, _ = W[n]
-            plan = qp.bits_rows(w.shape[1])
-            hit = by_plan[n].get(tuple(plan))
-            if hit is not None:         # another setting with the same group plan at this K: the same GPTQ result
-                out[n][qp] = hit
-                continue
-            r = quantize_exl2(w, prepared[blk.owner(n)], plan, refine_scales)
-            size = r.weight_hat.numel() * 2
-            if kept + size <= in_memory:
-                v = r.weight_hat.to(torch.float16)   # exact: every value is an fp16 value
-                kept += size
-            else:
-                v = vdir / f"{n}.{len(by_plan[n])}.safetensors"
-                _save_tensors(v, r.tensors(None))
-            out[n][qp] = by_plan[n][tuple(plan)] = v
+    for n in names:
+        w, _ = W[n]
+        settings = list(dict.fromkeys(opt.get(n) for opt in options))   # distinct settings, first seen first
+        # one sweep per distinct group plan at this K, plans sharing their first groups sharing that work too
+        # (gptq.quantize_exl2_plans: bit for bit the results of separate quantize_exl2 calls); the proxy error
+        # is not computed: the measurement scores candidates by their block outputs
+        made: dict[tuple, object] = {}               # group plan -> candidate
+        for j, r in quantize_exl2_plans(w, prepared[blk.owner(n)], [qp.bits_rows(w.shape[1]) for qp in settings],
+                                        refine_scales):
+            v = made.get(tuple(r.bits_rows))
+            if v is None:
+                size = r.weight_hat.numel() * 2
+                if kept + size <= in_memory:
+                    v = r.weight_hat.to(torch.float16)   # exact: every value is an fp16 value
+                    kept += size
+                else:
+                    v = vdir / f"{n}.{len(made)}.safetensors"
+                    _save_tensors(v, r.tensors(None))
+                made[tuple(r.bits_rows)] = v
+            out[n][settings[j]] = v
             del r
     return out
 
@@ -466,6 +466,87 @@ class _VariantCache:
                 w_hat = torch.from_numpy(layer.dequantize()).to(device=w.device, dtype=torch.float32)
             hit = self.cur[n] = (v, self.F.dense_linear(w_hat, b))
         return hit[1]
+
+
+#: The option scoring keeps outputs of candidate linears for later options up to this many bytes.
+_SHARED_OUTPUTS_BYTES = 64 << 20
+
+
+class _SharedOutputs:
+    """Outputs of a block's first linears (the ones reading the block's own input: q/k/v, gate/up) kept for the
+    later options that use the same candidate, instead of multiplying again.
+
+    Exact: a kept output is reused only for the same candidate (the same fp16 reconstruction) and an input equal
+    bit for bit to the one it was computed from (checked, ``torch.equal`` against that input, which is kept), so
+    the product would repeat the same arithmetic on the same values; the caller gets a copy, so nothing the
+    forward does to it reaches the kept one.  Outputs are dropped after the last option that uses their
+    candidate; kept outputs and inputs together take at most ``budget`` bytes (default
+    ``_SHARED_OUTPUTS_BYTES``), past that a product is simply computed.  Calls are counted per option sweep,
+    one per batch."""
+
+    def __init__(self, variants: dict[str, dict], options, names: list[str], budget: int | None = None):
+        self.variants, self.names = variants, set(names)
+        self.budget = _SHARED_OUTPUTS_BYTES if budget is None else budget
+        self.last: dict[tuple, int] = {}          # (linear, candidate id) -> last option that uses it
+        for j, opt in enumerate(options):
+            for n in self.names:
+                self.last[(n, id(variants[n][opt.get(n)]))] = j
+        self.y: dict[tuple, dict[int, torch.Tensor]] = {}   # (linear, candidate id) -> batch -> output
+        self.x: dict[tuple, torch.Tensor] = {}              # (linear, batch) -> the input the outputs are of
+        self.held = 0
+
+    @staticmethod
+    def _size(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    def _inputs_held(self, x: torch.Tensor) -> bool:
+        return any(v is x for v in self.x.values())
+
+    def _drop_input(self, n: str, bi: int) -> None:
+        xr = self.x.pop((n, bi), None)
+        if xr is not None and not self._inputs_held(xr):
+            self.held -= self._size(xr)
+
+    def wrap(self, j: int, n: str, qp, f):
+        if n not in self.names:
+            return f
+        key = (n, id(self.variants[n][qp]))
+        if self.last[key] == j and key not in self.y:
+            return f                              # no later option uses this candidate, none before kept it
+        calls = iter(range(1 << 62))
+
+        def apply(x: torch.Tensor) -> torch.Tensor:
+            bi = next(calls)
+            kept = self.y.get(key, {}).get(bi)
+            if kept is not None and torch.equal(x, self.x[(n, bi)]):
+                return kept.clone()
+            out = f(x)
+            if self.last[key] <= j:
+                return out
+            xr = self.x.get((n, bi))
+            if xr is not None and not torch.equal(x, xr):
+                for k2, ys in self.y.items():         # outputs of another input are of no use any more
+                    if k2[0] == n and bi in ys:
+                        self.held -= self._size(ys.pop(bi))
+                self._drop_input(n, bi)
+                xr = None
+            need = self._size(out) + (0 if xr is not None or self._inputs_held(x) else self._size(x))
+            if self.held + need > self.budget:
+                return out
+            if xr is None:
+                self.x[(n, bi)] = x
+            self.y.setdefault(key, {})[bi] = out.clone()
+            self.held += need
+            return out
+        return apply
+
+    def done(self, j: int) -> None:
+        """Option ``j`` is scored: drop the outputs no later option needs, and inputs no output refers to."""
+        for key in [k for k in self.y if self.last[k] <= j]:
+            self.held -= sum(self._size(t) for t in self.y.pop(key).values())
+        for n, bi in list(self.x):
+            if not any(k[0] == n and bi in ys for k, ys in self.y.items()):
+                self._drop_input(n, bi)
 
 
 def _score_plan(rows: int, length: int, batch_tokens: int, measure_rows: int | None
@@ -537,9 +618,11 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
             h_s, y_ref_s = h[:score_rows], y_ref[:score_rows]
             rows_out = []
             y = torch.empty_like(h_s)
+            shared = _SharedOutputs(made, options, [n for n in spec.groups(kind, i)[0] if n in made])
             for j, opt in enumerate(options):
-                lin = {n: cache.linear(n, qp) for n, qp in _opt_layers(opt, blk.names)}
+                lin = {n: shared.wrap(j, n, qp, cache.linear(n, qp)) for n, qp in _opt_layers(opt, blk.names)}
                 scorer.sweep(h_s, lin, out=y)
+                shared.done(j)
                 acc = max(1e-6, 1.0 - _rel_err_rows(y, y_ref_s))
                 bits = sum(qp.total_bits(W[n][0].shape[1], W[n][0].shape[0], W[n][1] is not None)
                            for n, qp in _opt_layers(opt, blk.names))
@@ -553,7 +636,7 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
                                 "block's reference outputs are degenerate (non-finite or exploding activations?)")
             measured[key] = rows_out
             work.save()
-            del cache, lin, y
+            del cache, lin, y, shared
             shutil.rmtree(vdir, ignore_errors=True)
         if progress:
             progress("measure", (bi + 1) * 1000, len(blocks) * 1000, key)
