@@ -203,7 +203,10 @@ HEADER = ["| arch | EXL2 4.0: decoder bpw | validate --deep | KL | s | peak RSS 
 def table_row(r: dict) -> str:
     cells = [r["arch"]]
     for tgt in ("exl2", "gptq"):
-        x = r.get(tgt, {"error": "not run"})
+        x = r.get(tgt)
+        if x is None:                              # left out by --targets
+            cells += ["not run"] + [""] * (4 if tgt == "exl2" else 3)
+            continue
         if "error" in x:
             cells += ["ERROR " + x["error"].strip().splitlines()[-1][:60]] + [""] * (4 if tgt == "exl2" else 3)
             continue
