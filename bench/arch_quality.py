@@ -2,14 +2,23 @@
 transformers-driven engine, against round-to-nearest 4-bit g128 of the same weights.
 
 For every architecture of ``tests/tiny_models.py`` that the engine calibrates, a seeded random fp16 model (2 layers,
-hidden 128) is quantized by the CLI (``exl2fmt convert SRC --to exl2 --bits 4.0`` and ``--to gptq --bits 4``) in
-a child process (its peak RSS from ``wait4``); the output must pass ``validate --deep``; it is dequantized back to
-fp16 by ``convert --to fp16``, loaded in transformers, and its KL divergence to the FP16 model on held-out token
-ids is compared with that of RTN 4-bit g128 (no calibration, best fp16 scale per column) applied to every
-decoder linear, symmetric (our default GPTQ's convention) and asymmetric.  Decoder bpw is ``inspect``'s
-(``bpw.decoder``: 16-bit MoE routers left out, ``layout.STAYS_16BIT``).
+hidden 128, or ``--hidden H``: ``tiny_models.width_dims``) is quantized by the CLI (``exl2fmt convert SRC --to exl2
+--bits 4.0`` and ``--to gptq --bits 4``) in a child process (its peak RSS from ``wait4``); the output must pass
+``validate --deep``; it is dequantized back to fp16 by ``convert --to fp16``, loaded in transformers, and its KL
+divergence to the FP16 model on held-out token ids is compared with that of RTN 4-bit g128 (no calibration, best
+fp16 scale per column) applied to every decoder linear, symmetric (our default GPTQ's convention) and
+asymmetric.  Decoder bpw is ``inspect``'s (``bpw.decoder``: 16-bit MoE routers left out, ``layout.STAYS_16BIT``).
 
-    flock /work/heavy.lock nice -n 5 python bench/arch_quality.py [--arch llama gemma2 ...] [--json-out F] [--record]
+Calibration is ``--rows`` x ``--length`` random ids; the default rows scale with the width (16 at hidden 128, 64
+at 512) so that the calibration holds 4 tokens per input feature of the widest linear (the MLP's down
+projection, K = 2 x hidden) at the default length of 64, as at 128; fewer tokens than K leave that Hessian
+rank-deficient.  Beside the table, a second one says what EXL2's bits are made of (code bits per weight and the
+overhead: q_invperm, 4-bit scale codes, q_scale_max + q_groups), the KL with the EXL2 output's head swapped for
+the FP16 head (the EXL2 output always quantizes the head, ``--head-bits`` 6; RTN and GPTQ keep it FP16), and the
+decoder's group plans.  ``--exl2-bits`` changes the EXL2 target (default 4.0) for side measurements.
+
+    flock /work/heavy.lock nice -n 5 python bench/arch_quality.py [--arch llama gemma2 ...] [--hidden 512]
+        [--json-out F] [--record]
     python bench/arch_quality.py --table F         # the markdown table of the JSON lines in F
 """
 
@@ -30,13 +39,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from tiny_models import DENSE, MOE, make_tiny  # noqa: E402
+from tiny_models import DENSE, MOE, make_tiny, width_dims  # noqa: E402
 
-DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-            vocab_size=512)
-#: MoE: 4 experts of width 128 (Qwen3-MoE: moe_intermediate_size), top-2 routing
-MOE_DIMS = {"mixtral": dict(DIMS, intermediate_size=128),
-            "qwen3_moe": dict(DIMS, moe_intermediate_size=128)}
+VOCAB = 512
+HELD_ROWS = 8
 CLI = [sys.executable, "-m", "exl2fmt.cli.app"]
 
 
@@ -105,17 +111,49 @@ def rtn_model(d: Path, bits: int = 4, group_size: int = 128, sym: bool = False):
     return m
 
 
-def one(arch: str, work: Path, rows: int, length: int, targets=("exl2", "gptq")) -> dict:
-    src = make_tiny(arch, work / arch / "src", **MOE_DIMS.get(arch, DIMS))
+def exl2_bits_parts(q: Path) -> dict:
+    """What the EXL2 decoder linears' stored bits are made of, per weight (K x N_pad, as ``bpw.decoder`` counts):
+    ``codes`` (q_weight), and the overhead ``invperm`` (q_invperm), ``scales`` (q_scale, 4-bit codes per group and
+    column), ``groups`` (q_scale_max + q_groups) and ``bias``.  From the safetensors headers; 16-bit routers and
+    the head are left out, as in ``bpw.decoder``."""
+    from exl2fmt.container import open_model
+    from exl2fmt.layout import stays_16bit
+
+    m = open_model(q)
+    try:
+        parts = dict(codes=0, invperm=0, scales=0, groups=0, bias=0)
+        numel = 0
+        slot_part = {"q_weight": "codes", "q_invperm": "invperm", "q_scale": "scales", "q_scale_max": "groups",
+                     "q_groups": "groups", "bias": "bias"}
+        keys = {n.rsplit(".", 1)[0] for n in m.tensors if n.endswith(".q_weight") and n.startswith("model.layers.")}
+        for key in keys:
+            if stays_16bit(key):
+                continue
+            for slot, part in slot_part.items():
+                t = m.tensors.get(f"{key}.{slot}")
+                if t is not None:
+                    parts[part] += t.nbytes * 8
+            K = m.tensors[f"{key}.q_invperm"].numel
+            numel += K * m.tensors[f"{key}.q_weight"].shape[1]
+    finally:
+        m.close()
+    out = {k: v / numel for k, v in parts.items()}
+    out["overhead"] = sum(v for k, v in out.items() if k != "codes")
+    return out
+
+
+def one(arch: str, work: Path, rows: int, length: int, targets=("exl2", "gptq"), hidden: int = 128,
+        exl2_bits: str = "4.0") -> dict:
+    src = make_tiny(arch, work / arch / "src", **width_dims(arch, hidden, VOCAB))
     rng = np.random.default_rng(0)
     cal = work / arch / "cal.npy"
-    np.save(cal, rng.integers(0, DIMS["vocab_size"], (rows, length)))
-    held = torch.as_tensor(np.random.default_rng(1).integers(0, DIMS["vocab_size"], (8, length)))
+    np.save(cal, rng.integers(0, VOCAB, (rows, length)))
+    held = torch.as_tensor(np.random.default_rng(1).integers(0, VOCAB, (HELD_ROWS, length)))
     ref = load_dense(src)
     with torch.no_grad():
         ref_logits = ref(held).logits
-    row = {"arch": arch}
-    for tgt, bits in [t for t in (("exl2", "4.0"), ("gptq", "4")) if t[0] in targets]:
+    row = {"arch": arch, "hidden": hidden, "exl2_target": float(exl2_bits)}
+    for tgt, bits in [t for t in (("exl2", exl2_bits), ("gptq", "4")) if t[0] in targets]:
         q = work / arch / tgt
         rc, secs, rss, tail = run_child(["convert", src, q, "--to", tgt, "--bits", bits, "--calibration", cal,
                                          "--rows", rows, "--length", length, "--json"])
@@ -136,16 +174,25 @@ def one(arch: str, work: Path, rows: int, length: int, targets=("exl2", "gptq"))
         if rc2 != 0:
             row[tgt] = {"error": tail2}
             continue
+        qm = load_dense(fp)
+        extra = {}
         with torch.no_grad():
-            k = kl(ref_logits, load_dense(fp)(held).logits)
-        row[tgt] = {"bpw": bpw, "bpw_incl_16bit": bpw_incl, "validate": "PASS" if val.returncode == 0 else f"FAIL {vdoc.get('counts')}",
+            k = kl(ref_logits, qm(held).logits)
+            if tgt == "exl2":
+                # the same output with the FP16 model's head (the tied embedding where the source ties them): what
+                # the decoder's quantization alone costs, the part RTN and GPTQ are compared on
+                qm.get_output_embeddings().weight.copy_(ref.get_output_embeddings().weight)
+                extra = {"kl_fp16_head": kl(ref_logits, qm(held).logits), "bits_parts": exl2_bits_parts(q),
+                         "plans": {n: v.get("plan") for n, v in (man.get("layers") or {}).items()}}
+        del qm
+        row[tgt] = {**extra, "bpw": bpw, "bpw_incl_16bit": bpw_incl, "validate": "PASS" if val.returncode == 0 else f"FAIL {vdoc.get('counts')}",
                     "kl": k, "seconds": secs, "peak_rss_mb": rss / 2**20, "calibrated": not weight_only,
                     "calibration_ppl": cal_ppl, "expert_tokens": [b.get("expert_tokens") for b in man.get("blocks") or []
                                                                   if b.get("expert_tokens")]}
     with torch.no_grad():
         row["rtn_kl_asym"] = kl(ref_logits, rtn_model(src, sym=False)(held).logits)
         row["rtn_kl_sym"] = kl(ref_logits, rtn_model(src, sym=True)(held).logits)
-    row["rows"], row["length"] = rows, length
+    row["rows"], row["length"], row["held_out"] = rows, length, [HELD_ROWS, length]
     return row
 
 
@@ -156,13 +203,18 @@ HEADER = ["| arch | EXL2 4.0: decoder bpw | validate --deep | KL | s | peak RSS 
 def table_row(r: dict) -> str:
     cells = [r["arch"]]
     for tgt in ("exl2", "gptq"):
-        x = r.get(tgt, {"error": "not run"})
+        x = r.get(tgt)
+        if x is None:                              # left out by --targets
+            cells += ["not run"] + [""] * (4 if tgt == "exl2" else 3)
+            continue
         if "error" in x:
             cells += ["ERROR " + x["error"].strip().splitlines()[-1][:60]] + [""] * (4 if tgt == "exl2" else 3)
             continue
         flag = "" if x["calibrated"] else " (weight-only)"
         if tgt == "exl2":
             b = f"{x['bpw']:.4f}" + (f" ({x['bpw_incl_16bit']:.4f} with routers)" if x.get("bpw_incl_16bit") else "")
+            if r.get("exl2_target", 4.0) != 4.0:
+                b += f" (target {r['exl2_target']:g}, not 4.0)"
             cells += [b + flag, x["validate"], f"{x['kl']:.5f}", f"{x['seconds']:.0f}", f"{x['peak_rss_mb']:.0f}"]
         else:
             cells += [f"{x['kl']:.5f}{flag}", x["validate"], f"{x['seconds']:.0f}", f"{x['peak_rss_mb']:.0f}"]
@@ -170,10 +222,32 @@ def table_row(r: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+DIAG_HEADER = ["| arch | EXL2 decoder bpw | code bits/w | overhead | q_invperm | scale codes | "
+               "q_scale_max + q_groups | EXL2 KL | EXL2 KL, FP16 head | RTN sym KL | RTN asym KL |",
+               "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def diag_row(r: dict) -> str | None:
+    x = r.get("exl2")
+    if not x or "error" in x or "bits_parts" not in x:
+        return None
+    p = x["bits_parts"]
+    return (f"| {r['arch']} | {x['bpw']:.4f} | {p['codes']:.4f} | {p['overhead']:.4f} | {p['invperm']:.4f} | "
+            f"{p['scales']:.4f} | {p['groups']:.4f} | {x['kl']:.5f} | {x['kl_fp16_head']:.5f} | "
+            f"{r['rtn_kl_sym']:.5f} | {r['rtn_kl_asym']:.5f} |")
+
+
+def tables(rows: list[dict]) -> str:
+    diag = [d for d in map(diag_row, rows) if d]
+    return "\n".join(HEADER + [table_row(r) for r in rows] + ([""] + DIAG_HEADER + diag if diag else []))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", nargs="*", default=list(DENSE + MOE))
-    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=128, help="model width, a multiple of 128 (tiny_models.width_dims)")
+    ap.add_argument("--rows", type=int, default=None, help="calibration rows (default 16 x hidden / 128)")
+    ap.add_argument("--exl2-bits", default="4.0", help="EXL2 target bpw (default 4.0, the issue's)")
     ap.add_argument("--length", type=int, default=64)
     ap.add_argument("--targets", nargs="*", default=["exl2", "gptq"], choices=["exl2", "gptq"])
     ap.add_argument("--json-out", help="append one JSON line per architecture to this file")
@@ -182,18 +256,23 @@ def main() -> None:
     a = ap.parse_args()
     if a.table:
         rows = [json.loads(line) for line in Path(a.table).read_text().splitlines() if line.strip()]
-        print("\n".join(HEADER + [table_row(r) for r in rows]))
+        print(tables(rows))
         return
-    lines = list(HEADER)
+    try:
+        width_dims("llama", a.hidden)
+    except ValueError as e:
+        ap.error(str(e))
+    rows_n = a.rows if a.rows is not None else 16 * a.hidden // 128
+    done = []
     with tempfile.TemporaryDirectory(prefix="arch-quality-") as t:
         for arch in a.arch:
-            r = one(arch, Path(t), a.rows, a.length, tuple(a.targets))
+            r = one(arch, Path(t), rows_n, a.length, tuple(a.targets), a.hidden, a.exl2_bits)
             if a.json_out:
                 with open(a.json_out, "a", encoding="utf-8") as f:
                     f.write(json.dumps(r) + "\n")
-            lines.append(table_row(r))
-            print(lines[-1], flush=True)
-    text = "\n".join(lines)
+            done.append(r)
+            print(table_row(r), flush=True)
+    text = tables(done)
     print(text)
     if a.record:
         with open(ROOT / "bench" / "RESULTS.md", "a", encoding="utf-8") as f:

@@ -55,6 +55,29 @@ MOE_EXTRA = {"qwen2_moe": ("qwen2_moe", {}),
              "qwen2_moe_mlp_only": ("qwen2_moe", {"num_hidden_layers": 3, "mlp_only_layers": [0]})}
 
 
+def width_dims(arch: str, hidden: int, vocab_size: int = 512) -> dict:
+    """Overrides of ``BASE`` for a tiny ``arch`` model ``hidden`` wide, valid for every architecture of ``ARCHS``.
+
+    ``hidden`` must be a positive multiple of 128, so that a 128-row group tiles every linear's input exactly.
+    Attention: ``max(4, hidden // 64)`` heads of ``hidden / heads`` features (head_dim x heads = hidden, which the
+    architectures that derive head_dim from hidden (Phi-3, Cohere, StarCoder2) require), half as many K/V heads.
+    Dense MLP width ``2 x hidden``; a MoE model has 4 experts of width ``hidden`` (Qwen2-MoE's shared expert
+    ``2 x hidden``).  At 128 these are the dims of the 2026-12-02 per-architecture tables (bench/arch_quality.py):
+    4 heads of 32, 2 K/V heads, MLP 256, experts 128."""
+    if hidden <= 0 or hidden % 128:
+        raise ValueError(f"hidden must be a positive multiple of 128, got {hidden}")
+    heads = max(4, hidden // 64)
+    d = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=heads,
+             num_key_value_heads=heads // 2, head_dim=hidden // heads, vocab_size=vocab_size)
+    if arch == "mixtral":
+        d["intermediate_size"] = hidden
+    elif arch in ("qwen3_moe", "qwen2_moe"):
+        d["moe_intermediate_size"] = hidden
+        if arch == "qwen2_moe":
+            d["shared_expert_intermediate_size"] = 2 * hidden
+    return d
+
+
 def make_config(arch: str, **overrides):
     import transformers
 
