@@ -541,12 +541,18 @@ def _assert_plans_match_separate_runs(W, p, plans, **kw):
     assert sorted(seen) == list(range(len(plans)))
 
 
-@pytest.mark.parametrize("share_bytes,use_kernel", [(None, None), (None, False), (0, None), (40 * 96 * 4, None)])
-def test_plans_sharing_their_first_groups_give_the_bits_of_separate_runs(share_bytes, use_kernel):
+@pytest.mark.parametrize("share_bytes,use_kernel,cap", [(None, None, None), (None, False, None), (0, None, None),
+                                                       (40 * 96 * 4, None, None), (None, None, 40 * 96 * 4)])
+def test_plans_sharing_their_first_groups_give_the_bits_of_separate_runs(share_bytes, use_kernel, cap, monkeypatch):
     """quantize_exl2_plans sweeps a layer's candidate plans as a trie (a shared prefix is swept once, the state
     at a branch saved and copied back); every result must equal that plan quantized on its own, bit for bit,
     whether states are saved (default), never saved (0 bytes: every branch restarts from the weight) or only
-    the small ones (a budget of 40 rows), and in the torch row loop the CUDA path runs."""
+    the small ones (a budget of 40 rows, given or as the default's byte cap), and in the torch row loop the CUDA
+    path runs."""
+    if cap is not None:
+        import exl2fmt.quant.gptq as gptq_mod
+
+        monkeypatch.setattr(gptq_mod, "SHARE_CAP_BYTES", cap)
     K, N = 256, 80                                              # N padded to 96
     p = prepare(_correlated(K, seed=11))
     W = _weight(N, K, seed=12)

@@ -337,8 +337,10 @@ def quantize_exl2(weight: torch.Tensor, prep: Prepared, bits_rows: list[tuple[in
 
 
 #: ``quantize_exl2_plans`` keeps saved sweep states (the not yet processed rows of the work matrix at a point
-#: where plans part) up to this many times the work matrix's own size.
+#: where plans part) up to this many times the work matrix's own size, and never more than SHARE_CAP_BYTES (a
+#: 70B down_proj's work matrix is ~0.9 GB: twice that would outweigh the rest of a layer's working set).
 SHARE_MATRICES = 2
+SHARE_CAP_BYTES = 256 << 20
 
 
 def _exl2_fit(bits: int, refine: bool, scale_codes: np.ndarray, qsm: np.ndarray):
@@ -380,7 +382,8 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
     parts from the current one after j groups, the rows not yet processed at that point were saved and are
     copied back (into the same matrix, so every later product sees the same memory layout) instead of
     sweeping the first j groups again (plans that part at the first group start from the weight again).  Saved
-    states take at most ``share_bytes`` (default ``SHARE_MATRICES`` times the work matrix); past that, a plan
+    states take at most ``share_bytes`` (default ``SHARE_MATRICES`` times the work matrix, capped at
+    ``SHARE_CAP_BYTES``); past that, a plan
     restarts from the deepest state that was saved.
 
     ``error``: compute each result's ``proxy_error`` (the measurement does not read it; otherwise None).
@@ -394,7 +397,7 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
     n_pad = pad32(N)
     Wt = _work_matrix(weight, prep.perm, n_pad)
     row_bytes = n_pad * Wt.element_size()
-    budget = SHARE_MATRICES * K * row_bytes if share_bytes is None else int(share_bytes)
+    budget = min(SHARE_MATRICES * K * row_bytes, SHARE_CAP_BYTES) if share_bytes is None else int(share_bytes)
     codes = torch.empty((K, n_pad), dtype=torch.uint8, device=Wt.device)
     G = max(len(p) for p in plans_t)
     scale_codes = np.empty((G, n_pad), dtype=np.uint8)
