@@ -167,10 +167,11 @@ def convert_command(
       Marlin compatibility is stated.
     * **GPTQ -> exl2**: the GPTQ integers kept as far as EXL2's 4-bit scale grid allows; error per layer.
     * **FP16/BF16 -> exl2** (decoder-only models through transformers' modeling code: llama, mistral, qwen2,
-      qwen3, gemma, gemma2, cohere, granite, starcoder2, phi3, ...; MoE weight-only for now): calibration, measurement of every candidate
-      setting per block, an exact bit budget (--bits = average bpw of the decoder linears, overhead
+      qwen3, gemma, gemma2, cohere, granite, starcoder2, phi3, mixtral, qwen3_moe, ...; MoE experts calibrated
+      on their routed tokens, routers kept 16-bit): calibration, measurement of every candidate setting per block, an exact bit budget (--bits = average bpw of the decoder linears, overhead
       included), sequential GPTQ; checkpoints in .DST.exl2fmt-work (--resume). **-> gptq**: same engine.
-    * **EXL2 / GPTQ / dense -> gguf** (DST is a .gguf file; llama, mistral, qwen2, qwen3): names and Q/K rows as
+    * **EXL2 / GPTQ / dense -> gguf** (DST is a .gguf file; llama, mistral, mixtral, granite, qwen2/3 and their
+      MoE, gemma 1/2/3, phi3, cohere, starcoder2): names and Q/K rows as
       llama.cpp expects, norms F32, tokenizer and hyper-parameters as metadata; blocks repacked exactly where
       the source's integers fit (--gguf-type), the rest quantized with gguf.quants and reported.
     * **model.gguf -> fp16/bf16**: every type the gguf package decodes; config.json rebuilt from the metadata.

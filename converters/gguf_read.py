@@ -1,4 +1,4 @@
-"""GGUF (Llama family) -> a Hugging Face FP16/BF16 model directory.
+"""GGUF -> a Hugging Face FP16/BF16 model directory.
 
 ``gguf_io.open_gguf(path)`` (shared with ``gguf_write``'s verify pass) opens the file with exl2fmt's own bounded, lazy reader (``exl2fmt.gguf_scan``: counts,
 string and array lengths, alignment, types, offsets and data extents checked against the file before anything
@@ -9,7 +9,8 @@ is ``Exl2Error(GGUF_INVALID)`` naming the file (and tensor).
 ``.gguf`` file) runs the shared pipeline of ``converters.base`` (plan, stream into a hidden sibling directory,
 validate and checksum, rename):
 
-* architecture ``llama`` / ``qwen2`` / ``qwen3`` (``general.architecture``); anything else is refused;
+* ``general.architecture`` must be one that ``gguf_arch`` maps back to a transformers model type (the same
+  architectures ``gguf_write`` writes; ``llama`` with ``llama.expert_count`` is Mixtral); anything else is refused;
 * every tensor is decoded to float32 with ``gguf.quants.dequantize`` (F32, F16, BF16 and every block type the
   package can decode: Q4_0 ... Q8_0, the K-quants, the IQ types, TQ, MXFP4) and rounded once to the target;
   a type the package cannot decode is refused, naming the tensor;

@@ -1,4 +1,4 @@
-"""EXL2 / GPTQ / dense Hugging Face models (Llama family) -> one GGUF file that llama.cpp runs.
+"""EXL2 / GPTQ / dense Hugging Face models (the architectures of ``gguf_arch``) -> one GGUF file that llama.cpp runs.
 
 ``convert_to_gguf(src, dst, gguf_type=...)`` (reached through ``exl2fmt.converters.convert(..., to="gguf")``):
 
