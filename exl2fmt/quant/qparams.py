@@ -154,7 +154,10 @@ _MLP = [
     ("0.1x8/128 + 0.9x6/128", "0.1x8/128 + 0.9x6/128", "1x8/128"),
     ("1x8/128", "1x8/128", "1x8/128"),
 ]
-# Settings upstream lacks: uniform 2-bit-heavy and 3/5-bit steps, so low and mid budgets have finer choices.
+# Settings upstream lacks: uniform 2-bit-heavy and 3/5-bit steps, so low and mid budgets have finer choices, and a
+# plain 4-bit 128-row MLP: upstream's MLP rows jump from ~3.7 to ~4.2 bpw (4-bit gate/up with 32-row groups, 8-bit
+# rows in down), so a 4.0 budget mixed MLPs above it with 3-bit attention; on a tiny Gemma at hidden 512 that mix
+# lost to round-to-nearest 4-bit g128 and this row won (bench/RESULTS.md, issue 14, 2026-12-03).
 _ATTN_EXTRA = [
     ("0.05x4/32 + 0.95x2/32",) * 4,
     ("0.25x3/64 + 0.75x2/64", "0.25x3/64 + 0.75x2/64", "1x3/64", "0.25x3/64 + 0.75x2/64"),
@@ -167,6 +170,7 @@ _MLP_EXTRA = [
     ("0.05x4/32 + 0.95x2/32", "0.05x4/32 + 0.95x2/32", "0.05x6/32 + 0.95x2/32"),
     ("1x3/64", "1x3/64", "0.05x6/32 + 0.95x3/64"),
     ("0.5x4/64 + 0.5x3/64", "0.5x4/64 + 0.5x3/64", "0.05x8/32 + 0.5x4/64 + 0.45x3/64"),
+    ("1x4/128", "1x4/128", "1x4/128"),
     ("0.5x5/64 + 0.5x4/64", "0.5x5/64 + 0.5x4/64", "0.05x8/32 + 0.5x5/64 + 0.45x4/64"),
     ("1x5/64", "1x5/64", "0.05x8/32 + 0.95x5/64"),
 ]
