@@ -5,10 +5,15 @@ Setup (once, in a scratch directory S outside the repository; nothing of it is c
 
     S=/work/scratch/h16
     pip download --no-deps exllamav2==0.3.2 -d $S            # the wheel; this script unzips what it needs
-    python3 -m venv $S/V                                     # a venv sharing the base packages (torch 2.13 CPU,
-    echo /work/venv-base/lib/python3.11/site-packages > $S/V/lib/python3.11/site-packages/_base.pth
-    $S/V/bin/pip install --no-deps gptqmodel==7.7.0 pypcre logbar tokenicer device-smi defuser pillow
-    flock /work/heavy.lock nice -n 5 .venv/bin/python bench/peers.py --scratch $S [--record]
+    python3 -m venv $S/V         # a venv that sees the project venv's packages (torch 2.13 CPU, transformers):
+    echo $PWD/.venv/lib/python3.11/site-packages > $S/V/lib/python3.11/site-packages/_base.pth
+    $S/V/bin/pip install --no-deps gptqmodel==7.7.0 pypcre logbar tokenicer device-smi defuser pillow optimum==2.3.0
+    flock /work/heavy.lock nice -n 5 .venv/bin/python bench/peers.py --scratch $S [--model M] [--record]
+
+``--model`` picks the source: the trained fixture (default), or ``mixtral`` / ``qwen3_moe``, a tiny seeded random
+MoE model (tests/tiny_models.py, hidden 128, 4 experts of width 128, top-2, calibrated and evaluated on random ids):
+ExLlamaV2's optimizer then reads the MoE measurement (its ``block_sparse_moe`` blocks, with the experts' numel),
+and the peers load MoE GPTQ checkpoints (one tensor set per expert).
 
 (GPTQModel 7.7 declares torch >= 2.14; installed --no-deps it runs on torch 2.13's CPU build; the six extra
 packages are the ones it imports at start-up.)
@@ -44,6 +49,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,6 +64,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-llama"
 TARGETS = (2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
+#: --model choices besides the fixture: tiny seeded random MoE models (tests/tiny_models.py, hidden 128, 4 experts)
+TINY = ("mixtral", "qwen3_moe")
 EXLLAMAV2_WHEEL = "exllamav2-0.3.2-py3-none-any.whl"
 
 
@@ -134,11 +142,40 @@ class _Module:
         return sum(lin.numel() for lin in self.linears)
 
 
+def source(model: str, work: Path, rows: int, length: int, eval_rows: int, eval_len: int):
+    """(model directory, calibration file or None for the built-in set, held-out ids int64 [eval_rows, eval_len]).
+
+    ``fixture``: the trained fixture, held-out text from the shipped corpus.  A name of ``TINY``: a tiny seeded
+    random model made with transformers' config class (hidden 128, 4 experts of width 128, top-2), calibrated and
+    evaluated on seeded random ids."""
+    if model == "fixture":
+        from exl2fmt.quant.evaluate import eval_ids
+
+        return FIXTURE, None, eval_ids(FIXTURE / "tokenizer.json", eval_rows, eval_len)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import make_tiny, width_dims
+
+    vocab = 512
+    src = make_tiny(model, work / model / "src", **width_dims(model, 128, vocab))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        # GPTQModel's loader wants a tokenizer; the fixture's (ids below 512 are valid for both) is carried along
+        shutil.copy(FIXTURE / f, src / f)
+    cal = work / model / "cal.npy"
+    np.save(cal, np.random.default_rng(0).integers(0, vocab, (rows, length)))
+    held = torch.as_tensor(np.random.default_rng(1).integers(0, vocab, (eval_rows, eval_len)))
+    return src, str(cal), held
+
+
 def standin_model(config: dict, ArchParams):
-    """What ``optimize`` reads of an ExLlamaV2 model: config (arch key map, layer count) and module list."""
+    """What ``optimize`` reads of an ExLlamaV2 model: config (arch key map, layer count, expert count) and module
+    list.  A MoE block is one module holding every expert's three linears (the router is not counted, as in
+    ExLlamaV2's ``ExLlamaV2MoEMLP.numel``); ``modules_dict`` holds expert 0's keys, which ``optimize`` reads."""
     arch = ArchParams(config["architectures"][0], config)
     km = arch.lm.keys
-    h, inter, L = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    moe = bool(getattr(arch.lm, "is_moe", False))
+    experts = (config.get("num_local_experts") or config.get("num_experts")) if moe else None
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"] if moe else config["intermediate_size"]
+    h, L = config["hidden_size"], config["num_hidden_layers"]
     d = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
     shapes = {"attn_q": (h, q), "attn_k": (h, kv), "attn_v": (h, kv), "attn_o": (q, h), "mlp_gate": (h, inter),
@@ -147,12 +184,15 @@ def standin_model(config: dict, ArchParams):
     for i in range(L):
         key = f"model.layers.{i}"
         for part in (("attn_q", "attn_k", "attn_v", "attn_o"), ("mlp_gate", "mlp_up", "mlp_down")):
-            lins = [_Linear(key + km[p], *shapes[p]) for p in part]
+            keys = [(p, key + km[p]) for p in part]
+            if moe and part[0] == "mlp_gate":
+                keys = [(p, k.replace("*", str(e))) for e in range(experts) for p, k in keys]
+            lins = [_Linear(k, *shapes[p]) for p, k in keys]
             for lin in lins:
                 mdict[lin.key] = lin
             modules.append(_Module(key, lins))
     modules += [_Module("model.norm"), _Module("lm_head")]
-    cfg = types.SimpleNamespace(arch=arch, num_experts=None, num_hidden_layers=L)
+    cfg = types.SimpleNamespace(arch=arch, num_experts=experts, num_hidden_layers=L)
     return types.SimpleNamespace(config=cfg, modules=modules, modules_dict=mdict), sum(
         m.numel() for m in modules[1:1 + 2 * L])
 
@@ -171,8 +211,8 @@ def run_optimizer(optimize, model, measurement: dict, bits: float) -> dict:
             "sum_err2": sum(e * e for e in errs), "total_bits": total}
 
 
-def measure_fixture(work: Path, rows: int, length: int):
-    """exl2fmt's measurement of the fixture: (the file as written, the rows before writing {key: [(option,
+def measure_model(src: Path, calibration: str | None, work: Path, rows: int, length: int):
+    """exl2fmt's measurement of ``src``: (the file as written, the rows before writing {key: [(option,
     bits, accuracy)]} in exl2fmt's table order, upstream's rows first)."""
     from exl2fmt.quant import qparams as QP
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
@@ -186,8 +226,8 @@ def measure_fixture(work: Path, rows: int, length: int):
 
     QP.write_measurement = spy
     try:
-        quantize_model(FIXTURE, work / "exl2-4.0", QuantOptions(target="exl2", bits=4.0, rows=rows, length=length,
-                                                                device="cpu"))
+        quantize_model(src, work / "exl2-4.0", QuantOptions(target="exl2", bits=4.0, rows=rows, length=length,
+                                                            device="cpu", calibration=calibration))
     finally:
         QP.write_measurement = orig
     return json.loads((work / "exl2-4.0" / "measurement.json").read_text()), seen
@@ -204,17 +244,27 @@ def _doc(rows_by_key: dict, last: int) -> dict:
     return {"measurement": out, "last_module_idx": last}
 
 
-def optimizer_check(scratch: Path, work: Path, repeats: int, rows: int, length: int, log) -> dict:
+def optimizer_check(scratch: Path, work: Path, src: Path, calibration: str | None, repeats: int, rows: int,
+                    length: int, log) -> dict:
     from exl2fmt.quant import qparams as QP
 
     ext = build_sim_anneal(scratch)
     optimize, ArchParams = import_optimize(scratch, ext)
-    config = json.loads((FIXTURE / "config.json").read_text())
+    config = json.loads((src / "config.json").read_text())
     model, numel = standin_model(config, ArchParams)
-    ours, raw = measure_fixture(work, rows, length)
+    ours, raw = measure_model(src, calibration, work, rows, length)
     last = ours["last_module_idx"]
-    upstream = {k: [r for r in v if r[0] in (QP.ATTN_OPTIONS if k.endswith("self_attn") else QP.MLP_OPTIONS)]
+    def settings(opt):
+        # an option's settings in order, whatever the linears are called (a MoE block's w1/w3/w2 are gate/up/down)
+        return tuple(qp for _, qp in opt.layers)
+
+    up_attn = {settings(o) for o in QP.ATTN_OPTIONS}
+    up_mlp = {settings(o) for o in QP.MLP_OPTIONS}
+    upstream = {k: [r for r in v if settings(r[0]) in (up_attn if k.endswith("self_attn") else up_mlp)]
                 for k, v in raw.items()}
+    empty = [k for k, v in upstream.items() if not v]
+    if empty:      # sim_anneal reads past an empty slot: never hand it one
+        sys.exit(f"no upstream row recognised in {empty[:3]}")
     files = {"exl2fmt now": ours, "upstream rows": _doc(upstream, last), "old layout": _doc(raw, last)}
     res = {"numel": numel, "rows_per_block": {n: sorted({len(v) for v in d["measurement"].values()})
                                               for n, d in files.items()}, "targets": {}}
@@ -239,7 +289,32 @@ import json, sys, traceback, os
 import numpy as np, torch
 out = {}
 ids = torch.from_numpy(np.load(sys.argv[2]))
-for name, path in json.loads(sys.argv[1]).items():
+renames = json.loads(sys.argv[4])          # [checkpoint name part, peer module name part] pairs of renamed copies
+
+
+def weights(net, path, source):
+    # every quantized linear the peer built, dequantized by the peer's own kernel code, against exl2fmt's
+    # reference decoder on the checkpoint it was written as (``source``: the copy's original)
+    from exl2fmt.model import dequantize_layer
+    worst, n, n_exp = 0.0, 0, 0
+    for name, mod in net.named_modules():
+        if not hasattr(mod, "dequantize_weight"):
+            continue
+        w = mod.dequantize_weight().float().numpy()
+        if w.shape == (mod.in_features, mod.out_features):
+            w = w.T
+        key = name
+        if path != source:
+            for ck, pk in renames:
+                key = key.replace(pk, ck)
+        ref = dequantize_layer(source, key).astype(np.float32)
+        worst = max(worst, float(np.abs(ref - w).max()))
+        n += 1
+        n_exp += ".experts." in name
+    return {"weights_max_abs_diff": worst, "quant_linears": n, "quant_experts": n_exp}
+
+
+for name, (path, source) in json.loads(sys.argv[1]).items():
     for peer in ("gptqmodel", "transformers"):
         key = f"{name}|{peer}"
         try:
@@ -253,10 +328,11 @@ for name, path in json.loads(sys.argv[1]).items():
                 from transformers import AutoModelForCausalLM
                 net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16, device_map="cpu")
                 kernel = sorted({type(x).__name__ for x in net.modules() if hasattr(x, "qweight")})
+            w = weights(net, path, source)
             with torch.no_grad():
                 logits = net(input_ids=ids).logits.float().numpy()
             np.save(os.path.join(sys.argv[3], key.replace("|", "__") + ".npy"), logits)
-            out[key] = {"loaded": True, "kernel": kernel}
+            out[key] = {"loaded": True, "kernel": kernel, **w}
         except BaseException as e:
             out[key] = {"loaded": False, "error": f"{type(e).__name__}: {e}"[:600],
                         "trace": traceback.format_exc()[-1500:]}
@@ -264,37 +340,66 @@ print("PEER_RESULT " + json.dumps(out))
 '''
 
 
-def gptq_check(scratch: Path, work: Path, rows: int, length: int, eval_rows: int, eval_len: int, log) -> dict:
-    from exl2fmt.quant.evaluate import dequantized_source, eval_ids
+#: Mixtral's checkpoint names (what transformers 5 itself saves, ExLlamaV2 and vLLM read, and exl2fmt writes) ->
+#: the module names transformers 5 / GPTQModel 7.7's defused experts have in memory
+MIXTRAL_RENAMES = [(".block_sparse_moe.", ".mlp."), (".w1", ".gate_proj"), (".w3", ".up_proj"), (".w2", ".down_proj")]
+
+
+def _renamed_copy(d: Path, renames) -> Path:
+    """A copy of checkpoint ``d`` with its tensors renamed by ``renames`` (bytes unchanged)."""
+    from safetensors.numpy import load_file, save_file
+
+    out = d.with_name(d.name + "-renamed")
+    shutil.copytree(d, out)
+    for f in out.glob("*.safetensors"):
+        t = load_file(str(f))
+        new = {}
+        for k, v in t.items():
+            for a, b in renames:
+                k = k.replace(a, b)
+            new[k] = v
+        save_file(new, str(f), metadata={"format": "pt"})
+    return out
+
+
+def gptq_check(scratch: Path, work: Path, src: Path, calibration: str | None, ids: torch.Tensor, rows: int,
+               length: int, log) -> dict:
+    from exl2fmt.quant.evaluate import dequantized_source
     from exl2fmt.quant.hf_engine import HFModel
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
 
-    ids = eval_ids(FIXTURE / "tokenizer.json", eval_rows, eval_len)
     np.save(work / "ids.npy", ids.numpy())
     variants = {f"{'sym' if sym else 'asym'} {order}": dict(sym=sym, order=order)
                 for sym in (True, False) for order in ("act", "group", "static")}
     paths, ours = {}, {}
-    config = json.loads((FIXTURE / "config.json").read_text())
+    config = json.loads((src / "config.json").read_text())
+    renames = MIXTRAL_RENAMES if config.get("model_type") == "mixtral" else []
     for name, kw in variants.items():
         p = work / f"gptq-{name.replace(' ', '-')}"
-        quantize_model(FIXTURE, p, QuantOptions(target="gptq", bits=4, group_size=128, rows=rows, length=length,
-                                                device="cpu", **kw))
-        paths[name] = str(p)
+        quantize_model(src, p, QuantOptions(target="gptq", bits=4, group_size=128, rows=rows, length=length,
+                                            device="cpu", calibration=calibration, **kw))
+        paths[name] = (str(p), str(p))
+        if renames:
+            # the same checkpoint under transformers 5's in-memory MoE names (what GPTQModel 7.7 looks for)
+            paths[name + " (renamed)"] = (str(_renamed_copy(p, renames)), str(p))
         with torch.no_grad():
             ours[name] = HFModel(config, dequantized_source(p)).forward(ids).float().numpy()
+        if renames:
+            ours[name + " (renamed)"] = ours[name]
     # fp16 rounding: the dense model in fp16 vs fp32 (transformers, the same ids)
     from transformers import AutoModelForCausalLM
 
     with torch.no_grad():
-        l16 = AutoModelForCausalLM.from_pretrained(FIXTURE, dtype=torch.float16)(input_ids=ids).logits.float().numpy()
-        l32 = AutoModelForCausalLM.from_pretrained(FIXTURE, dtype=torch.float32)(input_ids=ids).logits.numpy()
+        l16 = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float16)(input_ids=ids).logits.float().numpy()
+        l32 = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(input_ids=ids).logits.numpy()
     noise = float(np.abs(l16 - l32).max())
     py = scratch / "V" / "bin" / "python"
     outdir = work / "peer-logits"
     outdir.mkdir()
-    env = dict(os.environ, GPTQMODEL_CPU_WORKERS="2", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, GPTQMODEL_CPU_WORKERS="2", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
     t = time.monotonic()
-    cp = subprocess.run([str(py), "-c", _PEER_SCRIPT, json.dumps(paths), str(work / "ids.npy"), str(outdir)],
+    cp = subprocess.run([str(py), "-c", _PEER_SCRIPT, json.dumps(paths), str(work / "ids.npy"), str(outdir),
+                         json.dumps(renames)],
                         capture_output=True, text=True, env=env, timeout=1800)
     line = next((x for x in cp.stdout.splitlines() if x.startswith("PEER_RESULT ")), None)
     if line is None:
@@ -323,7 +428,7 @@ def report(opt: dict | None, gq: dict | None, args) -> list[str]:
     lines = []
     if opt:
         lines += [f"ExLlamaV2 0.3.2's optimizer (its `optimize()` and compiled `sim_anneal`) on exl2fmt's "
-                  f"measurement of the fixture ({args.rows} x {args.length} calibration); rows per block: "
+                  f"measurement of {args.model} ({args.rows} x {args.length} calibration); rows per block: "
                   + ", ".join(f"{k} {v}" for k, v in opt["rows_per_block"].items())
                   + f"; best of {args.repeats} runs per cell; max(err) / sum(err^2) / achieved bpw:", "",
                   "| target bpw | exl2fmt now | upstream rows (ExLlamaV2's own table) | old layout (extras appended) "
@@ -337,18 +442,20 @@ def report(opt: dict | None, gq: dict | None, args) -> list[str]:
                          f"{'yes' if ok else 'NO'} |")
         lines.append("")
     if gq:
-        lines += [f"GPTQ 4-bit g128 outputs of the fixture; logits on {args.eval_rows} x {args.eval_len} held-out "
+        lines += [f"GPTQ 4-bit g128 outputs of {args.model}; logits on {args.eval_rows} x {args.eval_len} held-out "
                   f"tokens vs exl2fmt's forward over its own dequantized weights (fp32); fp16 rounding bound = "
                   f"2 x max |FP16-in-fp16 - FP16-in-fp32 logits| = {2 * gq['fp16_noise']:.4f}:", "",
-                  "| output | peer | loads | kernel | max abs logit diff | within fp16 rounding | top-1 agree |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| output | peer | loads | kernel | quantized linears (experts) the peer built | max abs weight diff "
+                  "vs exl2fmt's decoder | max abs logit diff | within fp16 rounding | top-1 agree |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for key, r in gq["results"].items():
             name, peer = key.split("|")
             if r["loaded"]:
-                lines.append(f"| {name} | {peer} | yes | {', '.join(r['kernel'])} | {r['max_abs_diff']:.4f} | "
+                lines.append(f"| {name} | {peer} | yes | {', '.join(r['kernel'])} | {r['quant_linears']} "
+                             f"({r['quant_experts']}) | {r['weights_max_abs_diff']:.3g} | {r['max_abs_diff']:.4f} | "
                              f"{'yes' if r['within'] else 'NO'} | {r['top1_agree']:.4f} |")
             else:
-                lines.append(f"| {name} | {peer} | NO: {r['error'][:160].replace('|', '/')} | | | | |")
+                lines.append(f"| {name} | {peer} | NO: {r['error'][:160].replace('|', '/').replace(chr(10), ' ')} | | | | | | |")
         lines.append("")
     return lines
 
@@ -361,18 +468,21 @@ def main() -> int:
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--eval-rows", type=int, default=4)
     ap.add_argument("--eval-len", type=int, default=128)
+    ap.add_argument("--model", choices=("fixture",) + TINY, default="fixture",
+                    help="the trained fixture, or a tiny random MoE model (hidden 128)")
     ap.add_argument("--skip-optimizer", action="store_true")
     ap.add_argument("--skip-gptq", action="store_true")
     ap.add_argument("--record", action="store_true", help="append the tables to bench/RESULTS.md")
     a = ap.parse_args()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(dir=a.scratch) as d:
-        opt = None if a.skip_optimizer else optimizer_check(a.scratch, Path(d), a.repeats, a.rows, a.length, print)
-        gq = None if a.skip_gptq else gptq_check(a.scratch, Path(d), a.rows, a.length, a.eval_rows, a.eval_len,
-                                                 print)
+        src, cal, ids = source(a.model, Path(d), a.rows, a.length, a.eval_rows, a.eval_len)
+        opt = None if a.skip_optimizer else optimizer_check(a.scratch, Path(d), src, cal, a.repeats, a.rows,
+                                                            a.length, print)
+        gq = None if a.skip_gptq else gptq_check(a.scratch, Path(d), src, cal, ids, a.rows, a.length, print)
     lines = report(opt, gq, a)
     print("\n".join(lines))
-    (a.scratch / "peers-result.json").write_text(json.dumps({"optimizer": opt, "gptq": gq}, indent=1, default=str))
+    (a.scratch / f"peers-result-{a.model}.json").write_text(json.dumps({"optimizer": opt, "gptq": gq}, indent=1, default=str))
     if a.record:
         with open(ROOT / "bench" / "RESULTS.md", "a", encoding="utf-8") as f:
             f.write(f"\n### Peers on exl2fmt's outputs (issue 16, {datetime.date.today()}, {platform.machine()}, "
