@@ -787,7 +787,8 @@ def _entries(draw):
         elif what == "ndim":
             entry["shape"] = [1] * draw(st.integers(8, 10))
         elif what in ("begin", "end"):
-            off = list(entry["data_offsets"]) if isinstance(entry["data_offsets"], list) else [0, 0]
+            # (a "drop" step before may have removed the field: then a fresh pair is planted)
+            off = list(entry["data_offsets"]) if isinstance(entry.get("data_offsets"), list) else [0, 0]
             near = [x + d for x in (off[0], off[-1]) if type(x) is int for d in (-1, 1)]
             off[0 if what == "begin" else -1] = draw(st.sampled_from(_ODD_VALUES + near))
             entry["data_offsets"] = off
