@@ -131,3 +131,15 @@ def run_cli(*args, pythonpath: str | None = None, timeout: int = 300) -> subproc
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-m", "exl2fmt.cli.app", *map(str, args)], capture_output=True,
                           text=True, cwd=str(ROOT), env=env, timeout=timeout)
+
+
+#: Test modules that hold the longest tests (``pytest --durations``), moved to the front of the collection in this
+#: order (each module's own order kept, so module-scoped fixtures are still built once per worker).  pytest-xdist's
+#: load scheduler hands tests out in collection order: a 60 s test handed out among the last ones keeps one worker
+#: busy alone at the end of the run.
+LONG_MODULES_FIRST = ("test_quality.py", "test_validate_kernel.py", "test_validate_run.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
