@@ -54,8 +54,10 @@ def rtn_source(model_dir, bits=4, group_size=128):
 
 
 def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_eval=64, length_eval=256,
-        gptq=True, rtn=True, fp16_head=True, upstream_tables=(), log=print, refine_scales=None) -> dict:
-    """Quantize the fixture into ``work`` and evaluate; returns {name: metrics + bpw + seconds}."""
+        gptq=True, rtn=True, fp16_head=True, upstream_tables=(), log=print, refine_scales=None,
+        measure_rows=None) -> dict:
+    """Quantize the fixture into ``work`` and evaluate; returns {name: metrics + bpw + seconds}.
+    ``measure_rows``: calibration rows that score the EXL2 measurement's candidates (None = every row)."""
     from exl2fmt.quant.evaluate import compare_many, dequantized_source, eval_ids
     from exl2fmt.quant.hf_engine import HFModel
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
@@ -69,7 +71,8 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
     for i, bits in enumerate(exl2_bits):
         t = time.monotonic()
         opts = QuantOptions(target="exl2", bits=bits, rows=rows_cal, length=length_cal, device="cpu",
-                            refine_scales=refine_scales, **({"save_measurement": str(meas)} if i == 0 else {"measurement": str(meas)}))
+                            refine_scales=refine_scales, measure_rows=measure_rows,
+                            **({"save_measurement": str(meas)} if i == 0 else {"measurement": str(meas)}))
         rep = quantize_model(FIXTURE, work / f"exl2-{bits}", opts)
         name = f"EXL2 {bits}"
         deq = dequantized_source(work / f"exl2-{bits}")

@@ -770,9 +770,10 @@ def test_scale_refinement_matches_its_numpy_twin_and_never_raises_the_error(bits
     assert (e2 <= e0).all() and e2.sum() < e0.sum()                # per column never worse; better overall
 
 
-def test_too_little_disk_space_is_refused_before_any_work(tiny_llama, tmp_path, monkeypatch):
+def test_too_little_disk_space_is_refused_before_any_work(tiny_llama, exl2_default, tmp_path, monkeypatch):
     """The preflight estimate is compared with the free space; the numbers are in the message and nothing is
-    written.  Oracle for the estimate: it covers what a real run writes (output + work files + candidates)."""
+    written.  Oracle for the estimate: it covers what a real run with these options writes (output + work files +
+    candidates): the shared default run's output (saving its measurement elsewhere changes no output byte)."""
     import shutil as sh
 
     from exl2fmt.quant.weights import WeightSource
@@ -786,15 +787,15 @@ def test_too_little_disk_space_is_refused_before_any_work(tiny_llama, tmp_path, 
     out_need, work_need = P._disk_needed(spec, srcw, o, measuring=True)
     need = out_need + work_need
     srcw.close()
-    P.quantize_model(src, tmp_path / "ok", _opts(ids))
-    written = sum(p.stat().st_size for p in (tmp_path / "ok").rglob("*.safetensors"))
+    _, ok, _, _ = exl2_default                                           # _opts(ids) + save_measurement
+    written = sum(p.stat().st_size for p in ok.rglob("*.safetensors"))
     assert written < out_need and need < 6 * written + (64 << 20)      # above the output, not absurdly so
     real = sh.disk_usage
     monkeypatch.setattr(P.shutil, "disk_usage", lambda p: real(p)._replace(free=need - 1))
     with pytest.raises(Exl2Error) as e:
         P.quantize_model(src, tmp_path / "no", _opts(ids))
     assert e.value.code is ErrorCode.DISK_SPACE and "GB free" in e.value.message
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_score_plan_puts_evenly_spaced_rows_first_in_whole_batches():

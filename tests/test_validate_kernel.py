@@ -13,7 +13,11 @@ other test modules of this pytest process may already have imported it in compil
 * torch or triton missing (an import shim first on PYTHONPATH): exit 3, one line naming
   ``pip install 'exl2fmt[kernels]'``, no traceback; plain validate still works.
 
-Runtime: about 40 s on 2 CPU cores (two interpreter runs).
+The runs through the interpreter take one layer of each kind the kernels treat differently (``SUBSET``, a
+model directory holding those layers only); the same tests over every layer of the sample run with ``-m slow``.
+
+Runtime: about 85 s in one process on 2 CPU cores shared with other work (load ~4); the old whole-model runs
+took about twice that.
 """
 
 from __future__ import annotations
@@ -43,6 +47,18 @@ needs_kernels = pytest.mark.skipif(not HAS_KERNELS, reason="needs torch and trit
 OVERFLOW = "model.layers.0.self_attn.v_proj"  # 3/2-bit: |q - z| <= 4, so q_scale_max 12000 keeps |w| <= 48000
 BROKEN = "model.layers.1.self_attn.k_proj"  # q_groups bit width 7: GROUPS_BITS
 QSM_BIG = 12000.0
+#: One layer of each kind the kernels treat differently: every EXL2 width (8 4 3 | 3 2 | 5 | 8 6), groups of
+#: 32, 64 and 128 rows, K = 704 (22 blocks of 32 rows), N = 704 (not a power of two: a column block wider than
+#: the layer), N = 128, and the head padded from the vocabulary's 1000 columns to 1024 (config.json says 1000).
+SUBSET = ("model.layers.0.mlp.down_proj", "model.layers.1.mlp.gate_proj", "model.layers.1.self_attn.v_proj",
+          "lm_head")
+#: The broken model's subset: the two bad layers and two good ones next to them.
+BAD_SUBSET = (OVERFLOW, BROKEN, "model.layers.0.self_attn.k_proj", "model.layers.1.self_attn.v_proj")
+#: GPTQ (4-bit g128; the head stays fp16): K = 256 and 704, N = 128, 256 and 704 (a column block wider than the
+#: layer), each layer with the g_idx its own EXL2 permutation gives.
+GPTQ_SUBSET = ("model.layers.0.self_attn.k_proj", "model.layers.1.mlp.up_proj", "model.layers.0.mlp.down_proj")
+#: A fixture parameter: the subset in the default suite, every layer with -m slow.
+SCOPES = [pytest.param("full", marks=pytest.mark.slow), "subset"]
 FP16_INF_AT = 65520.0  # |y| from here on rounds to inf in float16
 
 
@@ -60,6 +76,26 @@ def patch_tensor(model_file: Path, name: str, data: np.ndarray) -> None:
         f.write(raw)
 
 
+def keep_layers(src: Path, dst: Path, keys) -> Path:
+    """A copy of the model directory ``src`` (one safetensors file) in ``dst`` whose linear layers are ``keys``
+    only: every other layer's tensors dropped; embeddings, norms and the other files kept as they are."""
+    from safetensors.numpy import load_file
+
+    from exl2fmt.container import write_safetensors
+    from exl2fmt.detect import detect_layers
+
+    (f,) = src.glob("*.safetensors")
+    t = load_file(str(f))
+    drop = set(detect_layers(read_header(f).tensors)) - set(keys)
+    assert drop and not set(keys) - set(detect_layers(read_header(f).tensors)), keys
+    dst.mkdir()
+    write_safetensors(dst / f.name, {n: a for n, a in t.items() if n.rpartition(".")[0] not in drop})
+    for p in src.iterdir():
+        if p.suffix != ".safetensors":
+            shutil.copy(p, dst / p.name)
+    return dst
+
+
 @pytest.fixture(scope="module")
 def sample_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("kernel-sample")
@@ -67,11 +103,22 @@ def sample_dir(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module")
-def bad_dir(sample_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=SCOPES)
+def sample_case(request, sample_dir, tmp_path_factory):
+    """(model directory, how many EXL2 layers it holds): the whole sample, or the sample's ``SUBSET``."""
+    if request.param == "full":
+        return sample_dir, 15
+    return keep_layers(sample_dir, tmp_path_factory.mktemp("kernel-subset") / "m", SUBSET), len(SUBSET)
+
+
+@pytest.fixture(scope="module", params=SCOPES)
+def bad_dir(request, sample_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("kernel-bad")
-    for p in sample_dir.iterdir():
-        shutil.copy(p, d / p.name)
+    if request.param == "full":
+        for p in sample_dir.iterdir():
+            shutil.copy(p, d / p.name)
+    else:
+        d = keep_layers(sample_dir, d / "m", BAD_SUBSET)
     f = d / "output.safetensors"
     from safetensors.numpy import load_file
 
@@ -80,23 +127,26 @@ def bad_dir(sample_dir, tmp_path_factory):
     qg = t[f"{BROKEN}.q_groups"].copy()
     qg[0] = 7
     patch_tensor(f, f"{BROKEN}.q_groups", qg)
-    return d
+    return d, 15 if request.param == "full" else len(BAD_SUBSET)
 
 
 @pytest.fixture(scope="module")
 def bad_doc(bad_dir):
-    p = cli("validate", bad_dir, "--kernel", "--device", "cpu", "--kernel-m", "1", "--json")
+    """(validate --kernel's JSON report on the broken model, how many layers the model holds)."""
+    d, n = bad_dir
+    p = cli("validate", d, "--kernel", "--device", "cpu", "--kernel-m", "1", "--json")
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     assert p.returncode == 1, p.stderr[-3000:]
-    return json.loads(p.stdout)
+    return json.loads(p.stdout), n
 
 
 # ------------------------------------------------------------------------------------------------ the sample
 
 
 @needs_kernels
-def test_sample_every_layer_bit_exact_and_within_bound(sample_dir):
-    p = cli("validate", sample_dir, "--kernel", "--device", "cpu", "--json")
+def test_sample_every_layer_bit_exact_and_within_bound(sample_case):
+    d, n = sample_case
+    p = cli("validate", d, "--kernel", "--device", "cpu", "--json")
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     assert p.stderr == ""  # JSON mode: no note, no progress on stderr
     doc = json.loads(p.stdout)
@@ -104,8 +154,9 @@ def test_sample_every_layer_bit_exact_and_within_bound(sample_dir):
     assert doc["result"] == "PASS" and doc["kernel"] == {"device": "cpu", "interpreter": True, "ms": [1, 16],
                                                          "seed": 0}
     run = {l["key"]: l["kernel"] for l in doc["layers"] if l["kernel"]}
-    inspected = json.loads(cli("inspect", sample_dir, "--json").stdout)
-    assert sorted(run) == sorted(l["key"] for l in inspected["layers"]) and len(run) == 15
+    inspected = json.loads(cli("inspect", d, "--json").stdout)
+    assert sorted(run) == sorted(l["key"] for l in inspected["layers"]) and len(run) == n
+    assert n == 15 or sorted(run) == sorted(SUBSET)
     for key, k in run.items():
         assert k["dequant_exact"] and k["mismatches"] == 0, key
         assert [(r["M"], r["path"]) for r in k["results"]] == [(1, "gemv"), (16, "dot")]
@@ -114,7 +165,7 @@ def test_sample_every_layer_bit_exact_and_within_bound(sample_dir):
             # float16 outputs: rounding makes the error non-zero, and it stays near fp16's unit roundoff
             assert 0 < r["max_rel_err"] < 2.0 ** -10, (key, r)
     ok = [c for c in doc["checks"] if c["check"] == "kernel"]
-    assert [(c["status"], c["code"], c["count"]) for c in ok] == [("PASS", "KERNEL_OK", 15)]
+    assert [(c["status"], c["code"], c["count"]) for c in ok] == [("PASS", "KERNEL_OK", n)]
 
 
 @needs_kernels
@@ -140,12 +191,13 @@ def test_human_output_notes_the_interpreter(sample_dir, tmp_path):
 @needs_kernels
 def test_overflowing_layer_fails_kernel_check(bad_doc):
     torch = pytest.importorskip("torch")
+    bad_doc, n = bad_doc
     check_schema(bad_doc, SCHEMA["$defs"]["validate"])
     fails = [c for c in bad_doc["checks"] if c["status"] == "FAIL"]
     assert {(c["check"], c["code"], c["tensor"]) for c in fails} == {
         ("kernel", "KERNEL_MISMATCH", OVERFLOW), ("layers", "GROUPS_BITS", f"{BROKEN}.q_groups")}
     run = {l["key"]: l["kernel"] for l in bad_doc["layers"] if l["kernel"]}
-    assert BROKEN not in run and len(run) == 14  # structurally invalid: never handed to the kernels
+    assert BROKEN not in run and len(run) == n - 1  # structurally invalid: never handed to the kernels
     for key, k in run.items():
         assert k["dequant_exact"], key  # large but finite weights still dequantize bit for bit
         assert [r["M"] for r in k["results"]] == [1]
@@ -166,10 +218,11 @@ def test_kernel_table_renders_failures(bad_doc, capsys):
     from exl2fmt.cli.checks import kernel_table as _kernel_table
     from exl2fmt.cli.output import Output
 
+    bad_doc, n = bad_doc
     _kernel_table(Output("human"), bad_doc)
     out = capsys.readouterr().out
     rows = [l for l in out.splitlines() if l.startswith("model.") or l.startswith("lm_head")]
-    assert len(rows) == 14 and not any(l.startswith(BROKEN) for l in rows)
+    assert len(rows) == n - 1 and not any(l.startswith(BROKEN) for l in rows)
     (bad,) = [l for l in rows if l.startswith(OVERFLOW)]
     assert "not finite OUT" in bad and bad.rstrip().endswith("FAIL")
     assert all(l.rstrip().endswith("ok") for l in rows if l is not bad)
@@ -223,14 +276,19 @@ def test_kernel_options_usage(sample_dir):
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 3])
-def test_gptq_layers_run_through_the_gptq_kernels(sample_dir, tmp_path, bits):
+@pytest.mark.parametrize("bits,scope", [(4, "subset"), pytest.param(4, "full", marks=pytest.mark.slow), (3, "full")])
+def test_gptq_layers_run_through_the_gptq_kernels(sample_dir, tmp_path, bits, scope):
     """The sample converted to GPTQ: 4-bit layers go through the GPTQ kernels (dequantization bit-exact, outputs
-    within the bound); 3-bit codes straddle words and are reported as not run, with a warning."""
+    within the bound); 3-bit codes straddle words and are reported as not run, with a warning.  The 4-bit run
+    takes one layer of each shape (``GPTQ_SUBSET``), every layer with -m slow."""
     from exl2fmt.converters import convert
 
-    convert(sample_dir, tmp_path / "g", "gptq", bits=bits)
-    p = cli("validate", tmp_path / "g", "--kernel", "--device", "cpu", "--kernel-m", "1", "--kernel-m", "33", "--json")
+    g = tmp_path / "g"
+    convert(sample_dir, g, "gptq", bits=bits)
+    n = 14                                                                     # the head stays fp16 in GPTQ
+    if scope == "subset":
+        g, n = keep_layers(g, tmp_path / "sub", GPTQ_SUBSET), len(GPTQ_SUBSET)
+    p = cli("validate", g, "--kernel", "--device", "cpu", "--kernel-m", "1", "--kernel-m", "33", "--json")
     doc = json.loads(p.stdout)
     checks = [c for c in doc["checks"] if c["check"] == "kernel"]
     run = {l["key"]: l["kernel"] for l in doc["layers"] if l.get("kernel")}
@@ -240,10 +298,10 @@ def test_gptq_layers_run_through_the_gptq_kernels(sample_dir, tmp_path, bits):
         assert "14 3-bit gptq layer(s) not run" in checks[0]["message"]       # the head stays fp16 in GPTQ
         return
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
-    assert len(run) == 14                                                      # the head stays fp16 in GPTQ
+    assert len(run) == n and (n == 14 or sorted(run) == sorted(GPTQ_SUBSET))
     for key, k in run.items():
         assert k["dequant_exact"] and k["mismatches"] == 0, key
         assert [(r["M"], r["path"]) for r in k["results"]] == [(1, "fused"), (33, "fused")]
         assert all(r["within_bound"] and 0 < r["max_rel_err"] < 2.0 ** -10 for r in k["results"]), (key, k)
-    assert [(c["status"], c["code"], c["count"]) for c in checks] == [("PASS", "KERNEL_OK", 14)]
-    assert "14 GPTQ layer(s)" in checks[0]["message"] and "M=1 (fused)" in checks[0]["message"]
+    assert [(c["status"], c["code"], c["count"]) for c in checks] == [("PASS", "KERNEL_OK", n)]
+    assert f"{n} GPTQ layer(s)" in checks[0]["message"] and "M=1 (fused)" in checks[0]["message"]
