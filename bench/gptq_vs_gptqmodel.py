@@ -22,8 +22,8 @@ intermediate 5632, 32 heads / 4 KV heads, vocab 32000; seeded random fp16 weight
 Setup of the scratch venv S (once, outside the repository; nothing of it is committed):
 
     S=/work/scratch/h16
-    python3 -m venv $S/V                 # shares the base packages (torch 2.13 CPU, transformers 5.x):
-    echo /work/venv-base/lib/python3.11/site-packages > $S/V/lib/python3.11/site-packages/_base.pth
+    python3 -m venv $S/V                 # sees the project venv's packages (torch 2.13 CPU, transformers 5.x):
+    echo $PWD/.venv/lib/python3.11/site-packages > $S/V/lib/python3.11/site-packages/_base.pth
     $S/V/bin/pip install --no-deps gptqmodel==7.7.0 pypcre logbar tokenicer device-smi defuser pillow
 
 (GPTQModel 7.7 declares torch >= 2.14; with --no-deps it runs on torch 2.13's CPU build; the six extra packages
