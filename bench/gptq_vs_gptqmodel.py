@@ -147,6 +147,7 @@ def gptqmodel_worker(mdir: str, cal: str, out: str, order: str) -> None:
     import torch
     from gptqmodel import GPTQModel, QuantizeConfig
 
+    os.chdir(Path(out).parent)          # GPTQModel writes a logs/ folder into the working directory
     ids = np.load(cal)
     qc = QuantizeConfig(bits=BITS, group_size=GROUP, sym=True, damp_percent=PERCDAMP,
                         desc_act=order == "act", act_group_aware=order == "group")
