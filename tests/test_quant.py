@@ -477,14 +477,17 @@ def test_peer_autogptq_decodes_the_quantizers_gptq_output(tiny_llama, tmp_path, 
         m.close()
 
 
-def test_cpu_kernel_and_torch_row_loop_give_the_same_bits():
+@pytest.mark.parametrize("N", [96, 300])
+def test_cpu_kernel_and_torch_row_loop_give_the_same_bits(N):
     """The in-group row loop runs as a Numba kernel on the CPU and as torch ops elsewhere (CUDA); both must
-    produce identical codes and reconstructions."""
+    produce identical codes and reconstructions: with one partial column tile (N=96) and with two whole
+    tiles and a partial one (N=300, ``gptq_kernel.TILE`` 128), all-zero columns (scale 0) included."""
     from exl2fmt.quant import gptq as G
 
-    K, N = 192, 96
+    K = 192
     p = prepare(_correlated(K, seed=7))
     W = _weight(N, K, seed=8)
+    W[[3, N - 1]] = 0
     groups = [(0, 32), (32, 64), (96, 96)]
     bits = [6, 4, 3]
 
