@@ -17,9 +17,33 @@ so the choice holds for the whole process and cannot be switched once the module
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import os
 import sys
+
+
+def _yield_the_top_level_name() -> None:
+    """Imported as top-level ``kernels`` - a checkout's root on ``sys.path`` (``python -m pytest`` or ``python -c``
+    run from it) makes this directory shadow the ``kernels`` distribution (Hugging Face's, which transformers
+    >= 5.25 requires and imports): put that package in ``sys.modules`` instead, so the import that reached
+    here gets it.  Without it installed, nothing changes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", paths)
+    if spec is None or spec.loader is None or spec.origin == os.path.abspath(__file__):
+        return
+    real = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = real         # the import system returns what sys.modules holds once this returns
+    try:
+        spec.loader.exec_module(real)
+    except BaseException:
+        sys.modules.pop("kernels", None)
+        raise
+
+
+if __name__ == "kernels":
+    _yield_the_top_level_name()
 
 __all__ = ["available", "load_triton"]
 

@@ -329,3 +329,27 @@ def test_every_package_folder_is_installed():
             rel = init.parent.relative_to(folder).parts
             found.add(".".join((name, *rel)))
     assert found <= listed, f"package folders missing from pyproject.toml: {sorted(found - listed)}"
+
+
+def test_the_kernels_folder_does_not_shadow_the_kernels_distribution():
+    """``kernels/`` (installed as ``exl2fmt.kernels``) is also a top-level package when the checkout's root is on
+    ``sys.path`` (``python -m pytest`` / ``python -c`` run from it).  transformers >= 5.25 requires Hugging Face's
+    ``kernels`` distribution and imports it, so there the name must reach that package; without it installed,
+    the folder itself is what ``import kernels`` finds."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    try:
+        importlib.metadata.distribution("kernels")
+        installed = True
+    except importlib.metadata.PackageNotFoundError:
+        installed = False
+    p = subprocess.run([sys.executable, "-c", "import kernels, sys; print(kernels.__file__); "
+                        "print(sys.modules['kernels'] is kernels)"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    path, same = p.stdout.split()
+    assert same == "True"
+    ours = Path(path).resolve() == (ROOT / "kernels" / "__init__.py").resolve()
+    assert ours != installed, (path, installed)
