@@ -477,6 +477,26 @@ def test_peer_autogptq_decodes_the_quantizers_gptq_output(tiny_llama, tmp_path, 
         m.close()
 
 
+@pytest.mark.parametrize("K,N,n_pad", [(512, 600, 608), (320, 1000, 1024), (96, 40, 64)])
+def test_unpermute_kernel_matches_the_plain_index_copy(K, N, n_pad):
+    """The sweep's result back to [N, K] in original feature order: the Numba tile kernels (float32 and
+    float16 bit patterns; partial tiles at both edges, padded columns ignored) against an independent NumPy
+    gather ``out[n, perm[k]] = Wt[k, n]``; the small case takes the torch path."""
+    from exl2fmt.quant import gptq as G
+
+    rng = np.random.default_rng(K + N)
+    Wt = rng.standard_normal((K, n_pad)).astype(np.float16).astype(np.float32)
+    Wt[:, N:] = np.nan                          # padding must never reach the output
+    perm = rng.permutation(K)
+    ref = np.empty((N, K), dtype=np.float32)
+    ref[:, perm] = Wt[:, :N].T
+    for dtype, npd in ((torch.float32, np.float32), (torch.float16, np.float16)):
+        out = G._unpermute(torch.from_numpy(Wt), torch.from_numpy(perm), N, dtype)
+        assert out.dtype == dtype and out.shape == (N, K) and out.is_contiguous()
+        assert np.array_equal(out.numpy(), ref.astype(npd))
+    assert (N * K >= G._UNPERMUTE_KERNEL_MIN) == (K != 96)     # both paths are exercised
+
+
 @pytest.mark.parametrize("N", [96, 300])
 def test_cpu_kernel_and_torch_row_loop_give_the_same_bits(N):
     """The in-group row loop runs as a Numba kernel on the CPU and as torch ops elsewhere (CUDA); both must

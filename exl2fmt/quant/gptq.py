@@ -281,12 +281,35 @@ def _work_matrix(weight: torch.Tensor, perm: torch.Tensor, n_cols: int) -> torch
     return Wt
 
 
-def _unpermute(Wt_hat: torch.Tensor, perm: torch.Tensor, N: int) -> torch.Tensor:
-    """float32 [K, N_pad] stored order -> float32 [N, K] original order (rows copied straight into the
-    transposed view of the result: no temporary of the full matrix)."""
-    out = torch.empty((N, Wt_hat.shape[0]), dtype=torch.float32, device=Wt_hat.device)
+#: Below this many elements ``_unpermute`` stays with torch (a Numba parallel launch costs more than the copy).
+_UNPERMUTE_KERNEL_MIN = 1 << 18
+
+
+def _unpermute(Wt_hat: torch.Tensor, perm: torch.Tensor, N: int, dtype: torch.dtype = torch.float32,
+               invperm: np.ndarray | None = None) -> torch.Tensor:
+    """float32 [K, N_pad] stored order -> ``dtype`` (float32 or float16) [N, K] original order.  float16 is
+    exact when ``Wt_hat`` holds fp16 values (the sweep's reconstructions).  ``invperm`` int32 [K], the
+    inverse of ``perm``, when the caller has it.
+
+    On the CPU a Numba kernel moves square tiles (``gptq_kernel.unpermute_f32`` / ``unpermute_f16_bits``;
+    2-3x torch's ``index_copy_`` into a transposed view, whose writes are strided, and no float32 temporary
+    when float16 is asked for); elsewhere, and for small matrices, the rows are copied straight into the
+    transposed view of the result: no temporary of the full matrix."""
+    K = Wt_hat.shape[0]
+    if Wt_hat.device.type == "cpu" and N * K >= _UNPERMUTE_KERNEL_MIN and Wt_hat.is_contiguous():
+        from .gptq_kernel import unpermute_f16_bits, unpermute_f32
+
+        if invperm is None:
+            invperm = torch.argsort(perm).to(torch.int32).cpu().numpy()
+        out = torch.empty((N, K), dtype=dtype)
+        if dtype == torch.float16:
+            unpermute_f16_bits(Wt_hat.numpy(), invperm, out.numpy().view(np.uint16))
+        else:
+            unpermute_f32(Wt_hat.numpy(), invperm, out.numpy())
+        return out
+    out = torch.empty((N, K), dtype=torch.float32, device=Wt_hat.device)
     out.T.index_copy_(0, perm, Wt_hat[:, :N])
-    return out
+    return out.to(dtype)
 
 
 def proxy_error(weight: torch.Tensor, w_hat: torch.Tensor, H: torch.Tensor, max_rows: int = 256) -> float:
@@ -310,7 +333,7 @@ class Exl2Result:
 
     ``codes`` uint8 [K, N_pad] (stored order), ``scale_codes`` uint8 [G, N_pad] (0..15), ``q_scale_max``
     float16 [G], ``bits_rows`` [(bits, rows)] per group, ``q_invperm`` int32 [K], ``weight_hat`` float32
-    [N, K] (the exact fp16 reconstruction, original order), ``error`` (``proxy_error``; None where it was not
+    (or float16: ``quantize_exl2_plans(hat_dtype=)``) [N, K] (the exact fp16 reconstruction, original order), ``error`` (``proxy_error``; None where it was not
     computed: ``quantize_exl2_plans(error=False)``)."""
 
     codes: np.ndarray
@@ -370,7 +393,8 @@ def _common_prefix(p: tuple, q: tuple) -> int:
 
 def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[tuple[int, int]]],
                         refine_scales: bool = False, *, error: bool = False, share_bytes: int | None = None,
-                        use_kernel: bool | None = None) -> Iterator[tuple[int, Exl2Result]]:
+                        use_kernel: bool | None = None, hat_dtype: torch.dtype = torch.float32
+                        ) -> Iterator[tuple[int, Exl2Result]]:
     """``quantize_exl2`` of ``weight`` for every group plan in ``plans``, sharing the work the plans have in
     common; yields ``(i, result)`` once for every index i of ``plans`` (equal plans get the same result object),
     in an order of its own.  Each result is bit for bit what ``quantize_exl2(weight, prep, plans[i])`` returns.
@@ -387,7 +411,8 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
     restarts from the deepest state that was saved.
 
     ``error``: compute each result's ``proxy_error`` (the measurement does not read it; otherwise None).
-    ``use_kernel``: as in ``_sweep``."""
+    ``use_kernel``: as in ``_sweep``.  ``hat_dtype``: the results' ``weight_hat`` dtype, float32 or float16
+    (the same values: the reconstruction is fp16; float16 halves what a caller that keeps it holds)."""
     N, K = weight.shape
     plans_t = [tuple((int(b), int(r)) for b, r in p) for p in plans]
     if K % 32 or any(sum(r for _, r in p) != K for p in plans_t):
@@ -447,7 +472,7 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
                 fit = fits[bits] = _exl2_fit(bits, refine_scales, scale_codes, qsm)
             _sweep_group(Wt, prep.U, codes, j, a, r, fit, use_kernel)
         depth = len(plan)
-        w_hat = _unpermute(Wt, prep.perm, N)
+        w_hat = _unpermute(Wt, prep.perm, N, hat_dtype, invperm)
         res = Exl2Result(codes=codes.cpu().numpy().copy(), scale_codes=scale_codes[:len(plan)].copy(),
                          q_scale_max=qsm[:len(plan)].copy(), bits_rows=list(plan), q_invperm=invperm.copy(),
                          weight_hat=w_hat,

@@ -17,7 +17,7 @@ from numba import njit, prange
 
 from ..codec._f16 import f16_bits_to_f32, f32_to_f16_bits
 
-__all__ = ["kernel"]
+__all__ = ["kernel", "unpermute_f32", "unpermute_f16_bits"]
 
 
 #: Output columns per parallel work item: the tile and its row updates stay in L1/L2.
@@ -74,3 +74,51 @@ def kernel(blk, Ublk, s, z, maxq, codes, err):
         for c in range(r):
             for j in range(w_):
                 blk[c, n0 + j] = loc[c, j]
+
+
+#: Side of the square tiles the un-permuting transposes move through a local buffer (64 x 64 float32: 16 KiB).
+_T = 64
+
+
+@njit(cache=True, parallel=True)
+def unpermute_f32(Wt, invperm, out):
+    """``out[n, j] = Wt[invperm[j], n]``: the sweep's result back to the layer's shape and feature order.
+
+    ``Wt`` float32 [K, >= N] C order (stored row order); ``invperm`` int32 [K] (stored row of each original
+    input feature); ``out`` float32 [N, K] C order (written).  Square tiles go through a small local buffer
+    so that both the reads (rows of ``Wt``) and the writes (rows of ``out``) are contiguous runs."""
+    N, K = out.shape
+    for t in prange((N + _T - 1) // _T):
+        n0 = t * _T
+        n1 = min(N, n0 + _T)
+        buf = np.empty((_T, _T), dtype=np.float32)
+        for j0 in range(0, K, _T):
+            j1 = min(K, j0 + _T)
+            for j in range(j0, j1):
+                src = invperm[j]
+                for n in range(n0, n1):
+                    buf[n - n0, j - j0] = Wt[src, n]
+            for n in range(n0, n1):
+                for j in range(j0, j1):
+                    out[n, j] = buf[n - n0, j - j0]
+
+
+@njit(cache=True, parallel=True)
+def unpermute_f16_bits(Wt, invperm, out):
+    """As ``unpermute_f32``, written as binary16 bit patterns: ``out`` uint16 [N, K] C order (a float16
+    array's view).  Rounds to nearest even, so it is exact when ``Wt`` holds fp16 values (the sweep's
+    reconstructions)."""
+    N, K = out.shape
+    for t in prange((N + _T - 1) // _T):
+        n0 = t * _T
+        n1 = min(N, n0 + _T)
+        buf = np.empty((_T, _T), dtype=np.uint16)
+        for j0 in range(0, K, _T):
+            j1 = min(K, j0 + _T)
+            for j in range(j0, j1):
+                src = invperm[j]
+                for n in range(n0, n1):
+                    buf[n - n0, j - j0] = f32_to_f16_bits(Wt[src, n])
+            for n in range(n0, n1):
+                for j in range(j0, j1):
+                    out[n, j] = buf[n - n0, j - j0]

@@ -421,12 +421,12 @@ def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory:
         # is not computed: the measurement scores candidates by their block outputs
         made: dict[tuple, object] = {}               # group plan -> candidate
         for j, r in quantize_exl2_plans(w, prepared[blk.owner(n)], [qp.bits_rows(w.shape[1]) for qp in settings],
-                                        refine_scales):
+                                        refine_scales, hat_dtype=torch.float16):
             v = made.get(tuple(r.bits_rows))
             if v is None:
                 size = r.weight_hat.numel() * 2
                 if kept + size <= in_memory:
-                    v = r.weight_hat.to(torch.float16)   # exact: every value is an fp16 value
+                    v = r.weight_hat                     # float16: exact, every value is an fp16 value
                     kept += size
                 else:
                     v = vdir / f"{n}.{len(made)}.safetensors"
