@@ -84,10 +84,12 @@ def convert_command(
                                                             show_default=False, help="FP16 -> exl2: also write "
                                                             "the measurement (ExLlamaV2's measurement.json "
                                                             "layout) to FILE.")] = None,
-    measure_rows: Annotated[Optional[int], typer.Option("--measure-rows", show_default=False, help="FP16 -> exl2: "
-                                                        "calibration rows that score the measurement's candidates "
-                                                        "(evenly spaced; ExLlamaV2's -mr). Default: every row. "
-                                                        "Their Hessians always use every row.")] = None,
+    measure_rows: Annotated[Optional[str], typer.Option("--measure-rows", metavar="N|all", show_default=False,
+                                                        help="FP16 -> exl2: calibration rows that score the "
+                                                        "measurement's candidates (evenly spaced; ExLlamaV2's -mr). "
+                                                        "Default: a quarter of --rows, at least 2048 tokens' worth "
+                                                        "(8 of the CPU default 32). Hessians and reference outputs "
+                                                        "always use every row.")] = None,
     device: Annotated[Optional[str], typer.Option("--device", show_default=False, help="FP16 -> exl2/gptq: cpu "
                                                   "or cuda[:i] (default: cuda if torch sees one).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="FP16 -> exl2/gptq: seed of the built-in calibration "

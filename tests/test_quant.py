@@ -827,6 +827,18 @@ def test_score_plan_puts_evenly_spaced_rows_first_in_whole_batches():
     with pytest.raises(Exl2Error) as e:
         QuantOptions(measure_rows=0).resolved()
     assert e.value.code is ErrorCode.USAGE and "--measure-rows" in e.value.message
+    with pytest.raises(Exl2Error) as e:
+        QuantOptions(measure_rows="most").resolved()
+    assert e.value.code is ErrorCode.USAGE and "'most'" in e.value.message
+    # the default: a quarter of the rows, at least 2048 tokens' worth, at most every row; "all" = every row
+    for (rows, length), want in {(32, 512): 8, (100, 2048): 25, (16, 256): 8, (8, 256): 8, (6, 64): 6,
+                                 (64, 64): 32, (1, 4096): 1, (33, 512): 9}.items():
+        o = QuantOptions(target="exl2", rows=rows, length=length, device="cpu").resolved()
+        assert o.measure_rows == want, (rows, length)
+        assert QuantOptions(target="exl2", rows=rows, length=length, device="cpu",
+                            measure_rows="all").resolved().measure_rows == rows
+    assert QuantOptions(target="exl2", rows=16, length=64, device="cpu", measure_rows="99").resolved().measure_rows == 16
+    assert QuantOptions(target="gptq", rows=32, length=512, device="cpu").resolved().measure_rows is None
     order, batches, n = _score_plan(32, 512, 8192, None)          # every row scores: today's batches, no order
     assert order is None and batches == [slice(0, 16), slice(16, 32)] and n == 2
     for m, per in ((8, 8), (12, 12), (20, 10), (1, 1)):

@@ -89,10 +89,11 @@ class QuantOptions:
     refine_scales: bool | None = None
     norm: float = 2.0                     # solver objective: sum of block error ** norm
     batch_tokens: int = 8192              # calibration tokens per forward batch
-    # calibration rows that score the measurement's candidates (ExLlamaV2's -mr); None = every row.  The
-    # Hessians of the candidates' GPTQ always come from every row; fewer scoring rows cut the cost of the
-    # option forwards in proportion (bench/RESULTS.md, issue 18, for the A/B of the chosen plans)
-    measure_rows: int | None = None
+    # calibration rows that score the measurement's candidates (ExLlamaV2's -mr): a count, "all", or None for
+    # ``default_measure_rows`` (resolved() makes it a count).  The Hessians of the candidates' GPTQ and the
+    # reference outputs always come from every row; fewer scoring rows cut the cost of the option forwards in
+    # proportion (bench/RESULTS.md, issue 18, for the A/B of the chosen plans)
+    measure_rows: int | str | None = None
 
     def resolved(self) -> "QuantOptions":
         o = QuantOptions(**asdict(self))
@@ -118,8 +119,20 @@ class QuantOptions:
         o.act_order = o.order != "natural"
         if o.rows <= 0 or o.length <= 0:
             raise Exl2Error(ErrorCode.USAGE, "--rows and --length must be positive")
-        if o.measure_rows is not None and o.measure_rows <= 0:
+        if o.measure_rows is None:
+            o.measure_rows = default_measure_rows(o.rows, o.length)
+        elif o.measure_rows == "all":
+            o.measure_rows = o.rows
+        elif isinstance(o.measure_rows, str):
+            try:
+                o.measure_rows = int(o.measure_rows)
+            except ValueError:
+                raise Exl2Error(ErrorCode.USAGE, f"--measure-rows must be a row count or 'all', got "
+                                f"{o.measure_rows!r}") from None
+        if o.measure_rows <= 0:
             raise Exl2Error(ErrorCode.USAGE, f"--measure-rows must be positive, got {o.measure_rows}")
+        # (only the EXL2 measurement scores candidates: other targets record no count)
+        o.measure_rows = min(int(o.measure_rows), o.rows) if o.target == "exl2" else None
         # checked here, before calibration and measurement, rather than when the head or first layer is reached
         if o.target == "exl2":
             from .qparams import head_qparams
@@ -136,6 +149,21 @@ class QuantOptions:
         for k in ("resume", "work_dir", "save_measurement", "shard_size"):
             d.pop(k)
         return d
+
+
+#: ``default_measure_rows`` never scores the candidates on fewer tokens than this (unless the calibration has
+#: fewer): on the fixture 2048 scoring tokens chose the same plans as every row at 16 x 256, 512 did not.
+MEASURE_MIN_TOKENS = 2048
+
+
+def default_measure_rows(rows: int, length: int) -> int:
+    """The calibration rows that score the EXL2 measurement's candidates by default: a quarter of them, at least
+    ``MEASURE_MIN_TOKENS`` tokens' worth, at most all (CPU default 32 x 512: 8 rows; CUDA 100 x 2048: 25).
+
+    The plans this chooses were the plans every row chooses, block for block, at 2.5/3/4/5/6 bpw on the trained
+    fixture (16 x 256 and 32 x 512) and on a 1B-shaped layer (bench/RESULTS.md, issue 18); the scoring forwards,
+    most of the measurement on wide models, shrink in proportion."""
+    return max(1, min(rows, max(-(-rows // 4), -(-MEASURE_MIN_TOKENS // max(1, length)))))
 
 
 _ORDERS = ("act", "group", "static", "natural")
@@ -553,7 +581,7 @@ def _score_plan(rows: int, length: int, batch_tokens: int, measure_rows: int | N
                 ) -> tuple[torch.Tensor | None, list[slice], int]:
     """How the measurement runs its rows: (row order, batches, batches that score the candidates).
 
-    With every row scoring (``measure_rows`` None or >= rows): no reordering, the run's usual batches, all of
+    With every row scoring (``measure_rows`` None, i.e. not resolved, or >= rows): no reordering, the run's usual batches, all of
     them.  Otherwise the ``measure_rows`` evenly spaced rows (first and last included) go first, int64 [rows]
     ``order`` (rows are independent sequences, so the order changes no row's result), and the batches are cut
     so that the first ones cover exactly those rows: the candidates are scored on them alone, while the
