@@ -6,11 +6,12 @@ quantize.  Every arm saves its measurement; the plans the optimizer picks from e
 ``--plan-bits`` (default 2.5, 3, 4, 5, 6 bpw: ``pipeline.plan_from_measurement``, the optimization the
 quantizer runs) are compared with the first arm's, block by block.
 
-    python bench/bench_measure.py [--model DIR] [--rows 16] [--length 256] [--arms all,4] [--record]
-    python bench/bench_measure.py --arms all --trees /work/main,. --repeat 2     # before/after, interleaved
+    python bench/bench_measure.py [--model DIR] [--rows 16] [--length 256] [--arms all,default,4] [--record]
+    python bench/bench_measure.py --arms default --trees /old/tree,. --repeat 2     # before/after, interleaved
 
-An arm is ``all`` (every calibration row scores the candidates, the default of ``--measure-rows``) or a row
-count (``--measure-rows N``).  ``--trees`` runs every arm with each source tree's exl2fmt (``PYTHONPATH``), one
+An arm is ``default`` (the tree's default ``--measure-rows``: every row before 2026-12-03, since then a quarter
+of the rows, at least 2048 tokens), ``all`` (every calibration row scores the candidates) or a row count
+(``--measure-rows N``).  ``--trees`` runs every arm with each source tree's exl2fmt (``PYTHONPATH``), one
 after the other, ``--repeat`` times, so that two versions are timed side by side under the same load; the
 table gives each run's full output hashes.  ``--record`` appends the table to bench/RESULTS.md.
 """
@@ -54,7 +55,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--bits", type=float, default=4.15)
-    ap.add_argument("--arms", default="all,4")
+    ap.add_argument("--arms", default="all,default")
     ap.add_argument("--plan-bits", default="2.5,3,4,5,6")
     ap.add_argument("--trees", default="", help="comma-separated source trees (default: the imported exl2fmt)")
     ap.add_argument("--repeat", type=int, default=1)
@@ -68,7 +69,9 @@ def main() -> None:
     from exl2fmt.quant.pipeline import plan_from_measurement
 
     load = os.getloadavg()
-    arms = [None if x == "all" else int(x) for x in a.arms.split(",")]
+    # "default": the tree's own default (``measure_rows`` None; every row before 2026-12-03, a quarter since);
+    # "all": every row (trees from 2026-12-03 on); N: that many rows
+    arms = [None if x == "default" else x if x == "all" else int(x) for x in a.arms.split(",")]
     trees = [str(Path(t).resolve()) for t in a.trees.split(",") if t] or [None]
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-measure-") as tmp:
@@ -106,7 +109,7 @@ def main() -> None:
             d += sum(plan["overrides"].get(k) != v for k, v in base[b]["overrides"].items())
             d += sum(k not in base[b]["overrides"] for k in plan["overrides"])
             diffs.append(str(d))
-        lines.append(f"| {r['tree']} | {'all' if mr is None else mr} | {s['measure']:.1f} | {s['quantize']:.1f} | "
+        lines.append(f"| {r['tree']} | {'default' if mr is None else mr} | {s['measure']:.1f} | {s['quantize']:.1f} | "
                      f"{s['measure'] / s['quantize']:.2f} | {r['cpu_s']:.1f} | {r['load']:.2f} | "
                      f"{r['maxrss_mb']:.0f} | {r['sha']['output.safetensors']} | {r['sha']['measurement.json']} | "
                      f"{' / '.join(diffs)} |")

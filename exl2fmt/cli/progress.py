@@ -27,10 +27,11 @@ from ..errors import escape_name
 
 __all__ = ["PHASE_WEIGHTS", "phases_for", "Overall", "Eta", "Bar", "StatusLines", "fmt_duration", "fit"]
 
-#: Share of a quantization's time per phase, from the timings in bench/RESULTS.md (FP16 -> EXL2 on the CPU: the
-#: fixture 32 s measure / 8 s quantize, a 1B-class model 1648 s / 299 s, compile + verify ~0.1%); without the
-#: measurement (GPTQ, --measurement) the others are rescaled to fill the bar.
-PHASE_WEIGHTS = {"calibrate": 0.02, "measure": 0.78, "quantize": 0.16, "head": 0.02, "compile": 0.01,
+#: Share of a quantization's time per phase, from the timings in bench/RESULTS.md (FP16 -> EXL2 on the CPU at the
+#: default 32 x 512 calibration, since the measurement scores on a quarter of the rows: a 1B-shaped layer 75 s
+#: measure / 52 s quantize, the fixture 9 s / 6 s; compile + verify ~1%); without the measurement (GPTQ,
+#: --measurement) the others are rescaled to fill the bar.
+PHASE_WEIGHTS = {"calibrate": 0.02, "measure": 0.56, "quantize": 0.38, "head": 0.02, "compile": 0.01,
                  "verify": 0.01, "done": 0.0}
 
 
