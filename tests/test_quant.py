@@ -8,6 +8,7 @@ solver; the deep validator and the layer decoders for the written files.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import math
@@ -367,6 +368,7 @@ def test_exl2_pipeline_resumes_to_the_same_bytes(tiny_llama, tmp_path):
     try:
         with pytest.raises(KeyboardInterrupt):
             P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0), progress=boom)
+        assert gc.get_freeze_count() == 0                             # the run's frozen heap is released
         assert not (tmp_path / "out").exists()
         work = tmp_path / ".out.exl2fmt-work"
         assert (work / "job.json").exists()
@@ -394,7 +396,14 @@ def test_gptq_pipeline_writes_a_valid_gptq_model(tiny_llama, tmp_path, monkeypat
     src, ids = tiny_llama
     # a warning threshold no quantization can meet: the warning must reach the report, the output is still written
     monkeypatch.setattr(P, "_PPL_WARN_RATIO", 1e-3)
-    r = quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=64))
+    gc.freeze()                                   # a caller's own frozen set stays frozen, no more, no less
+    frozen = gc.get_freeze_count()
+    try:
+        r = quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=64))
+        # (still frozen, nothing of the run's added; objects of the set that died on the way leave it)
+        assert frozen - 1000 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
     assert [w for w in r.warnings if "perplexity rose from" in w] and r.calibration_ppl_fp16 > 1
     rep = validate_model(tmp_path / "g", deep=True)
     assert not rep.failed, rep.as_dict()

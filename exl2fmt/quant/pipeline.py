@@ -28,6 +28,7 @@ is byte-identical to an uninterrupted run.  The work directory is removed after 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -770,8 +771,6 @@ def plan_from_measurement(src: str | os.PathLike, measurement: str | os.PathLike
 def _release_memory() -> None:
     """Hand freed heap pages back to the OS (glibc keeps large freed blocks in its arenas otherwise, so the
     resident set would grow with every block's temporaries)."""
-    import gc
-
     gc.collect()
     try:
         import ctypes
@@ -1355,6 +1354,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
     if o.device.startswith("cuda") and not torch.cuda.is_available():
         raise Exl2Error(ErrorCode.USAGE, f"--device {o.device}: torch {torch.__version__} sees no CUDA device")
     model = open_model(src_p)
+    froze = False
     try:
         config = model.config
         if config is None:
@@ -1367,6 +1367,13 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                 raise
             return _weight_only(model, src_p, dst_p, o, force, progress, config, str(e.message), t0)
         spec.check_weights()
+        # what exists now (torch, transformers and their modules, the model's set-up) lives for the whole run:
+        # set it aside from the cyclic GC, so that each block's gc.collect (_release_memory) walks only what the
+        # run itself created (0.15 s per call on the fixture, 14% of a GPTQ run there, otherwise); a caller's
+        # own frozen set (gc.freeze for a fork server) is left as it is
+        if not gc.get_freeze_count():
+            gc.freeze()
+            froze = True
         if o.target == "exl2" and o.measurement:       # a file for another model is refused before any work
             loaded = _read_measurement_for(spec, o.measurement)
         tok = src_p / "tokenizer.json"
@@ -1454,4 +1461,6 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         report.warnings.extend(lower_shield())
         return report
     finally:
+        if froze:
+            gc.unfreeze()
         model.close()
