@@ -665,7 +665,11 @@ def dequantize(q_weight: np.ndarray, q_scale: np.ndarray, q_scale_max: np.ndarra
             raise ValueError(f"out must be a writable C-order float16 array of shape {(n_out, groups.K)}, got "
                              f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
         res = out.view(np.uint16)
-    nontemporal = (_NT_STORES and res.ctypes.data % _NT_ALIGN == 0 and (groups.K * 2) % _NT_ALIGN == 0)
+    # non-temporal stores only into a caller's buffer: a fresh output's pages are zeroed into the cache by their
+    # first-touch faults, and streaming past those lines writes each one twice (bench/RESULTS.md, 2026-12-03:
+    # plain stores 19.5 ms, non-temporal 24.7 ms on 2 threads for a fresh 90 MB output)
+    nontemporal = (out is not None and _NT_STORES and res.ctypes.data % _NT_ALIGN == 0
+                   and (groups.K * 2) % _NT_ALIGN == 0)
     if n_out and groups.K:
         _dequant_linear(*args[:4], _features(args, inv), n_out, res, nontemporal)
     return res.view(np.float16) if out is None else out
