@@ -333,8 +333,8 @@ class Exl2Result:
 
     ``codes`` uint8 [K, N_pad] (stored order), ``scale_codes`` uint8 [G, N_pad] (0..15), ``q_scale_max``
     float16 [G], ``bits_rows`` [(bits, rows)] per group, ``q_invperm`` int32 [K], ``weight_hat`` float32
-    (or float16: ``quantize_exl2_plans(hat_dtype=)``) [N, K] (the exact fp16 reconstruction, original order), ``error`` (``proxy_error``; None where it was not
-    computed: ``quantize_exl2_plans(error=False)``)."""
+    (or float16: ``quantize_exl2_plans(hat_dtype=)``) [N, K] (the exact fp16 reconstruction, original order),
+    ``error`` (``proxy_error``; None where it was not computed: ``quantize_exl2_plans(error=False)``)."""
 
     codes: np.ndarray
     scale_codes: np.ndarray

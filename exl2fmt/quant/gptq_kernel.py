@@ -103,6 +103,8 @@ def unpermute_f32(Wt, invperm, out):
                     out[n, j] = buf[n - n0, j - j0]
 
 
+# (the same tile walk as unpermute_f32, written out again: passing the conversion in as a jitted function would
+# key Numba's disk cache on that function object's address, and every process would compile it anew)
 @njit(cache=True, parallel=True)
 def unpermute_f16_bits(Wt, invperm, out):
     """As ``unpermute_f32``, written as binary16 bit patterns: ``out`` uint16 [N, K] C order (a float16

@@ -582,10 +582,10 @@ def _score_plan(rows: int, length: int, batch_tokens: int, measure_rows: int | N
                 ) -> tuple[torch.Tensor | None, list[slice], int]:
     """How the measurement runs its rows: (row order, batches, batches that score the candidates).
 
-    With every row scoring (``measure_rows`` None, i.e. not resolved, or >= rows): no reordering, the run's usual batches, all of
-    them.  Otherwise the ``measure_rows`` evenly spaced rows (first and last included) go first, int64 [rows]
-    ``order`` (rows are independent sequences, so the order changes no row's result), and the batches are cut
-    so that the first ones cover exactly those rows: the candidates are scored on them alone, while the
+    With every row scoring (``measure_rows`` None, i.e. not resolved, or >= rows): no reordering, the run's usual
+    batches, all of them. Otherwise the ``measure_rows`` evenly spaced rows (first and last included) go first,
+    int64 [rows] ``order`` (rows are independent sequences, so the order changes no row's result), and the batches
+    are cut so that the first ones cover exactly those rows: the candidates are scored on them alone, while the
     reference pass (and with it every candidate's Hessian) still covers every row."""
     if measure_rows is None or measure_rows >= rows:
         batches = _batches(rows, length, batch_tokens)
