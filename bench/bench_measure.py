@@ -11,7 +11,8 @@ quantizer runs) are compared with the first arm's, block by block.
 
 An arm is ``default`` (the tree's default ``--measure-rows``: every row before 2026-12-03, since then a quarter
 of the rows, at least 2048 tokens), ``all`` (every calibration row scores the candidates) or a row count
-(``--measure-rows N``).  ``--trees`` runs every arm with each source tree's exl2fmt (``PYTHONPATH``), one
+(``--measure-rows N``), optionally followed by ``/full`` or ``/bracket`` (``--measure-search``; without it the
+tree's default: the full grid before 2026-12-04, the bracket since).  ``--trees`` runs every arm with each source tree's exl2fmt (``PYTHONPATH``), one
 after the other, ``--repeat`` times, so that two versions are timed side by side under the same load; the
 table gives each run's full output hashes.  ``--record`` appends the table to bench/RESULTS.md.
 """
@@ -31,14 +32,16 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-llama"
 
 
-def _arm(model: str, dst: str, rows: int, length: int, bits: float, measure_rows: int | None, mfile: str) -> dict:
+def _arm(model: str, dst: str, rows: int, length: int, bits: float, measure_rows: int | None, mfile: str,
+         search: str | None = None) -> dict:
     """One quantization in this process: its seconds, peak RSS and output hashes."""
     import resource
 
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
 
+    extra = {} if search is None else {"measure_search": search}
     o = QuantOptions(target="exl2", bits=bits, rows=rows, length=length, device="cpu", measure_rows=measure_rows,
-                     save_measurement=mfile)
+                     save_measurement=mfile, **extra)
     import exl2fmt
 
     rep = quantize_model(model, dst, o)
@@ -63,45 +66,48 @@ def main() -> None:
     ap.add_argument("--_arm", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._arm:                        # child: one arm, JSON on the last line
-        mr, dst, mfile = json.loads(a._arm)
-        print(json.dumps(_arm(a.model, dst, a.rows, a.length, a.bits, mr, mfile)))
+        mr, search, dst, mfile = json.loads(a._arm)
+        print(json.dumps(_arm(a.model, dst, a.rows, a.length, a.bits, mr, mfile, search)))
         return
     from exl2fmt.quant.pipeline import plan_from_measurement
 
     load = os.getloadavg()
     # "default": the tree's own default (``measure_rows`` None; every row before 2026-12-03, a quarter since);
     # "all": every row (trees from 2026-12-03 on); N: that many rows
-    arms = [None if x == "default" else x if x == "all" else int(x) for x in a.arms.split(",")]
+    arms = []
+    for x in a.arms.split(","):
+        rows_, _, search = x.partition("/")
+        arms.append((None if rows_ == "default" else rows_ if rows_ == "all" else int(rows_), search or None))
     trees = [str(Path(t).resolve()) for t in a.trees.split(",") if t] or [None]
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-measure-") as tmp:
         for rep in range(a.repeat):
-            for mr in arms:
+            for mr, search in arms:
                 for ti, tree in enumerate(trees):
-                    tag = f"{mr}-{ti}-{rep}"
+                    tag = f"{mr}-{search}-{ti}-{rep}"
                     dst, mfile = os.path.join(tmp, f"out-{tag}"), os.path.join(tmp, f"m-{tag}.json")
                     env = dict(os.environ)
                     if tree is not None:
                         env["PYTHONPATH"] = tree
                     p = subprocess.run([sys.executable, __file__, "--model", a.model, "--rows", str(a.rows),
                                         "--length", str(a.length), "--bits", str(a.bits),
-                                        "--_arm", json.dumps([mr, dst, mfile])], capture_output=True, text=True,
+                                        "--_arm", json.dumps([mr, search, dst, mfile])], capture_output=True, text=True,
                                        env=env)
                     if p.returncode:
                         sys.exit(p.stderr[-3000:])
                     r = json.loads(p.stdout.strip().splitlines()[-1])
                     r["plans"] = {b: plan_from_measurement(a.model, mfile, float(b)) for b in a.plan_bits.split(",")}
-                    results.append((mr, r))
-                    print(json.dumps({"arm": mr, "tree": r["tree"], "seconds": r["seconds"], "cpu_s": r["cpu_s"],
+                    results.append(((mr, search), r))
+                    print(json.dumps({"arm": mr, "search": search, "tree": r["tree"], "seconds": r["seconds"], "cpu_s": r["cpu_s"],
                                       "load": r["load"], "sha": r["sha"]}), flush=True)
     base = results[0][1]["plans"]
     lines = [f"model {a.model}, {a.rows} rows x {a.length} tokens, --bits {a.bits}, load {load[0]:.2f} "
              f"{load[1]:.2f} {load[2]:.2f}", "",
-             "| tree | scoring rows | measure s | quantize s | measure / quantize | process CPU s | load at end | "
+             "| tree | scoring rows / search | measure s | quantize s | measure / quantize | process CPU s | load at end | "
              "peak RSS MB | output.safetensors sha256 | measurement.json sha256 | "
              "blocks whose plan differs from the first arm's (at " + ", ".join(base) + " bpw) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for mr, r in results:
+    for (mr, search), r in results:
         s = r["seconds"]
         diffs = []
         for b, plan in r["plans"].items():
@@ -109,12 +115,13 @@ def main() -> None:
             d += sum(plan["overrides"].get(k) != v for k, v in base[b]["overrides"].items())
             d += sum(k not in base[b]["overrides"] for k in plan["overrides"])
             diffs.append(str(d))
-        lines.append(f"| {r['tree']} | {'default' if mr is None else mr} | {s['measure']:.1f} | {s['quantize']:.1f} | "
+        arm = ("default" if mr is None else str(mr)) + (f" / {search}" if search else "")
+        lines.append(f"| {r['tree']} | {arm} | {s['measure']:.1f} | {s['quantize']:.1f} | "
                      f"{s['measure'] / s['quantize']:.2f} | {r['cpu_s']:.1f} | {r['load']:.2f} | "
                      f"{r['maxrss_mb']:.0f} | {r['sha']['output.safetensors']} | {r['sha']['measurement.json']} | "
                      f"{' / '.join(diffs)} |")
     print("\n".join(lines))
-    print(json.dumps([[mr, r["plans"]] for mr, r in results]))
+    print(json.dumps([[arm, r["plans"]] for arm, r in results]))
     if a.record:
         with open(ROOT / "bench" / "RESULTS.md", "a", encoding="utf-8") as f:
             f.write("\n" + "\n".join(lines) + "\n")

@@ -90,6 +90,12 @@ def convert_command(
                                                         "Default: a quarter of --rows, at least 2048 tokens' worth "
                                                         "(8 of the CPU default 32). Hessians and reference outputs "
                                                         "always use every row.")] = None,
+    measure_search: Annotated[Optional[str], typer.Option("--measure-search", metavar="bracket|full",
+                                                          show_default=False, help="FP16 -> exl2: how the "
+                                                          "measurement's candidates search each group's scale: "
+                                                          "bracket (default: 27 of ExLlamaV2's 97 multipliers, "
+                                                          "around the coarse best) or full (all 97). The quantize "
+                                                          "pass always searches all 97.")] = None,
     device: Annotated[Optional[str], typer.Option("--device", show_default=False, help="FP16 -> exl2/gptq: cpu "
                                                   "or cuda[:i] (default: cuda if torch sees one).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="FP16 -> exl2/gptq: seed of the built-in calibration "
@@ -225,7 +231,7 @@ def convert_command(
         quant = {k: v for k, v in {
             "head_bits": head_bits, "calibration": calibration, "rows": rows, "length": length,
             "measurement": measurement, "save_measurement": save_measurement, "device": device, "seed": seed,
-            "measure_rows": measure_rows,
+            "measure_rows": measure_rows, "measure_search": measure_search,
             "resume": resume, "act_order": act_order, "order": order, "work_dir": work_dir, "extended": not upstream_tables,
             "refine_scales": refine_scales}.items() if _QUANT_PARAM.get(k, k) in given}
         bar = _progress(out, status_lines, target, measuring=measurement is None, resume=resume, dst=dst,

@@ -17,7 +17,8 @@ from numba import njit, prange
 
 from ._f16 import f16_bits_to_f32, f32_to_f16_bits
 
-__all__ = ["P_GRID", "grid_errors", "refine_scale_codes", "REFINE_RADIUS"]
+__all__ = ["P_GRID", "grid_errors", "best_grid_index", "BRACKET_STEP", "SEARCHES", "refine_scale_codes",
+           "REFINE_RADIUS"]
 
 #: Scale codes tried on either side of the searched one by ``refine_scale_codes``.
 REFINE_RADIUS = 2
@@ -63,6 +64,42 @@ def grid_errors(x: np.ndarray, trial: np.ndarray, bits: int, pgrid: np.ndarray =
     out = np.empty(len(pgrid), dtype=np.float64)
     _grid_errors(x, trial, np.ascontiguousarray(pgrid, dtype=np.float32), 1 << (bits - 1), (1 << bits) - 1, out)
     return out
+
+
+#: The ways ``best_grid_index`` searches the grid: every point, or a bracket (see there).
+SEARCHES = ("full", "bracket")
+
+#: ``best_grid_index(search="bracket")`` first evaluates every BRACKET_STEP-th grid point.
+BRACKET_STEP = 6
+
+
+def best_grid_index(x: np.ndarray, trial: np.ndarray, bits: int, search: str = "full") -> int:
+    """Index into ``P_GRID`` of the smallest ``grid_errors`` value (the first one on ties).
+
+    ``search="full"`` evaluates all 97 points (ExLlamaV2's search).  ``search="bracket"`` evaluates every
+    ``BRACKET_STEP``-th point (0, 6, ..., 96: 17 points), then every point strictly between the best of those and
+    its two coarse neighbours (at most 10 more), and returns the best point evaluated: at most 27 evaluations
+    instead of 97.  Each E(p) it evaluates is bit for bit the full search's value for that p (the kernel
+    computes every point on its own), so the bracket returns the full search's index whenever that index lies
+    within the bracket, i.e. unless E has a lower point more than one coarse step away from the coarse minimum.
+    On 1008 groups of the trained fixture's weights (2-8 bits, 32-128 rows) it agreed with the full search every
+    time; the quantizer uses it only to score candidates in the measurement (``QuantOptions.measure_search``).
+
+    ``x`` float32 [R, N] and ``trial`` float32 [N] as in ``grid_errors``."""
+    if search == "full":
+        return int(np.argmin(grid_errors(x, trial, bits)))
+    if search != "bracket":
+        raise ValueError(f"scale search must be one of {SEARCHES}, got {search!r}")
+    n = len(P_GRID)
+    coarse = np.arange(0, n, BRACKET_STEP)
+    e_coarse = grid_errors(x, trial, bits, P_GRID[coarse])
+    c = int(coarse[int(np.argmin(e_coarse))])
+    fine = np.array([i for i in range(max(0, c - BRACKET_STEP + 1), min(n - 1, c + BRACKET_STEP - 1) + 1)
+                     if i % BRACKET_STEP], dtype=np.int64)
+    idx = np.concatenate([coarse, fine])
+    err = np.concatenate([e_coarse, grid_errors(x, trial, bits, P_GRID[fine])])
+    order = np.argsort(idx, kind="stable")          # ties go to the lowest index, as np.argmin over the grid
+    return int(idx[order][int(np.argmin(err[order]))])
 
 
 @njit(cache=True)

@@ -207,16 +207,17 @@ def _f16(x):
     return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
 
 
-def find_scales(x: np.ndarray, bits: int, refine: bool = False):
+def find_scales(x: np.ndarray, bits: int, refine: bool = False, search: str = "full"):
     """Scale search for one group (ExLlamaV2's ``find_params``).  ``x`` float32 [rows, N_pad].
 
     Returns (scale_codes uint8 [N_pad] in 0..15, q_scale_max float16 scalar, s float32 [N_pad] = the exact
     fp16 scales used to quantize).  All-zero columns get code 0.  An all-zero group gets the smallest positive
     q_scale_max (the validator requires > 0); its scales round to 0 and every code is the zero point.
     ``refine``: afterwards, each column takes the nearby code with the smallest squared error
-    (``codec.scale_search.refine_scale_codes``; exl2fmt's, not ExLlamaV2's).
+    (``codec.scale_search.refine_scale_codes``; exl2fmt's, not ExLlamaV2's).  ``search``: how the multiplier
+    grid is searched, ``"full"`` (ExLlamaV2's 97 points) or ``"bracket"`` (``codec.scale_search.best_grid_index``).
     """
-    from ..codec.scale_search import P_GRID, grid_errors, refine_scale_codes
+    from ..codec.scale_search import P_GRID, best_grid_index, refine_scale_codes
 
     x = np.ascontiguousarray(x, dtype=np.float32)
     maxq = (1 << bits) - 1
@@ -225,7 +226,7 @@ def find_scales(x: np.ndarray, bits: int, refine: bool = False):
     smax = base.max()
     qs = np.clip(np.round(16 * np.sqrt(base / smax)), 1, 16).astype(np.int64)
     trial = ((qs.astype(np.float32) / 16) ** 2 * smax).astype(np.float32)
-    best_p = float(P_GRID[int(np.argmin(grid_errors(x, trial, bits)))])
+    best_p = float(P_GRID[best_grid_index(x, trial, bits, search)])
     qsm = np.float16(max(float(np.float16(smax * np.float32(best_p))), 2.0 ** -24))
     m = _f16(np.float32(qsm) * np.float32(1 / 256))
     if refine:

@@ -366,16 +366,16 @@ SHARE_MATRICES = 2
 SHARE_CAP_BYTES = 256 << 20
 
 
-def _exl2_fit(bits: int, refine: bool, scale_codes: np.ndarray, qsm: np.ndarray):
+def _exl2_fit(bits: int, refine: bool, scale_codes: np.ndarray, qsm: np.ndarray, search: str = "full"):
     """The ``fit`` of ``_sweep_group`` for one EXL2 group of ``bits``: ExLlamaV2's scale search on the current
-    rows, its codes and q_scale_max written into ``scale_codes[g]`` / ``qsm[g]``."""
+    rows (``find_scales(search=)``), its codes and q_scale_max written into ``scale_codes[g]`` / ``qsm[g]``."""
     from ..formats.exl2 import find_scales
 
     z = float(BIT_WIDTHS[bits].zero_point)
     maxq = float((1 << bits) - 1)
 
     def fit(g, X):
-        c, m, s = find_scales(X.detach().cpu().numpy(), bits, refine=refine)
+        c, m, s = find_scales(X.detach().cpu().numpy(), bits, refine=refine, search=search)
         scale_codes[g], qsm[g] = c, m
         s_t = torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32)).to(X.device)
         return s_t, torch.full_like(s_t, z), maxq
@@ -393,8 +393,8 @@ def _common_prefix(p: tuple, q: tuple) -> int:
 
 def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[tuple[int, int]]],
                         refine_scales: bool = False, *, error: bool = False, share_bytes: int | None = None,
-                        use_kernel: bool | None = None, hat_dtype: torch.dtype = torch.float32
-                        ) -> Iterator[tuple[int, Exl2Result]]:
+                        use_kernel: bool | None = None, hat_dtype: torch.dtype = torch.float32,
+                        scale_search: str = "full") -> Iterator[tuple[int, Exl2Result]]:
     """``quantize_exl2`` of ``weight`` for every group plan in ``plans``, sharing the work the plans have in
     common; yields ``(i, result)`` once for every index i of ``plans`` (equal plans get the same result object),
     in an order of its own.  Each result is bit for bit what ``quantize_exl2(weight, prep, plans[i])`` returns.
@@ -412,7 +412,9 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
 
     ``error``: compute each result's ``proxy_error`` (the measurement does not read it; otherwise None).
     ``use_kernel``: as in ``_sweep``.  ``hat_dtype``: the results' ``weight_hat`` dtype, float32 or float16
-    (the same values: the reconstruction is fp16; float16 halves what a caller that keeps it holds)."""
+    (the same values: the reconstruction is fp16; float16 halves what a caller that keeps it holds).
+    ``scale_search``: ``find_scales(search=)`` of every group; ``"full"`` is ExLlamaV2's search, ``"bracket"`` the
+    measurement's cheaper one (the results are then those of ``quantize_exl2`` with that search)."""
     N, K = weight.shape
     plans_t = [tuple((int(b), int(r)) for b, r in p) for p in plans]
     if K % 32 or any(sum(r for _, r in p) != K for p in plans_t):
@@ -469,7 +471,7 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
             bits, r = plan[j]
             fit = fits.get(bits)
             if fit is None:
-                fit = fits[bits] = _exl2_fit(bits, refine_scales, scale_codes, qsm)
+                fit = fits[bits] = _exl2_fit(bits, refine_scales, scale_codes, qsm, scale_search)
             _sweep_group(Wt, prep.U, codes, j, a, r, fit, use_kernel)
         depth = len(plan)
         w_hat = _unpermute(Wt, prep.perm, N, hat_dtype, invperm)

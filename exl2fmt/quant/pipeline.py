@@ -95,6 +95,10 @@ class QuantOptions:
     # reference outputs always come from every row; fewer scoring rows cut the cost of the option forwards in
     # proportion (bench/RESULTS.md, issue 18, for the A/B of the chosen plans)
     measure_rows: int | str | None = None
+    # how the candidates' GPTQ searches each group's scale multiplier in the measurement: "bracket" (27 of the 97
+    # grid points, bracketing the coarse minimum: ``codec.scale_search.best_grid_index``) or "full" (ExLlamaV2's
+    # search, as the quantize pass always does).  The A/B of the chosen plans is in bench/RESULTS.md (issue 18)
+    measure_search: str = "bracket"
 
     def resolved(self) -> "QuantOptions":
         o = QuantOptions(**asdict(self))
@@ -132,6 +136,11 @@ class QuantOptions:
                                 f"{o.measure_rows!r}") from None
         if o.measure_rows <= 0:
             raise Exl2Error(ErrorCode.USAGE, f"--measure-rows must be positive, got {o.measure_rows}")
+        from ..codec.scale_search import SEARCHES
+
+        if o.measure_search not in SEARCHES:
+            raise Exl2Error(ErrorCode.USAGE, f"--measure-search must be one of {', '.join(SEARCHES)}, got "
+                            f"{o.measure_search!r}")
         # (only the EXL2 measurement scores candidates: other targets record no count)
         o.measure_rows = min(int(o.measure_rows), o.rows) if o.target == "exl2" else None
         # checked here, before calibration and measurement, rather than when the head or first layer is reached
@@ -424,14 +433,14 @@ def _check_free(probe: Path, need: int) -> None:
 _CANDIDATES_IN_MEMORY = 64 << 20
 
 
-def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory: int | None = None
-              ) -> dict[str, dict]:
+def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory: int | None = None,
+              scale_search: str = "full") -> dict[str, dict]:
     """GPTQ-quantize every distinct candidate setting of every layer of the block whose Hessian owner is in
     ``hess`` (once per distinct group plan at the layer's K: settings whose proportions round to the same rows
     share the result).  Returns {layer: {QParams:
     candidate}}, a candidate being the fp16 reconstruction (torch float16 [N, K], while the candidates kept so
     far take at most ``in_memory`` bytes, default ``_CANDIDATES_IN_MEMORY``) or the path of its packed EXL2 form in ``vdir`` (one small file per
-    layer and setting).
+    layer and setting).  ``scale_search``: ``gptq.quantize_exl2_plans(scale_search=)``.
 
     Only one parked candidate is in memory at a time; scoring loads them back one by one (``_VariantCache``), so
     the measurement's memory does not grow with the number of candidates."""
@@ -450,7 +459,7 @@ def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory:
         # is not computed: the measurement scores candidates by their block outputs
         made: dict[tuple, object] = {}               # group plan -> candidate
         for j, r in quantize_exl2_plans(w, prepared[blk.owner(n)], [qp.bits_rows(w.shape[1]) for qp in settings],
-                                        refine_scales, hat_dtype=torch.float16):
+                                        refine_scales, hat_dtype=torch.float16, scale_search=scale_search):
             v = made.get(tuple(r.bits_rows))
             if v is None:
                 size = r.weight_hat.numel() * 2
@@ -633,12 +642,13 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
             vdir = work.root / "variants"
             shutil.rmtree(vdir, ignore_errors=True)
             vdir.mkdir()
-            made = _variants(blk, W, hess, options, vdir, bool(o.refine_scales))
+            made = _variants(blk, W, hess, options, vdir, bool(o.refine_scales), scale_search=o.measure_search)
             for chunk in chunks[1:]:         # the in-memory budget is the block's, shared by its chunks
                 hess = {ow: HessianAccumulator(W[ow][0].shape[1], device) for ow in chunk}
                 blk.sweep(h, dense, hess)
                 made.update(_variants(blk, W, hess, options, vdir, bool(o.refine_scales),
-                                      in_memory=_CANDIDATES_IN_MEMORY - _kept_bytes(made)))
+                                      in_memory=_CANDIDATES_IN_MEMORY - _kept_bytes(made),
+                                      scale_search=o.measure_search))
             hess = None
             cache = _VariantCache(F, made, W)
             # the scoring rows: the first batches (the same layer runner, so the MLP half replays the attention
