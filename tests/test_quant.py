@@ -506,6 +506,26 @@ def test_unpermute_kernel_matches_the_plain_index_copy(K, N, n_pad):
     assert (N * K >= G._UNPERMUTE_KERNEL_MIN) == (K != 96)     # both paths are exercised
 
 
+@pytest.mark.parametrize("K,N,n_cols", [(96, 64, 64), (1024, 300, 320), (2048, 640, 640)])
+def test_work_matrix_kernel_matches_the_plain_gather(K, N, n_cols):
+    """A weight float32 [N, K] into the sweep's work matrix [K, n_cols] (stored order, zero padding columns):
+    the Numba tile kernel (partial tiles at both edges) and the torch path against an independent NumPy
+    gather ``Wt[k, n] = w[n, perm[k]]``; float16 weights take the torch path and widen exactly."""
+    from exl2fmt.quant import gptq as G
+
+    rng = np.random.default_rng(K + N)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    perm = rng.permutation(K)
+    ref = np.zeros((K, n_cols), dtype=np.float32)
+    ref[:, :N] = w[:, perm].T
+    out = G._work_matrix(torch.from_numpy(w), torch.from_numpy(perm), n_cols)
+    assert out.dtype == torch.float32 and out.shape == (K, n_cols) and out.is_contiguous()
+    assert np.array_equal(out.numpy(), ref)
+    half = G._work_matrix(torch.from_numpy(w).half(), torch.from_numpy(perm), n_cols)
+    assert np.array_equal(half.numpy(), ref.astype(np.float16).astype(np.float32))
+    assert (N * K >= G._UNPERMUTE_KERNEL_MIN) == (K != 96)     # both paths are exercised
+
+
 @pytest.mark.parametrize("N", [96, 300])
 def test_cpu_kernel_and_torch_row_loop_give_the_same_bits(N):
     """The in-group row loop runs as a Numba kernel on the CPU and as torch ops elsewhere (CUDA); both must

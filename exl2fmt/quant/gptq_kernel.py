@@ -76,8 +76,31 @@ def kernel(blk, Ublk, s, z, maxq, codes, err):
                 blk[c, n0 + j] = loc[c, j]
 
 
-#: Side of the square tiles the un-permuting transposes move through a local buffer (64 x 64 float32: 16 KiB).
+#: Side of the square tiles the (un-)permuting transposes move through a local buffer (64 x 64 float32: 16 KiB).
 _T = 64
+
+
+@njit(cache=True, parallel=True)
+def permute_f32(w, perm, out):
+    """``out[k, n] = w[n, perm[k]]`` for n < N: a layer's weight to the sweep's work matrix (stored row order,
+    transposed); the inverse of ``unpermute_f32``.
+
+    ``w`` float32 [N, K] C order (the ``nn.Linear`` weight); ``perm`` int64 [K] (input feature of each stored
+    row); ``out`` float32 [K, >= N] C order (columns from N on are not touched).  Square tiles go through a small
+    local buffer: each tile reads runs of ``w``'s rows (gathered within a row) and writes runs of ``out``'s."""
+    N, K = w.shape
+    for t in prange((N + _T - 1) // _T):
+        n0 = t * _T
+        n1 = min(N, n0 + _T)
+        buf = np.empty((_T, _T), dtype=np.float32)
+        for k0 in range(0, K, _T):
+            k1 = min(K, k0 + _T)
+            for n in range(n0, n1):
+                for k in range(k0, k1):
+                    buf[k - k0, n - n0] = w[n, perm[k]]
+            for k in range(k0, k1):
+                for n in range(n0, n1):
+                    out[k, n] = buf[k - k0, n - n0]
 
 
 @njit(cache=True, parallel=True)
