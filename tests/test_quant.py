@@ -154,6 +154,21 @@ def test_prepare_is_the_cholesky_factor_of_the_damped_inverse(act_order):
     assert torch.equal(p.H, H)                                  # the undamped Hessian is kept, unpermuted
 
 
+def test_prepare_factor_is_close_to_a_float64_factor_on_a_low_rank_hessian():
+    """The calibration Hessian of a small run is rank-deficient (fewer tokens than features) and only the damping
+    makes it definite: U (float32, from the reversed Cholesky) must match the float64 upper Cholesky factor of the
+    damped inverse to float32 accuracy, and be a C-order upper triangle with a positive diagonal."""
+    K, T = 384, 200
+    g = torch.Generator().manual_seed(5)
+    X = torch.randn(T, K, generator=g) * torch.exp(torch.randn(K, generator=g))
+    H = X.T @ X / T
+    p = prepare(H)
+    Hp = H.double()[p.perm][:, p.perm] + p.damp * torch.eye(K, dtype=torch.float64)
+    U64 = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(Hp)), upper=True)
+    assert p.U.is_contiguous() and torch.equal(p.U, torch.triu(p.U)) and bool((torch.diagonal(p.U) > 0).all())
+    assert float((p.U.double() - U64).norm() / U64.norm()) < 2e-6
+
+
 def test_prepare_retries_with_more_damping():
     """An indefinite Hessian (one eigenvalue -1) factors only once the damping exceeds 1, i.e. on the ninth
     step of 0.12 x mean(diag) = 0.1125: the retry loop must step the damping up and report the one that worked."""
