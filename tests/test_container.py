@@ -1199,3 +1199,39 @@ def test_sharded_writer_argument_errors(tmp_path):
         with pytest.raises(Exl2Error) as ei:
             write_sharded(tmp_path, {"a": np.zeros(1)}, **kwargs)
         assert ei.value.code is ErrorCode.USAGE
+
+
+def _rss_file_kb() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+@pytest.mark.skipif(_rss_file_kb() is None, reason="needs /proc/self/status RssFile (Linux)")
+def test_release_drops_a_tensors_pages_and_the_array_still_reads_the_same(tmp_path):
+    """A pass that reads each tensor once must not end up holding the whole file resident: after ``release`` the
+    tensor's mapped pages leave the process's file-backed RSS, and an array taken before still reads the same
+    values (the pages come back from the page cache)."""
+    big = np.arange(12 << 20, dtype=np.float32).reshape(-1, 1024)       # 48 MiB
+    small = np.full((3, 5), 7, dtype=np.int16)
+    write_safetensors(tmp_path / "m.safetensors", {"big": big, "small": small})
+    m = open_model(tmp_path)
+    try:
+        arr = m.get("big")
+        before = _rss_file_kb()
+        assert float(arr.sum(dtype=np.float64)) == float(big.sum(dtype=np.float64))
+        touched = _rss_file_kb()
+        m.release("big")
+        released = _rss_file_kb()
+        assert touched - before > 40 << 10                     # reading it mapped ~48 MiB in
+        assert touched - released > 40 << 10                   # and release dropped them again
+        assert np.array_equal(arr, big) and np.array_equal(m.get("small"), small)
+        m.release("small")                                     # partial pages, a neighbour's too: harmless
+        assert np.array_equal(m.get("small"), small)
+    finally:
+        m.close()

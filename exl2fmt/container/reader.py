@@ -246,6 +246,24 @@ class SafetensorsFile:
         arr = np.frombuffer(mm, dtype=dt, count=count, offset=t.abs_begin)
         return arr.reshape(shape if spec.numpy is not None else (t.nbytes,))
 
+    def release(self, name: str) -> None:
+        """Drop this tensor's pages from the process's resident set (``madvise(MADV_DONTNEED)`` on its page range
+        of the read-only mapping): arrays from ``get`` stay valid and read the same bytes again, from the page
+        cache or the disk, if touched.  A pass that reads each tensor once (the deep validator) stays at the
+        size of one tensor instead of growing to the file's.  A no-op where madvise is not available."""
+        mm = self._mm
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        t = self.info(name)
+        page = mmap.PAGESIZE
+        a = t.abs_begin // page * page
+        b = min(len(mm), -(-t.abs_end // page) * page)
+        if b > a:
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, a, b - a)
+            except (OSError, ValueError):
+                pass  # a hint only
+
     def close(self) -> None:
         mm, self._mm = self._mm, None
         if mm is not None:
@@ -406,6 +424,12 @@ class ModelFiles:
     def get_bytes(self, name: str) -> memoryview:
         t = self.info(name)
         return self.file(t.file).get_bytes(name)
+
+    def release(self, name: str) -> None:
+        """``SafetensorsFile.release`` on the shard holding ``name``, if that shard is open."""
+        f = self._open.get(os.fspath(self.info(name).file))
+        if f is not None:
+            f.release(name)
 
     def index_issues(self) -> list[Issue]:
         """Index <-> shard cross-checks and duplicate tensors (see the module docstring)."""
