@@ -12,9 +12,9 @@ quantizer runs) are compared with the first arm's, block by block.
 An arm is ``default`` (the tree's default ``--measure-rows``: every row before 2026-12-03, since then a quarter
 of the rows, at least 2048 tokens), ``all`` (every calibration row scores the candidates) or a row count
 (``--measure-rows N``), optionally followed by ``/full`` or ``/bracket`` (``--measure-search``; without it the
-tree's default: the full grid before 2026-12-04, the bracket since).  ``--trees`` runs every arm with each source tree's exl2fmt (``PYTHONPATH``), one
-after the other, ``--repeat`` times, so that two versions are timed side by side under the same load; the
-table gives each run's full output hashes.  ``--record`` appends the table to bench/RESULTS.md.
+tree's default: the full grid before 2026-12-04, the bracket since).  ``--trees`` runs every arm with each
+source tree's exl2fmt (``PYTHONPATH``), one after the other, ``--repeat`` times, so that two versions are timed
+side by side under the same load; the table gives each run's full output hashes.  ``--record`` appends the table to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -98,12 +98,14 @@ def main() -> None:
                     r = json.loads(p.stdout.strip().splitlines()[-1])
                     r["plans"] = {b: plan_from_measurement(a.model, mfile, float(b)) for b in a.plan_bits.split(",")}
                     results.append(((mr, search), r))
-                    print(json.dumps({"arm": mr, "search": search, "tree": r["tree"], "seconds": r["seconds"], "cpu_s": r["cpu_s"],
+                    print(json.dumps({"arm": mr, "search": search, "tree": r["tree"], "seconds": r["seconds"],
+                                      "cpu_s": r["cpu_s"],
                                       "load": r["load"], "sha": r["sha"]}), flush=True)
     base = results[0][1]["plans"]
     lines = [f"model {a.model}, {a.rows} rows x {a.length} tokens, --bits {a.bits}, load {load[0]:.2f} "
              f"{load[1]:.2f} {load[2]:.2f}", "",
-             "| tree | scoring rows / search | measure s | quantize s | measure / quantize | process CPU s | load at end | "
+             "| tree | scoring rows / search | measure s | quantize s | measure / quantize | process CPU s | "
+             "load at end | "
              "peak RSS MB | output.safetensors sha256 | measurement.json sha256 | "
              "blocks whose plan differs from the first arm's (at " + ", ".join(base) + " bpw) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

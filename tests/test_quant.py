@@ -568,8 +568,9 @@ def test_cpu_kernel_and_torch_row_loop_give_the_same_bits(N):
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
-def _exl2_separately(W, p, plan, use_kernel=None):
-    """One plan on its own: a fresh work matrix, the plain group-by-group sweep, ExLlamaV2's scale search."""
+def _exl2_separately(W, p, plan, use_kernel=None, search="full"):
+    """One plan on its own: a fresh work matrix, the plain group-by-group sweep, ExLlamaV2's scale search (or
+    the bracketing one)."""
     from exl2fmt.layout import pad32
     from exl2fmt.quant import gptq as G
 
@@ -584,7 +585,7 @@ def _exl2_separately(W, p, plan, use_kernel=None):
 
     def fit(g, X):
         b = plan[g][0]
-        sc[g], qsm[g], s = find_scales(X.numpy(), b)
+        sc[g], qsm[g], s = find_scales(X.numpy(), b, search=search)
         s = torch.from_numpy(s)
         return s, torch.full_like(s, float(BIT_WIDTHS[b].zero_point)), float((1 << b) - 1)
 
@@ -599,7 +600,7 @@ def _assert_plans_match_separate_runs(W, p, plans, **kw):
     for i, r in quantize_exl2_plans(W, p, plans, **kw):
         assert i not in seen
         seen[i] = r
-        codes, sc, qsm, w_hat = _exl2_separately(W, p, plans[i], kw.get("use_kernel"))
+        codes, sc, qsm, w_hat = _exl2_separately(W, p, plans[i], kw.get("use_kernel"), kw.get("scale_search", "full"))
         assert r.bits_rows == list(plans[i]) and r.error is None
         assert np.array_equal(r.codes, codes), (i, plans[i])
         assert np.array_equal(r.scale_codes, sc) and np.array_equal(r.q_scale_max, qsm), (i, plans[i])
@@ -608,14 +609,16 @@ def _assert_plans_match_separate_runs(W, p, plans, **kw):
     assert sorted(seen) == list(range(len(plans)))
 
 
-@pytest.mark.parametrize("share_bytes,use_kernel,cap", [(None, None, None), (None, False, None), (0, None, None),
-                                                       (40 * 96 * 4, None, None), (None, None, 40 * 96 * 4)])
-def test_plans_sharing_their_first_groups_give_the_bits_of_separate_runs(share_bytes, use_kernel, cap, monkeypatch):
+@pytest.mark.parametrize("share_bytes,use_kernel,cap,search", [
+    (None, None, None, "full"), (None, False, None, "full"), (0, None, None, "full"), (40 * 96 * 4, None, None, "full"),
+    (None, None, 40 * 96 * 4, "full"), (None, None, None, "bracket")])
+def test_plans_sharing_their_first_groups_give_the_bits_of_separate_runs(share_bytes, use_kernel, cap, search,
+                                                                         monkeypatch):
     """quantize_exl2_plans sweeps a layer's candidate plans as a trie (a shared prefix is swept once, the state
     at a branch saved and copied back); every result must equal that plan quantized on its own, bit for bit,
     whether states are saved (default), never saved (0 bytes: every branch restarts from the weight) or only
-    the small ones (a budget of 40 rows, given or as the default's byte cap), and in the torch row loop the CUDA
-    path runs."""
+    the small ones (a budget of 40 rows, given or as the default's byte cap), in the torch row loop the CUDA
+    path runs, and with the measurement's bracketing scale search."""
     if cap is not None:
         import exl2fmt.quant.gptq as gptq_mod
 
@@ -628,7 +631,8 @@ def test_plans_sharing_their_first_groups_give_the_bits_of_separate_runs(share_b
     plans = list(dict.fromkeys(tuple(opt.get("q_proj").bits_rows(K)) for opt in QP.block_options("attn", True)))
     plans = plans + [plans[3]]
     assert len(plans) > 10
-    _assert_plans_match_separate_runs(W, p, plans, share_bytes=share_bytes, use_kernel=use_kernel)
+    _assert_plans_match_separate_runs(W, p, plans, share_bytes=share_bytes, use_kernel=use_kernel,
+                                      scale_search=search)
 
 
 def test_quantize_exl2_is_the_one_plan_case_and_keeps_its_error():

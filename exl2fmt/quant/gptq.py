@@ -427,7 +427,7 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
     ``use_kernel``: as in ``_sweep``.  ``hat_dtype``: the results' ``weight_hat`` dtype, float32 or float16
     (the same values: the reconstruction is fp16; float16 halves what a caller that keeps it holds).
     ``scale_search``: ``find_scales(search=)`` of every group; ``"full"`` is ExLlamaV2's search, ``"bracket"`` the
-    measurement's cheaper one (the results are then those of ``quantize_exl2`` with that search)."""
+    measurement's cheaper one (each result is then bit for bit that plan's own sweep with that search)."""
     N, K = weight.shape
     plans_t = [tuple((int(b), int(r)) for b, r in p) for p in plans]
     if K % 32 or any(sum(r for _, r in p) != K for p in plans_t):
