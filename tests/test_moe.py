@@ -340,8 +340,8 @@ def test_hessian_chunks_fit_the_budget_and_keep_the_order():
 @pytest.mark.slow
 def test_exl2_measurement_in_hessian_chunks_is_byte_identical_and_bounded(tiny, tmp_path, monkeypatch):
     """The EXL2 measurement of the tiny Mixtral with a Hessian budget of two down projections: at most that many
-    bytes of factorized Hessians are alive at any time (counted on every ``gptq.prepare`` result still
-    referenced), against 4x more in one sweep, and the output is byte-identical."""
+    bytes of Hessians are alive at any time (counted at every ``gptq.prepare``: the accumulators still holding
+    their sums plus every factor still referenced), against more in one sweep, and the output is byte-identical."""
     import weakref
 
     from exl2fmt.quant import gptq, moe
@@ -349,19 +349,28 @@ def test_exl2_measurement_in_hessian_chunks_is_byte_identical_and_bounded(tiny, 
 
     d = tiny("mixtral")
     opts = dict(target="exl2", bits=4.0, calibration=_ids(tmp_path, 2), rows=2, length=32, device="cpu")
-    orig = gptq.prepare
+    orig, orig_acc = gptq.prepare, gptq.HessianAccumulator
     peak = {}
 
     def run(name, budget):
-        live: weakref.WeakSet = weakref.WeakSet()
+        factors: weakref.WeakSet = weakref.WeakSet()
+        sums: weakref.WeakSet = weakref.WeakSet()
         peak[name] = 0
+
+        class Counted(orig_acc):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                sums.add(self)
 
         def counting(*a, **k):
             p = orig(*a, **k)
-            live.add(p)
-            peak[name] = max(peak[name], sum(moe.hessian_bytes(q.U.shape[0]) for q in live))
+            factors.add(p.U)
+            held = sum(moe.hessian_bytes(u.shape[0]) for u in factors)
+            held += sum(moe.hessian_bytes(acc.K) for acc in sums if acc.H is not None)
+            peak[name] = max(peak[name], held)
             return p
         monkeypatch.setattr(gptq, "prepare", counting)
+        monkeypatch.setattr(gptq, "HessianAccumulator", Counted)
         monkeypatch.setattr(moe, "LIVE_HESSIAN_BYTES", budget)
         quantize_model(d, tmp_path / name, QuantOptions(**opts))
         return (tmp_path / name / "output.safetensors").read_bytes()

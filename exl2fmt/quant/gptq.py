@@ -74,12 +74,12 @@ class HessianAccumulator:
 class Prepared:
     """``perm`` int64 [K]: stored row k holds input feature perm[k].  ``U`` float32 [K, K]: upper Cholesky
     factor of the damped ``H^-1`` in stored order.  ``H`` float32 [K, K]: the undamped Hessian in original
-    order (kept for error estimates).  ``within_groups``: set when ``perm`` is a group-aware order
+    order (kept for error estimates; None where a caller that computes none dropped it).  ``within_groups``: set when ``perm`` is a group-aware order
     (``group_aware_order``) of groups of that many consecutive features."""
 
     perm: torch.Tensor
     U: torch.Tensor
-    H: torch.Tensor
+    H: torch.Tensor | None
     damp: float
     within_groups: int | None = None
     fixed_groups: int | None = None
@@ -429,6 +429,8 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
     ``scale_search``: ``find_scales(search=)`` of every group; ``"full"`` is ExLlamaV2's search, ``"bracket"`` the
     measurement's cheaper one (each result is then bit for bit that plan's own sweep with that search)."""
     N, K = weight.shape
+    if error and prep.H is None:
+        raise ValueError("a proxy error needs the Hessian, and this Prepared was made without it")
     plans_t = [tuple((int(b), int(r)) for b, r in p) for p in plans]
     if K % 32 or any(sum(r for _, r in p) != K for p in plans_t):
         raise Exl2Error(ErrorCode.USAGE, f"EXL2 needs K % 32 == 0 and a group plan covering K={K}")

@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -447,18 +448,24 @@ def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory:
     from .gptq import prepare, quantize_exl2_plans
 
     in_memory = _CANDIDATES_IN_MEMORY if in_memory is None else in_memory
-    prepared = {o: prepare(acc.take()) for o, acc in hess.items()}
-    names = [n for n in blk.names if blk.owner(n) in prepared]
+    names = [n for n in blk.names if blk.owner(n) in hess]
+    last = {blk.owner(n): n for n in names}           # the last layer of each Hessian owner
+    prepared: dict = {}                               # owner -> factorization, while its layers are swept
     out: dict[str, dict] = {n: {} for n in names}
     kept = 0
     for n in names:
         w, _ = W[n]
+        owner = blk.owner(n)
+        if owner not in prepared:
+            # without the Hessian itself: the measurement computes no proxy error (a down_proj's is 127 MB at
+            # K = 5632); the factorization lives only while this owner's layers are swept
+            prepared[owner] = dataclasses.replace(prepare(hess[owner].take()), H=None)
         settings = list(dict.fromkeys(opt.get(n) for opt in options))   # distinct settings, first seen first
         # one sweep per distinct group plan at this K, plans sharing their first groups sharing that work too
         # (gptq.quantize_exl2_plans: bit for bit the results of separate quantize_exl2 calls); the proxy error
         # is not computed: the measurement scores candidates by their block outputs
         made: dict[tuple, object] = {}               # group plan -> candidate
-        for j, r in quantize_exl2_plans(w, prepared[blk.owner(n)], [qp.bits_rows(w.shape[1]) for qp in settings],
+        for j, r in quantize_exl2_plans(w, prepared[owner], [qp.bits_rows(w.shape[1]) for qp in settings],
                                         refine_scales, hat_dtype=torch.float16, scale_search=scale_search):
             v = made.get(tuple(r.bits_rows))
             if v is None:
@@ -472,6 +479,8 @@ def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory:
                 made[tuple(r.bits_rows)] = v
             out[n][settings[j]] = v
             del r
+        if last[owner] == n:
+            del prepared[owner]
     return out
 
 
@@ -859,7 +868,7 @@ def _spend_slack(items, budget: int, used: int) -> tuple[dict, int]:
 
 def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: QuantOptions, progress, report):
     from . import weights as F
-    from .gptq import (EXL2_PERCDAMP, GPTQ_PERCDAMP, HessianAccumulator, prepare, quantize_exl2,
+    from .gptq import (EXL2_PERCDAMP, GPTQ_PERCDAMP, HessianAccumulator, prepare, quantize_exl2, quantize_exl2_plans,
                        quantize_gptq)
     from .qparams import QParams
 
@@ -921,6 +930,9 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
                                                                          r.error))
                 if progress:
                     progress("quantize", bi * 10 + 1 + _linears(spec, kind, i).index(n), len(blocks) * 10, lk)
+        # the last group's factorization and result are not needed by the sweeps below (a down_proj's Hessian and
+        # factor are 254 MB at K = 5632)
+        prep = r = packed = None
         y_q = blk.sweep(h, lin, record=True)     # the MLP half replays this (quantized) attention result
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         if blk.expert_tokens is not None:    # MoE: the tokens per expert are reported from the dense sweep's routing
@@ -972,13 +984,16 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         for sl in batches:
             acc.add(spec.final_norm(h[sl]))
         prep = prepare(acc.take(), percdamp=EXL2_PERCDAMP, act_order=o.act_order)
-        r = quantize_exl2(w, prep, head_qparams(o.head_bits).bits_rows(w.shape[1]), bool(o.refine_scales))
+        # (the reconstruction in float16, exact: the float32 one for the perplexity is made once the sweep's
+        # work matrix is gone, so the two 32000 x 2048 float32 matrices of a 1B head never coexist)
+        _, r = next(quantize_exl2_plans(w, prep, [head_qparams(o.head_bits).bits_rows(w.shape[1])],
+                                        bool(o.refine_scales), error=True, hat_dtype=torch.float16))
         packed = r.tensors(None if b is None else b.cpu().numpy())
         _save_tensors(work.layer_path("lm_head"), packed)
         report.head_bpw = _bpw_of(packed, w.shape[0])
         work.job.setdefault("layers", {})["lm_head"] = asdict(LayerResult("lm_head", _plan_of(r), report.head_bpw,
                                                                           r.error))
-        head = F.dense_linear(r.weight_hat, b)
+        head = F.dense_linear(r.weight_hat.float(), b)
         del w, r, acc, prep, packed
     else:
         head = dense_head
