@@ -448,18 +448,17 @@ def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory:
     from .gptq import prepare, quantize_exl2_plans
 
     in_memory = _CANDIDATES_IN_MEMORY if in_memory is None else in_memory
-    names = [n for n in blk.names if blk.owner(n) in hess]
+    # every owner factorized first, while nothing else of the block's candidates is alive (the factorization's
+    # transient is the largest: three K x K matrices), each kept without the Hessian itself (the measurement
+    # computes no proxy error; a down_proj's is 127 MB at K = 5632) and only until its last layer is swept
+    prepared = {o: dataclasses.replace(prepare(acc.take()), H=None) for o, acc in hess.items()}
+    names = [n for n in blk.names if blk.owner(n) in prepared]
     last = {blk.owner(n): n for n in names}           # the last layer of each Hessian owner
-    prepared: dict = {}                               # owner -> factorization, while its layers are swept
     out: dict[str, dict] = {n: {} for n in names}
     kept = 0
     for n in names:
         w, _ = W[n]
         owner = blk.owner(n)
-        if owner not in prepared:
-            # without the Hessian itself: the measurement computes no proxy error (a down_proj's is 127 MB at
-            # K = 5632); the factorization lives only while this owner's layers are swept
-            prepared[owner] = dataclasses.replace(prepare(hess[owner].take()), H=None)
         settings = list(dict.fromkeys(opt.get(n) for opt in options))   # distinct settings, first seen first
         # one sweep per distinct group plan at this K, plans sharing their first groups sharing that work too
         # (gptq.quantize_exl2_plans: bit for bit the results of separate quantize_exl2 calls); the proxy error
