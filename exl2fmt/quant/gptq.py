@@ -74,8 +74,9 @@ class HessianAccumulator:
 class Prepared:
     """``perm`` int64 [K]: stored row k holds input feature perm[k].  ``U`` float32 [K, K]: upper Cholesky
     factor of the damped ``H^-1`` in stored order.  ``H`` float32 [K, K]: the undamped Hessian in original
-    order (kept for error estimates; None where a caller that computes none dropped it).  ``within_groups``: set when ``perm`` is a group-aware order
-    (``group_aware_order``) of groups of that many consecutive features."""
+    order (kept for error estimates; None where a caller that computes none dropped it).  ``within_groups``:
+    set when ``perm`` is a group-aware order (``group_aware_order``) of groups of that many consecutive
+    features."""
 
     perm: torch.Tensor
     U: torch.Tensor
@@ -364,12 +365,12 @@ class Exl2Result:
 
 
 def quantize_exl2(weight: torch.Tensor, prep: Prepared, bits_rows: list[tuple[int, int]],
-                  refine_scales: bool = False) -> Exl2Result:
+                  refine_scales: bool = False, hat_dtype: torch.dtype = torch.float32) -> Exl2Result:
     """GPTQ-quantize ``weight`` float [N, K] to the EXL2 group plan ``bits_rows`` (``layout.plan_rows``), with
     ExLlamaV2's per-group 4-bit scale search (``exl2fmt.formats.exl2.find_scales``) on the compensated rows;
     ``refine_scales`` adds exl2fmt's per-column refinement of the scale codes (``find_scales(refine=True)``).
     The result carries ``proxy_error``.  (``quantize_exl2_plans`` with one plan: the same sweep.)"""
-    return next(quantize_exl2_plans(weight, prep, [bits_rows], refine_scales, error=True))[1]
+    return next(quantize_exl2_plans(weight, prep, [bits_rows], refine_scales, error=True, hat_dtype=hat_dtype))[1]
 
 
 #: ``quantize_exl2_plans`` keeps saved sweep states (the not yet processed rows of the work matrix at a point

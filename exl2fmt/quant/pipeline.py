@@ -36,8 +36,7 @@ import os
 import re
 import shutil
 import time
-import dataclasses
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -451,7 +450,7 @@ def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory:
     # every owner factorized first, while nothing else of the block's candidates is alive (the factorization's
     # transient is the largest: three K x K matrices), each kept without the Hessian itself (the measurement
     # computes no proxy error; a down_proj's is 127 MB at K = 5632) and only until its last layer is swept
-    prepared = {o: dataclasses.replace(prepare(acc.take()), H=None) for o, acc in hess.items()}
+    prepared = {o: replace(prepare(acc.take()), H=None) for o, acc in hess.items()}
     names = [n for n in blk.names if blk.owner(n) in prepared]
     last = {blk.owner(n): n for n in names}           # the last layer of each Hessian owner
     out: dict[str, dict] = {n: {} for n in names}
@@ -867,7 +866,7 @@ def _spend_slack(items, budget: int, used: int) -> tuple[dict, int]:
 
 def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: QuantOptions, progress, report):
     from . import weights as F
-    from .gptq import (EXL2_PERCDAMP, GPTQ_PERCDAMP, HessianAccumulator, prepare, quantize_exl2, quantize_exl2_plans,
+    from .gptq import (EXL2_PERCDAMP, GPTQ_PERCDAMP, HessianAccumulator, prepare, quantize_exl2,
                        quantize_gptq)
     from .qparams import QParams
 
@@ -985,8 +984,8 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         prep = prepare(acc.take(), percdamp=EXL2_PERCDAMP, act_order=o.act_order)
         # (the reconstruction in float16, exact: the float32 one for the perplexity is made once the sweep's
         # work matrix is gone, so the two 32000 x 2048 float32 matrices of a 1B head never coexist)
-        _, r = next(quantize_exl2_plans(w, prep, [head_qparams(o.head_bits).bits_rows(w.shape[1])],
-                                        bool(o.refine_scales), error=True, hat_dtype=torch.float16))
+        r = quantize_exl2(w, prep, head_qparams(o.head_bits).bits_rows(w.shape[1]), bool(o.refine_scales),
+                          hat_dtype=torch.float16)
         packed = r.tensors(None if b is None else b.cpu().numpy())
         _save_tensors(work.layer_path("lm_head"), packed)
         report.head_bpw = _bpw_of(packed, w.shape[0])

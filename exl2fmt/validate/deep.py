@@ -87,6 +87,10 @@ def deep_pass(rep: Report, model, det, loaded: dict, reference, progress) -> Non
     # each tensor is read once: its pages leave the resident set after use (a model's files would otherwise
     # end up counted in the process's RSS; they stay in the page cache)
     release = getattr(model, "release", lambda name: None)
+
+    def release_layer(key):
+        for slot in det.layers[key].slots.values():
+            release(slot.name)
     n_finite = 0
     for t in floats:
         try:
@@ -131,8 +135,7 @@ def deep_pass(rep: Report, model, det, loaded: dict, reference, progress) -> Non
                 res.stats = weight_stats(w)
         except Exl2Error as e:
             rep.add(CheckId.DECODE, Status.FAIL, e.code, e.message, tensor=e.tensor or key, file=e.file)
-            for slot in det.layers[key].slots.values():
-                release(slot.name)
+            release_layer(key)
             tick(layer_bytes[key], key)
             continue
         if res.stats["nonfinite"]:
@@ -143,8 +146,7 @@ def deep_pass(rep: Report, model, det, loaded: dict, reference, progress) -> Non
         if ref_model is not None:
             n_ref += _compare_reference(rep, res, layer, fmt, w, ref_model, key)
         del w
-        for slot in det.layers[key].slots.values():
-            release(slot.name)
+        release_layer(key)
         tick(layer_bytes[key], key)
     if n_dec:
         rep.ok(CheckId.DECODE, PassCode.DECODE_OK, f"{n_dec} layer(s) dequantize to finite float16 [out, in] "
