@@ -869,6 +869,17 @@ def test_too_little_disk_space_is_refused_before_any_work(tiny_llama, exl2_defau
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("value", ["coarse", "", "FULL", "brácket"])
+def test_unknown_measure_search_is_a_usage_error_before_any_work(value):
+    from exl2fmt.quant.pipeline import QuantOptions
+
+    assert QuantOptions().resolved().measure_search == "bracket"
+    assert QuantOptions(measure_search="full").resolved().measure_search == "full"
+    with pytest.raises(Exl2Error) as e:
+        QuantOptions(measure_search=value).resolved()
+    assert e.value.code is ErrorCode.USAGE and "--measure-search" in e.value.message
+
+
 def test_score_plan_puts_evenly_spaced_rows_first_in_whole_batches():
     from exl2fmt.quant.pipeline import QuantOptions, _score_plan
 
