@@ -235,6 +235,23 @@ def test_promote_adds_bits_one_group_at_a_time(spec):
     assert QP.promote(QP._q("1x8/128"), K) is None
 
 
+@pytest.mark.parametrize("K", [32, 64, 96, 160, 1024])
+def test_promotions_stay_valid_tiers_down_to_layers_narrower_than_a_group(K):
+    """_spend_slack promotes until every row is 8-bit; on a layer with fewer input features than a group (a tiny
+    MoE expert) a grown tier once came out with a proportion above 1 and the quantize pass refused its own
+    plan (MEASUREMENT_INVALID): every step must read back as a valid QParams and cover K rows."""
+    for spec in ("1x3/128", "0.1x4/128 + 0.9x3/128", "0.5x5/64 + 0.5x4/64", "1x2/32"):
+        qp, steps = QP._q(spec), 0
+        while (new := QP.promote(qp, K)) is not None:
+            back = QP.QParams.from_json(new.to_json(), "t")
+            assert all(0 <= p <= 1 for p, _, _ in back.tiers)
+            assert sum(r for _, r in back.bits_rows(K)) == K
+            assert sum(r * b for b, r in new.bits_rows(K)) > sum(r * b for b, r in qp.bits_rows(K))
+            qp, steps = new, steps + 1
+            assert steps <= 6 * K
+        assert all(b == 8 for b, r in qp.bits_rows(K) if r)
+
+
 def test_measurement_json_round_trip_and_upstream_keys(tmp_path):
     opts = QP.block_options("attn")
     rows = [(o, 1000 + j, 0.9 + j / 1000) for j, o in enumerate(opts)]
@@ -940,3 +957,4 @@ def test_measurement_candidates_in_memory_or_parked_agree_and_fewer_rows_score(t
         acc = {settings(o): o["accuracy"] for o in full[k]}
         diffs += [abs(acc[settings(o)] - o["accuracy"]) for o in rows if settings(o) in acc]
     assert len(diffs) >= len(part) and 0 < max(diffs) < 0.05
+

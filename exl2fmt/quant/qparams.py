@@ -235,6 +235,8 @@ def promote(qp: QParams, K: int) -> QParams | None:
     else:
         p0, b0, g0 = tiers[0]
         new = [[(rows[b0] + g0 - 0.5) / K, b0, g0]] + [list(t) for t in tiers[1:]]
+    for t in new:        # a group wider than the rows left (K below the group size: small MoE experts) takes all
+        t[0] = min(t[0], 1.0)
     new_rows = QParams.of(*new).bits_rows(K)
     if sum(r * b for b, r in new_rows) <= sum(r * b for b, r in qp.bits_rows(K)):
         return None
