@@ -96,6 +96,14 @@ def convert_command(
                                                           "bracket (default: 27 of ExLlamaV2's 97 multipliers, "
                                                           "around the coarse best) or full (all 97). The quantize "
                                                           "pass always searches all 97.")] = None,
+    measure_precision: Annotated[Optional[str], typer.Option("--measure-precision", metavar="auto|bf16|fp32",
+                                                             show_default=False, help="FP16 -> exl2: how the "
+                                                             "measurement multiplies candidates when it scores "
+                                                             "options: bf16 (each candidate's difference from the "
+                                                             "original layer, in bf16, added to the recorded fp32 "
+                                                             "output), fp32, or auto (default: bf16 where bf16 "
+                                                             "products are fast: AMX/AVX512-BF16 CPUs, CUDA).")
+                         ] = None,
     device: Annotated[Optional[str], typer.Option("--device", show_default=False, help="FP16 -> exl2/gptq: cpu "
                                                   "or cuda[:i] (default: cuda if torch sees one).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="FP16 -> exl2/gptq: seed of the built-in calibration "
@@ -232,6 +240,7 @@ def convert_command(
             "head_bits": head_bits, "calibration": calibration, "rows": rows, "length": length,
             "measurement": measurement, "save_measurement": save_measurement, "device": device, "seed": seed,
             "measure_rows": measure_rows, "measure_search": measure_search,
+            "measure_precision": measure_precision,
             "resume": resume, "act_order": act_order, "order": order, "work_dir": work_dir, "extended": not upstream_tables,
             "refine_scales": refine_scales}.items() if _QUANT_PARAM.get(k, k) in given}
         bar = _progress(out, status_lines, target, measuring=measurement is None, resume=resume, dst=dst,

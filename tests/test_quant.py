@@ -958,3 +958,33 @@ def test_measurement_candidates_in_memory_or_parked_agree_and_fewer_rows_score(t
         diffs += [abs(acc[settings(o)] - o["accuracy"]) for o in rows if settings(o) in acc]
     assert len(diffs) >= len(part) and 0 < max(diffs) < 0.05
 
+
+def test_bf16_scoring_measures_the_errors_fp32_scoring_measures(tiny_llama, exl2_default, tmp_path, monkeypatch):
+    """--measure-precision bf16 on blocks this small (forced past scoring.DELTA_MIN_WEIGHTS): every option's
+    error 1 - accuracy within 1 % of itself of the fp32 measurement's (the bf16 rounding is of the change, not of
+    the output), the candidates really scored as differences, and a valid output at the budget."""
+    from exl2fmt.quant import scoring
+    from exl2fmt.quant.pipeline import quantize_model
+
+    src, ids = tiny_llama
+    _, _, m, _ = exl2_default
+    made = []
+    init = scoring.DeltaLinear.__init__
+
+    def counted(self, *a):
+        made.append(a[1])
+        init(self, *a)
+    monkeypatch.setattr(scoring, "DELTA_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(scoring.DeltaLinear, "__init__", counted)
+    mb = tmp_path / "bf16.json"
+    r = quantize_model(src, tmp_path / "b", _opts(ids, measure_precision="bf16", save_measurement=str(mb)))
+    assert 3.48 <= r.decoder_bpw <= 3.5
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= set(made)
+    full, half = (json.loads(p.read_text())["measurement"] for p in (m, mb))
+    rel = []
+    for k, rows in full.items():
+        assert len(half[k]) == len(rows)
+        for a, b in zip(rows, half[k]):
+            assert {x: v for x, v in a.items() if x != "accuracy"} == {x: v for x, v in b.items() if x != "accuracy"}
+            rel.append(abs((1 - a["accuracy"]) - (1 - b["accuracy"])) / (1 - a["accuracy"]))
+    assert 0 < max(rel) < 3e-3

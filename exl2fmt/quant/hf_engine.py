@@ -826,6 +826,12 @@ class LayerBlock:
         """The linear whose input Hessian ``name`` shares (the first of its group)."""
         return self.r.eng.owner(name, self.r.i)
 
+    def tapeable(self) -> list[str]:
+        """The linears the forward calls once per batch with all of the batch's tokens (routed experts are not:
+        they see the tokens routed to them)."""
+        dense = set(self.r.eng.layer_linears(self.r.i))
+        return [n for n in self.names if n in dense]
+
     def weights(self, device=None) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         w = self.r.weights()
         return {n: w[n] for n in self.names}

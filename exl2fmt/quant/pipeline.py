@@ -28,6 +28,7 @@ is byte-identical to an uninterrupted run.  The work directory is removed after 
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -99,6 +100,10 @@ class QuantOptions:
     # grid points, bracketing the coarse minimum: ``codec.scale_search.best_grid_index``) or "full" (ExLlamaV2's
     # search, as the quantize pass always does).  The A/B of the chosen plans is in bench/RESULTS.md (issue 18)
     measure_search: str = "bracket"
+    # how the measurement multiplies candidates when it scores options: "bf16" (each candidate's difference from
+    # the reference layer, in bf16: ``scoring``), "fp32", or "auto" (resolved(): bf16 where bf16 products are
+    # hardware-accelerated).  The A/B of the chosen plans is in bench/RESULTS.md (issue 18)
+    measure_precision: str = "auto"
 
     def resolved(self) -> "QuantOptions":
         o = QuantOptions(**asdict(self))
@@ -141,6 +146,9 @@ class QuantOptions:
         if o.measure_search not in SEARCHES:
             raise Exl2Error(ErrorCode.USAGE, f"--measure-search must be one of {', '.join(SEARCHES)}, got "
                             f"{o.measure_search!r}")
+        from .scoring import resolve_precision
+
+        o.measure_precision = resolve_precision(o.measure_precision, torch.device(o.device))
         # (only the EXL2 measurement scores candidates: other targets record no count)
         o.measure_rows = min(int(o.measure_rows), o.rows) if o.target == "exl2" else None
         # checked here, before calibration and measurement, rather than when the head or first layer is reached
@@ -489,11 +497,13 @@ def _kept_bytes(made: dict[str, dict]) -> int:
 
 
 class _VariantCache:
-    """The dense fp32 weight of one candidate per layer (the last one asked for): its fp16 reconstruction, from
-    memory or dequantized from its packed file, exactly the fp16 values the quantizer computed."""
+    """One candidate per layer (the last one asked for), from its fp16 reconstruction in memory or dequantized
+    from its packed file (exactly the fp16 values the quantizer computed): as a dense fp32 linear, or with a
+    ``scoring.ReferenceTape`` that recorded the layer, as a ``scoring.DeltaLinear`` (bf16 differences from the
+    reference).  ``linear(n, qp)`` gives the linear for one option sweep."""
 
-    def __init__(self, F, variants: dict[str, dict], W):
-        self.F, self.variants, self.W = F, variants, W
+    def __init__(self, F, variants: dict[str, dict], W, tape=None):
+        self.F, self.variants, self.W, self.tape = F, variants, W, tape
         self.cur: dict[str, tuple] = {}
 
     def linear(self, n: str, qp):
@@ -504,13 +514,22 @@ class _VariantCache:
         if hit is None or hit[0] is not v:    # settings with the same group plan share one candidate
             self.cur.pop(n, None)             # drop the previous candidate before the next one exists
             w, b = self.W[n]
+            delta = self.tape is not None and self.tape.usable(n)
+            dt = None if delta else torch.float32        # DeltaLinear reads the fp16 values as they are
             if isinstance(v, torch.Tensor):
-                w_hat = v.to(device=w.device, dtype=torch.float32)
+                w_hat = v.to(device=w.device, dtype=dt)
             else:
                 layer = layer_from_tensors(n, _load_tensors(v), out_features=w.shape[0])
-                w_hat = torch.from_numpy(layer.dequantize()).to(device=w.device, dtype=torch.float32)
-            hit = self.cur[n] = (v, self.F.dense_linear(w_hat, b))
-        return hit[1]
+                w_hat = torch.from_numpy(layer.dequantize()).to(device=w.device, dtype=dt)
+            if delta:
+                from .scoring import DeltaLinear
+
+                hit = self.cur[n] = (v, DeltaLinear(self.tape, n, w, w_hat).bind)
+            else:
+                f = self.F.dense_linear(w_hat, b)
+                hit = self.cur[n] = (v, lambda: f)
+            del w_hat
+        return hit[1]()
 
 
 #: The option scoring keeps outputs of candidate linears for later options up to this many bytes.
@@ -616,6 +635,7 @@ def _score_plan(rows: int, length: int, batch_tokens: int, measure_rows: int | N
 
 
 def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progress, report) -> dict:
+    from . import scoring
     from . import weights as F
     from .gptq import HessianAccumulator
     from .moe import hessian_chunks
@@ -657,18 +677,27 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
                                       in_memory=_CANDIDATES_IN_MEMORY - _kept_bytes(made),
                                       scale_search=o.measure_search))
             hess = None
-            cache = _VariantCache(F, made, W)
             # the scoring rows: the first batches (the same layer runner, so the MLP half replays the attention
             # results the reference pass recorded for them)
             scorer = blk if n_score == len(batches) else spec.block(i, kind, batches[:n_score], device)
             h_s, y_ref_s = h[:score_rows], y_ref[:score_rows]
             rows_out = []
             y = torch.empty_like(h_s)
+            tape = None
+            taped = blk.tapeable() if o.measure_precision == "bf16" else []
+            if sum(W[n][0].numel() for n in taped) >= scoring.DELTA_MIN_WEIGHTS:
+                # the linears' reference inputs and outputs on the scoring rows, recorded now rather than in the
+                # reference pass so that they are not alive while the candidates' GPTQ runs (one more forward)
+                tape = scoring.ReferenceTape(taped, blk.owner, n_score, n_score)
+                scorer.sweep(h_s, {n: tape.recorder(n, f) for n, f in dense.items()}, out=y)
+                tape.close()
+            cache = _VariantCache(F, made, W, tape)
             shared = _SharedOutputs(made, options, [n for n in spec.groups(kind, i)[0] if n in made])
             for j, opt in enumerate(options):
                 lin = {n: shared.wrap(j, n, qp, cache.linear(n, qp)) for n, qp in _opt_layers(opt, blk.names)}
                 scorer.sweep(h_s, lin, out=y)
                 shared.done(j)
+                _trim_heap()
                 acc = max(1e-6, 1.0 - _rel_err_rows(y, y_ref_s))
                 bits = sum(qp.total_bits(W[n][0].shape[1], W[n][0].shape[0], W[n][1] is not None)
                            for n, qp in _opt_layers(opt, blk.names))
@@ -682,7 +711,7 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
                                 "block's reference outputs are degenerate (non-finite or exploding activations?)")
             measured[key] = rows_out
             work.save()
-            del cache, lin, y, shared
+            del cache, lin, y, shared, tape
             shutil.rmtree(vdir, ignore_errors=True)
         if progress:
             progress("measure", (bi + 1) * 1000, len(blocks) * 1000, key)
@@ -785,16 +814,29 @@ def plan_from_measurement(src: str | os.PathLike, measurement: str | os.PathLike
         model.close()
 
 
-def _release_memory() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps large freed blocks in its arenas otherwise, so the
-    resident set would grow with every block's temporaries)."""
-    gc.collect()
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc
-        pass
+        return None
+
+
+def _trim_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere).  Freed blocks below
+    glibc's mmap threshold stay resident in its arenas, and the blocks of one option's forward are not the sizes
+    the next one asks for: without this the option scoring's resident set grew by ~0.1-0.2 GB at 1B shapes."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _release_memory() -> None:
+    """Collect garbage and trim the heap (``_trim_heap``) between blocks."""
+    gc.collect()
+    _trim_heap()
 
 
 # ------------------------------------------------------------------------------------------------ optimize

@@ -1,0 +1,138 @@
+"""The measurement's bf16 scoring of candidates (exl2fmt.quant.scoring): the reference tape and the delta
+products, against float64 products of the same weights (the trained fixture's MLP)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from exl2fmt.errors import ErrorCode, Exl2Error  # noqa: E402
+from exl2fmt.quant import scoring  # noqa: E402
+from exl2fmt.quant.weights import dense_linear  # noqa: E402
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny-llama"
+
+
+def _mlp_weights():
+    """The trained fixture's layer-0 gate_proj [768, 256] and down_proj [256, 768], float32, and 8-bit
+    per-row round-to-nearest candidates of them in fp16 (what a measurement candidate is)."""
+    from safetensors.torch import load_file
+
+    t = {}
+    for f in sorted(FIXTURE.glob("*.safetensors")):
+        t.update(load_file(f))
+    out = {}
+    for n in ("gate_proj", "down_proj"):
+        w = t[f"model.layers.0.mlp.{n}.weight"].float()
+        s = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 127
+        out[n] = (w, (torch.round(w / s).clamp(-128, 127) * s).half())
+    return out
+
+
+def _taped(ws, xs, n_batches=None):
+    """A tape of gate (input xs[b]) and down (input silu(gate)) over the batches xs."""
+    tape = scoring.ReferenceTape(["gate_proj", "down_proj"], lambda n: n, len(xs), n_batches or len(xs))
+    g = tape.recorder("gate_proj", dense_linear(ws["gate_proj"][0]))
+    d = tape.recorder("down_proj", dense_linear(ws["down_proj"][0]))
+    for x in xs:
+        d(torch.nn.functional.silu(g(x)))
+    tape.close()
+    return tape
+
+
+def test_delta_products_carry_the_change_to_bf16_precision_of_the_change():
+    """gate reads its recorded input (dx = 0), down a changed one (the quantized gate's): both outputs equal the
+    float64 products with the candidates to ~2^-8 of the output's *change*, where a plain bf16 product is off by
+    a large fraction of the change (it is what the measurement scores, so that would swamp it)."""
+    ws = _mlp_weights()
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 24, 256, generator=gen) for _ in range(2)]
+    tape = _taped(ws, xs)
+    assert tape.usable("gate_proj") and tape.usable("down_proj")
+    (wg, wg_hat), (wd, wd_hat) = ws["gate_proj"], ws["down_proj"]
+    g = scoring.DeltaLinear(tape, "gate_proj", wg, wg_hat).bind()
+    d = scoring.DeltaLinear(tape, "down_proj", wd, wd_hat).bind()
+    for x in xs:                                       # batch order: the k-th call is batch k
+        yg = g(x.clone())
+        z = torch.nn.functional.silu(yg)
+        yd = d(z)
+        assert yg.dtype == yd.dtype == torch.float32
+        for y, inp, w, w_hat in ((yg, x, wg, wg_hat), (yd, z, wd, wd_hat)):
+            want = inp.double() @ w_hat.double().T
+            ref = (torch.nn.functional.silu(x.double() @ wg.double().T) if w is wd else x.double()) @ w.double().T
+            change = (want - ref).norm()
+            assert change > 1e-3 * want.norm()
+            assert (y.double() - want).norm() < 2 ** -7 * change
+            plain = (inp.bfloat16() @ w_hat.bfloat16().T).double()
+            assert (plain - want).norm() > 0.05 * change
+    with pytest.raises(RuntimeError, match="call 3 in one sweep"):   # the tape holds two batches, no third
+        g(xs[0])
+
+
+def test_a_batch_of_another_shape_is_refused():
+    ws = _mlp_weights()
+    x = torch.randn(1, 8, 256)
+    tape = _taped(ws, [x])
+    g = scoring.DeltaLinear(tape, "gate_proj", *ws["gate_proj"]).bind()
+    with pytest.raises(RuntimeError, match="gate_proj: batch 0 input"):
+        g(torch.randn(1, 9, 256))
+
+
+def test_the_tape_records_copies_once_per_group_and_only_the_scoring_batches():
+    w = torch.randn(6, 4)
+    tape = scoring.ReferenceTape(["q", "k", "o"], lambda n: "qk" if n in "qk" else n, n_score=2, n_batches=3)
+    fq, fk = tape.recorder("q", dense_linear(w)), tape.recorder("k", dense_linear(w[:3]))
+    fo = tape.recorder("o", dense_linear(w[:, :4]))
+    assert tape.recorder("expert", fo) is fo           # not taped: passed through
+    xs = [torch.randn(2, 4) for _ in range(3)]
+    orig = [x.clone() for x in xs]
+    for x in xs:
+        yq = fq(x)
+        fk(x)
+        yq.mul_(0)                                     # the forward may write to what it got
+        x.add_(1)                                      # ... and to its input
+    tape.close()
+    assert sorted(tape.x) == [("qk", 0), ("qk", 1)]    # one input per group and batch, two scoring batches
+    assert torch.equal(tape.x[("qk", 1)], orig[1]) and torch.equal(tape.y[("q", 1)], orig[1] @ w.T)
+    assert not tape.usable("o") and ("o", 0) not in tape.y      # never called: forgotten
+    assert tape.usable("q") and tape.usable("k")
+    # a linear called more often than once per batch is not usable either
+    tape2 = scoring.ReferenceTape(["q"], lambda n: n, 1, 1)
+    f = tape2.recorder("q", dense_linear(w))
+    f(xs[0])
+    f(xs[0])
+    tape2.close()
+    assert not tape2.usable("q") and tape2.y == {} and tape2.x == {}
+
+
+@pytest.mark.parametrize("value", ["bf", "", "FP32", "bf16 "])
+def test_measure_precision_resolves_by_hardware_and_refuses_unknown_values(value, monkeypatch):
+    from exl2fmt.quant.pipeline import QuantOptions
+
+    for fast, want in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(scoring, "fast_bf16", lambda device, _f=fast: _f)
+        assert QuantOptions().resolved().measure_precision == want
+        assert QuantOptions(measure_precision="fp32").resolved().measure_precision == "fp32"
+        assert QuantOptions(measure_precision="bf16").resolved().measure_precision == "bf16"
+    with pytest.raises(Exl2Error) as e:
+        QuantOptions(measure_precision=value).resolved()
+    assert e.value.code is ErrorCode.USAGE and "--measure-precision" in e.value.message
+
+
+def test_fast_bf16_is_a_plain_answer_for_every_device_kind():
+    assert scoring.fast_bf16(torch.device("meta")) is False
+    assert isinstance(scoring.fast_bf16(torch.device("cpu")), bool)
+
+
+def test_the_cli_refuses_an_unknown_measure_precision_before_any_work(tmp_path):
+    from typer.testing import CliRunner
+
+    from exl2fmt.cli.app import app
+
+    r = CliRunner().invoke(app, ["convert", str(FIXTURE), str(tmp_path / "out"), "--to", "exl2",
+                                 "--measure-precision", "fp16"])
+    assert r.exit_code == 2 and "[USAGE]" in r.stderr and "--measure-precision" in r.stderr, r.stderr
+    assert not any(tmp_path.iterdir())
