@@ -203,10 +203,6 @@ def exl2_tensors(codes: np.ndarray, scale_codes: np.ndarray, q_scale_max: np.nda
     return out
 
 
-def _f16(x):
-    return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
-
-
 def find_scales(x: np.ndarray, bits: int, refine: bool = False, search: str = "full"):
     """Scale search for one group (ExLlamaV2's ``find_params``).  ``x`` float32 [rows, N_pad].
 
@@ -217,22 +213,19 @@ def find_scales(x: np.ndarray, bits: int, refine: bool = False, search: str = "f
     (``codec.scale_search.refine_scale_codes``; exl2fmt's, not ExLlamaV2's).  ``search``: how the multiplier
     grid is searched, ``"full"`` (ExLlamaV2's 97 points) or ``"bracket"`` (``codec.scale_search.best_grid_index``).
     """
-    from ..codec.scale_search import P_GRID, best_grid_index, refine_scale_codes
+    from ..codec.scale_search import P_GRID, best_grid_index, final_scales, refine_scale_codes, search_start
 
     x = np.ascontiguousarray(x, dtype=np.float32)
-    maxq = (1 << bits) - 1
-    xmax = np.abs(x).max(axis=0) + np.float32(1e-12)
-    base = xmax / np.float32(maxq / 2)
-    smax = base.max()
-    qs = np.clip(np.round(16 * np.sqrt(base / smax)), 1, 16).astype(np.int64)
-    trial = ((qs.astype(np.float32) / 16) ** 2 * smax).astype(np.float32)
-    best_p = float(P_GRID[best_grid_index(x, trial, bits, search)])
-    qsm = np.float16(max(float(np.float16(smax * np.float32(best_p))), 2.0 ** -24))
-    m = _f16(np.float32(qsm) * np.float32(1 / 256))
+    # (the arithmetic of each step is in codec.scale_search's kernels, float32 and fp16 rounding as ExLlamaV2's;
+    # tests/test_scale_search.py holds the NumPy twin of this function)
+    qs, trial, smax = search_start(x, bits)
+    best_p = P_GRID[best_grid_index(x, trial, bits, search)]
+    qsm = np.float16(max(float(np.float16(smax * best_p)), 2.0 ** -24))
+    m = np.float32(np.float16(np.float32(qsm) * np.float32(1 / 256)))
     if refine:
         qs = refine_scale_codes(x, (qs - 1).astype(np.uint8), qsm, bits).astype(np.int64) + 1
-    s = _f16(_f16((qs * qs).astype(np.float32)) * m)
-    return (qs - 1).astype(np.uint8), qsm, s
+    codes, s = final_scales(qs, m)
+    return codes, qsm, s
 
 
 def quantize_rtn(weight: np.ndarray, tiers: list[Tier], perm: np.ndarray | None = None,
