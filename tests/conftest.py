@@ -152,3 +152,19 @@ LONG_MODULES_FIRST = ("test_quality.py", "test_validate_kernel.py", "test_valida
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_MODULES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def force_delta_scoring(monkeypatch) -> list[str]:
+    """Score every block of a quantizer run from the reference tape (``scoring.DELTA_MIN_WEIGHTS`` lowered to 0,
+    for tiny test models) and return the list that collects the linear name of every ``DeltaLinear`` made."""
+    from exl2fmt.quant import scoring
+
+    made: list[str] = []
+    init = scoring.DeltaLinear.__init__
+
+    def counted(self, tape, n, *a):
+        made.append(n)
+        init(self, tape, n, *a)
+    monkeypatch.setattr(scoring, "DELTA_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(scoring.DeltaLinear, "__init__", counted)
+    return made

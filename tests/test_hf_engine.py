@@ -201,20 +201,14 @@ def test_bf16_scoring_of_fused_and_routed_linears_measures_what_fp32_does(tiny, 
     gate_up_proj: each part is its own taped linear) and on a MoE block, whose routed experts are not taped
     (they see only their tokens) and are scored in fp32 beside the taped linears: every option's error within
     0.3 % of itself of the fp32 measurement's."""
-    from exl2fmt.quant import scoring
+    from conftest import force_delta_scoring
+
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
 
     d = tiny(arch)
     ids = tmp_path / "ids.npy"
     np.save(ids, np.random.default_rng(0).integers(0, 160, (4, 32)))
-    made = []
-    init = scoring.DeltaLinear.__init__
-
-    def counted(self, *a):
-        made.append(a[1])
-        init(self, *a)
-    monkeypatch.setattr(scoring, "DELTA_MIN_WEIGHTS", 0)
-    monkeypatch.setattr(scoring.DeltaLinear, "__init__", counted)
+    made = force_delta_scoring(monkeypatch)
     got = {}
     for p in ("fp32", "bf16"):
         m = tmp_path / f"{p}.json"

@@ -85,7 +85,8 @@ class ReferenceTape:
 
     def scratch(self, tag, shape, dtype=torch.bfloat16, device=None) -> torch.Tensor:
         """A buffer kept for reuse under ``tag`` (the bf16 temporaries of every option would otherwise be fresh
-        heap blocks between the fp32 ones, and the heap would fragment: +0.4 GB resident at 1B shapes)."""
+        heap blocks between the fp32 ones, and the heap would fragment: part of the +0.39 GB the first version
+        added to the 1B MLP block's peak)."""
         t = self._scratch.get(tag)
         if t is None or t.shape != tuple(shape) or t.dtype != dtype:
             t = self._scratch[tag] = torch.empty(shape, dtype=dtype, device=device)
