@@ -110,11 +110,12 @@ def token_ids(work: Path, name: str, mdir: Path) -> tuple[Path, Path]:
 # ------------------------------------------------------------------------------------------------ the arms
 
 
-def timed(cmd: list[str], env: dict | None = None, log: Path | None = None) -> dict:
-    """Run ``cmd`` as a child; its CPU (user + sys), wall seconds and peak RSS (MiB) from ``os.wait4``."""
+def timed(cmd: list[str], env: dict | None = None, log: Path | None = None, cwd: Path | None = None) -> dict:
+    """Run ``cmd`` as a child (in ``cwd``); its CPU (user + sys), wall seconds and peak RSS (MiB) from
+    ``os.wait4``."""
     t = time.monotonic()
     with open(log or os.devnull, "w") as out:
-        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
         _, status, ru = os.wait4(p.pid, 0)
     wall = time.monotonic() - t
     rc = os.waitstatus_to_exitcode(status)
@@ -136,9 +137,11 @@ def run_exl2fmt(mdir: Path, cal: Path, out: Path, order: str, log: Path) -> dict
 
 def run_gptqmodel(python: str, mdir: Path, cal: Path, out: Path, order: str, log: Path) -> dict:
     env = dict(os.environ, GPTQMODEL_CPU_WORKERS="2", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
-    cmd = [python, str(Path(__file__).resolve()), "--worker", str(mdir), str(cal), str(out), order]
+    cmd = [python, str(Path(__file__).resolve()), "--worker", *(str(Path(x).resolve()) for x in (mdir, cal, out)),
+           order]
     shutil.rmtree(out, ignore_errors=True)
-    return timed(cmd, env=env, log=log)
+    # in the work directory: GPTQModel writes a logs/ folder into its current directory
+    return timed(cmd, env=env, log=log, cwd=Path(log).resolve().parent)
 
 
 def gptqmodel_worker(mdir: str, cal: str, out: str, order: str) -> None:
