@@ -179,13 +179,8 @@ def best_grid_index(x: np.ndarray, trial: np.ndarray, bits: int, search: str = "
         raise ValueError(f"scale search must be one of {SEARCHES}, got {search!r}")
     n = len(P_GRID)
     # the coarse points first; the best of them bounds the rest, which stop once certainly worse
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    trial = np.ascontiguousarray(trial, dtype=np.float32)
-    zero, maxq = 1 << (bits - 1), (1 << bits) - 1
     e = np.full(n, np.inf)
-    ec = np.empty(len(_COARSE))
-    _grid_errors(x, trial, _P_COARSE, zero, maxq, np.inf, ec)
-    e[_COARSE] = ec
+    ec = e[_COARSE] = grid_errors(x, trial, bits, _P_COARSE)
     best = float(ec.min())
     if search == "full":
         rest, p_rest = _REST, _P_REST
@@ -195,9 +190,7 @@ def best_grid_index(x: np.ndarray, trial: np.ndarray, bits: int, search: str = "
                                                   min(n - 1, c + BRACKET_STEP - 1) + 1) if i % BRACKET_STEP],
                                 dtype=np.int64))
         p_rest = P_GRID[rest]
-    er = np.empty(len(rest))
-    _grid_errors(x, trial, p_rest, zero, maxq, best, er)
-    e[rest] = er
+    e[rest] = grid_errors(x, trial, bits, p_rest, bound=best)
     return int(np.argmin(e))                         # ties go to the lowest index, as over the whole grid
 
 

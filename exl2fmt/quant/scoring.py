@@ -26,11 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ErrorCode, Exl2Error
+from .weights import Linear
 
 #: --measure-precision values: "auto" resolves to "bf16" where bf16 products are fast, else "fp32"
 PRECISIONS = ("auto", "fp32", "bf16")
-
-Linear = Callable[[torch.Tensor], torch.Tensor]
 
 #: Blocks whose taped linears hold fewer weights than this are scored in fp32 even with precision "bf16": their
 #: products are too small for bf16's speed to repay the recording forward and the differences' bookkeeping (the
