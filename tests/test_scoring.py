@@ -136,3 +136,54 @@ def test_the_cli_refuses_an_unknown_measure_precision_before_any_work(tmp_path):
                                  "--measure-precision", "fp16"])
     assert r.exit_code == 2 and "[USAGE]" in r.stderr and "--measure-precision" in r.stderr, r.stderr
     assert not any(tmp_path.iterdir())
+
+
+def _special_f32(gen, shape):
+    """float32 values covering the bf16 rounding cases: random magnitudes over 2^-130..2^126 (subnormals
+    included), exact ties (bit 15 set, lower bits clear) with an even and an odd kept half, values that round up
+    to the next exponent or to inf, +-0, +-inf."""
+    n = int(torch.tensor(shape).prod())
+    bits = torch.randint(0, 1 << 31, (n,), generator=gen, dtype=torch.int64)
+    bits[: n // 4] = (bits[: n // 4] & ~0xFFFF) | 0x8000                    # ties
+    special = torch.tensor([0x7F7FFFFF, 0x7F7F8000, 0x3F80FFFF, 0x3FFF8000, 0, 0x80000000, 0x7F800000,
+                            0xFF800000])
+    k = min(len(special), n - n // 4)
+    bits[n // 4: n // 4 + k] = special[:k]
+    bits = bits & 0xFFFFFFFF
+    bits[bits >= 0x7F800001] &= 0x7F7FFFFF                                  # NaNs apart (their own test)
+    signs = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int64) << 31
+    return ((bits ^ signs) & 0xFFFFFFFF).to(torch.int64).to(torch.int32).view(torch.float32).reshape(shape)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (2, 7, 33), (1, 1)])
+def test_the_cpu_kernels_give_torchs_bits(shape):
+    """scoring.sub_bf16 / add_bf16 (Numba on the CPU) against torch's own mixed-dtype ops: the same bits,
+    ties, subnormals, overflow to inf and signed zeros included."""
+    gen = torch.Generator().manual_seed(len(shape))
+    a32, b32 = _special_f32(gen, shape), _special_f32(gen, shape)
+    a16 = (a32 * 2.0 ** -100).clamp(-60000, 60000).half()        # fp16 operands from the same bit spread
+    b_small = b32 * 2.0 ** -100
+    for a, b in ((a16, b_small), (a16, b32), (a32, b32), (a32, b_small)):
+        got = scoring.sub_bf16(a, b, torch.empty(shape, dtype=torch.bfloat16))
+        want = torch.sub(a, b, out=torch.empty(shape, dtype=torch.bfloat16))
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (a.dtype, b.abs().max())
+    p = _special_f32(gen, shape).bfloat16()
+    for y in (a32, b_small):
+        want = torch.add(y, p)
+        got = scoring.add_bf16(y, p)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        inplace = y.clone()
+        assert scoring.add_bf16(inplace, p, inplace) is inplace
+        assert torch.equal(inplace.view(torch.int32), want.view(torch.int32))
+
+
+def test_the_cpu_kernels_keep_nan_a_nan_and_fall_back_off_their_layout():
+    nan = torch.full((2, 3), float("nan"))
+    out = scoring.sub_bf16(nan, torch.zeros(2, 3), torch.empty(2, 3, dtype=torch.bfloat16))
+    assert torch.isnan(out).all()
+    assert torch.isnan(scoring.add_bf16(torch.zeros(2, 3), nan.bfloat16())).all()
+    # a transposed (non-contiguous) operand takes torch's path: still the right values
+    a = torch.randn(4, 6).T
+    b = torch.randn(6, 4)
+    got = scoring.sub_bf16(a, b, torch.empty(6, 4, dtype=torch.bfloat16))
+    assert torch.equal(got, (a - b).bfloat16())

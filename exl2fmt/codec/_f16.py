@@ -162,3 +162,22 @@ def f32_array_to_f16_bits(src, out):
     o = out.ravel()
     for i in range(s.size):
         o[i] = f32_to_f16_bits(s[i])
+
+
+# --- bfloat16 (the top half of a float32) ----------------------------------------------------------------
+
+
+@njit(cache=True, inline="always")
+def f32_to_bf16_bits(f):
+    """float32 -> bfloat16 bit pattern (uint16), round to nearest even, as torch's ``.to(torch.bfloat16)``:
+    overflow rounds to inf, a NaN becomes the quiet NaN 0x7FC0 (as torch's scalar conversion)."""
+    x = _bitcast_f32_u32(np.float32(f))
+    if (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16(0x7FC0)
+    return np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@njit(cache=True, inline="always")
+def bf16_bits_to_f32(h):
+    """bfloat16 bit pattern -> float32 (exact)."""
+    return _bitcast_u32_f32(np.uint32(h) << np.uint32(16))

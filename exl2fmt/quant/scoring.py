@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -135,6 +136,49 @@ class ReferenceTape:
         return t
 
 
+def _u16(t: torch.Tensor) -> np.ndarray:
+    """The bit patterns of a contiguous 2-byte CPU tensor (fp16 / bf16) as uint16, same shape, no copy."""
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])          # a view: callers pass contiguous tensors
+
+
+def _kernel_ok(*ts: torch.Tensor) -> bool:
+    """Whether the Numba kernels can take these operands (CPU, C order, one shape, not 0-d)."""
+    return all(t.device.type == "cpu" and t.is_contiguous() and t.dim() > 0 and t.shape == ts[0].shape
+               for t in ts)
+
+
+def sub_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` bf16 = a - b, computed in float32 and rounded once (``torch.sub(a, b, out=out)``) for ``a`` float16
+    or float32 and ``b`` float32, all of one shape; on the CPU by ``scoring_kernel`` (torch's mixed-dtype
+    loop is 10x slower there), the same bits."""
+    if (_kernel_ok(a, b, out) and b.dtype == torch.float32 and out.dtype == torch.bfloat16
+            and a.dtype in (torch.float16, torch.float32)):
+        from . import scoring_kernel as k
+
+        if a.dtype == torch.float16:
+            k.sub_f16_to_bf16(_u16(_rows(a)), _rows(b).numpy(), _u16(_rows(out)))
+        else:
+            k.sub_f32_to_bf16(_rows(a).numpy(), _rows(b).numpy(), _u16(_rows(out)))
+        return out
+    return torch.sub(a, b, out=out)
+
+
+def add_bf16(y: torch.Tensor, p: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``y`` + bf16 ``p`` (``torch.add(y, p, out=out)``) into ``out`` (a new tensor if None; may be ``y``
+    itself); on the CPU by ``scoring_kernel``, the same bits."""
+    out = torch.empty_like(y) if out is None else out
+    if _kernel_ok(y, p, out) and y.dtype == out.dtype == torch.float32 and p.dtype == torch.bfloat16:
+        from . import scoring_kernel as k
+
+        k.add_bf16(_rows(y).numpy(), _u16(_rows(p)), _rows(out).numpy())
+        return out
+    return torch.add(y, p, out=out)
+
+
 class DeltaLinear:
     """A candidate W_hat of linear ``n`` scored as the reference output plus bf16 products of the differences
     (module docstring).  ``w`` float32 [N, K] is the reference weight (row n = output feature n), ``w_hat`` any
@@ -146,7 +190,7 @@ class DeltaLinear:
         # bf16 [N, K]: W_hat - W, in fp32 (w is) and rounded once; one buffer per linear (the cache holds one
         # candidate per linear at a time)
         self.d16 = tape.scratch(("dW", n), w.shape, device=w.device)
-        torch.sub(w_hat, w, out=self.d16)
+        sub_bf16(w_hat, w, self.d16)
 
     def bind(self) -> Linear:
         """The linear for one option sweep: its k-th call is batch k of the scoring rows."""
@@ -164,9 +208,9 @@ class DeltaLinear:
             key = (self.g, bi)
             prod = tape.scratch(("y", y_ref.shape), y_ref.shape, device=x.device)
             if torch.equal(x, x_ref):                # a first linear: the block's own input, dx = 0
-                return torch.add(y_ref, torch.matmul(tape.input_bf16(key), self.d16.t(), out=prod))
+                return add_bf16(y_ref, torch.matmul(tape.input_bf16(key), self.d16.t(), out=prod))
             x16 = tape.scratch(("x", x.shape), x.shape, device=x.device)
-            y = torch.add(y_ref, torch.matmul(x16.copy_(x), self.d16.t(), out=prod))
-            torch.sub(x, x_ref, out=x16)             # dx, in fp32, rounded once to bf16
-            return y.add_(torch.matmul(x16, tape.weight_bf16(self.n, self.w).t(), out=prod))
+            y = add_bf16(y_ref, torch.matmul(x16.copy_(x), self.d16.t(), out=prod))
+            sub_bf16(x.contiguous(), x_ref, x16)     # dx, in fp32, rounded once to bf16
+            return add_bf16(y, torch.matmul(x16, tape.weight_bf16(self.n, self.w).t(), out=prod), y)
         return apply
