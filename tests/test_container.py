@@ -1158,6 +1158,24 @@ def test_write_is_atomic_on_failure_mid_write(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]
 
 
+def test_a_scratch_write_skips_fsync_and_stays_atomic(tmp_path, monkeypatch):
+    """durable=False (the quantizer's parked candidates) writes the same bytes with no fsync; the default
+    fsyncs the file and its directory."""
+    from exl2fmt.container import publish
+
+    synced = []
+    real = publish.os.fsync
+    monkeypatch.setattr(publish.os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    t = {"a": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    write_safetensors(tmp_path / "d.safetensors", t)
+    assert len(synced) >= 1
+    synced.clear()
+    write_safetensors(tmp_path / "s.safetensors", t, durable=False)
+    assert synced == []
+    assert (tmp_path / "s.safetensors").read_bytes() == (tmp_path / "d.safetensors").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.safetensors", "s.safetensors"]
+
+
 def test_written_file_permissions_follow_umask(tmp_path):
     p = write_safetensors(tmp_path / "m.safetensors", {"a": np.zeros(1)})
     umask = os.umask(0)

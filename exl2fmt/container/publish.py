@@ -37,8 +37,9 @@ _SKIP_DIRS = {".git", ".cache", "__pycache__", ".huggingface"}
 _INDEX_RE = re.compile(r".*\.(safetensors|bin)\.index\.json$")
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write via a temp file in the same directory, fsync, os.replace; the temp file never survives."""
+def atomic_write(path: Path, write: Callable[[BinaryIO], None], *, durable: bool = True) -> None:
+    """Write via a temp file in the same directory, fsync, os.replace; the temp file never survives.
+    ``durable=False`` skips both fsyncs (still atomic): for scratch files that a crash makes worthless anyway."""
     parent = path.parent if str(path.parent) else Path(".")
     tmp = None
     for _ in range(100):
@@ -58,8 +59,9 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     try:
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
             write(f)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
         done = True
     except OSError as e:
@@ -70,7 +72,8 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
                 os.unlink(tmp)
             except OSError:
                 pass
-    fsync_dir(parent)  # make the rename durable (best effort; not possible on every platform)
+    if durable:
+        fsync_dir(parent)  # make the rename durable (best effort; not possible on every platform)
 
 
 def write_text(path: Path, text: str) -> None:

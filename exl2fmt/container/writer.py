@@ -299,8 +299,9 @@ def serialize(tensors: Mapping[str, np.ndarray | RawTensor], metadata: dict[str,
 
 
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray | RawTensor],
-                      metadata: dict[str, str] | None = None, *, order: str = "name") -> Path:
+                      metadata: dict[str, str] | None = None, *, order: str = "name", durable: bool = True) -> Path:
     """Write one safetensors file atomically (replacing an existing one).  Returns the path.
+    ``durable=False``: no fsync (``publish.atomic_write``), for scratch files.
 
     ``order="name"`` (default) stores tensors sorted by name; ``order="safetensors"`` uses the reference's
     order (descending dtype alignment, then name).  Metadata keys are sorted.
@@ -308,7 +309,7 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray 
     p = Path(os.fspath(path))
     items = _order(_prepare_all(tensors, str(p)), order, str(p))
     hb = build_header(items, _check_metadata(metadata, str(p)), str(p))
-    atomic_write(p, lambda f: _write_stream(f, hb, items))
+    atomic_write(p, lambda f: _write_stream(f, hb, items), durable=durable)
     return p
 
 

@@ -306,10 +306,11 @@ def _atomic_json(path: Path, doc) -> None:
     os.replace(tmp, path)
 
 
-def _save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+def _save_tensors(path: Path, tensors: dict[str, np.ndarray], durable: bool = True) -> None:
+    """``durable=False`` for scratch that dies with its block (parked candidates): no fsync."""
     from ..container import write_safetensors
 
-    write_safetensors(path, tensors)
+    write_safetensors(path, tensors, durable=durable)
 
 
 def _load_tensors(path: Path) -> dict[str, np.ndarray]:
@@ -481,7 +482,7 @@ def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory:
                     kept += size
                 else:
                     v = vdir / f"{n}.{len(made)}.safetensors"
-                    _save_tensors(v, r.tensors(None))
+                    _save_tensors(v, r.tensors(None), durable=False)
                 made[tuple(r.bits_rows)] = v
             out[n][settings[j]] = v
             del r
