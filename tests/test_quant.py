@@ -383,6 +383,27 @@ def test_exl2_pipeline_hits_the_budget_validates_and_is_reproducible(tiny_llama,
     assert e.value.code is ErrorCode.OUTPUT_EXISTS
 
 
+def test_the_quantize_pass_takes_the_fp16_trajectory_from_the_measurement(tiny_llama, exl2_default, tmp_path,
+                                                                          monkeypatch):
+    """A run that measures hands its FP16 reference trajectory's end to the quantize pass, which then runs no
+    reference forwards of its own; a run from a saved measurement advances the trajectory itself. Both report
+    the same FP16 perplexity (the measured run's is checked against a whole-model forward above)."""
+    from exl2fmt.quant import hf_engine
+    from exl2fmt.quant.pipeline import quantize_model
+
+    src, ids = tiny_llama
+    r, _, m, _ = exl2_default
+    calls = []
+    real = hf_engine.LayerBlock.advance_reference
+    monkeypatch.setattr(hf_engine.LayerBlock, "advance_reference", lambda self, h: (calls.append(1), real(self, h))[1])
+    r2 = quantize_model(src, tmp_path / "m", _opts(ids, measurement=str(m)))
+    assert len(calls) == 2 * 2                       # both blocks of both decoder layers
+    assert r2.calibration_ppl_fp16 == r.calibration_ppl_fp16
+    calls.clear()
+    quantize_model(src, tmp_path / "x", _opts(ids))
+    assert calls == []
+
+
 def test_exl2_pipeline_resumes_to_the_same_bytes(tiny_llama, tmp_path):
     from exl2fmt.quant import pipeline as P
 

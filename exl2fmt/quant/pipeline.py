@@ -635,7 +635,11 @@ def _score_plan(rows: int, length: int, batch_tokens: int, measure_rows: int | N
     return order, _batches(rows, length, per_m * length), m // per_m
 
 
-def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progress, report) -> dict:
+def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progress, report
+             ) -> tuple[dict, torch.Tensor]:
+    """Score every candidate option of every block: ({block key: [[option, bits, accuracy]]}, the FP16 model's
+    hidden state after the last block, float32 [rows, T, hidden] in the calibration's row order: the reference
+    trajectory this pass runs anyway, which the quantize pass then need not run again)."""
     from . import scoring
     from . import weights as F
     from .gptq import HessianAccumulator
@@ -722,7 +726,9 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
         if kind == "mlp":            # a layer's attention result lives only until its MLP half is measured
             work.snapshot("measure", bi + 1, {"h": h})
     spec.release()
-    return measured
+    if order is not None:                           # back to the calibration's row order
+        h = torch.empty_like(h).index_copy_(0, order.to(h.device), h)
+    return measured, h
 
 
 def _write_measurement_file(path: Path, spec, measured: dict, options_of) -> None:
@@ -907,7 +913,12 @@ def _spend_slack(items, budget: int, used: int) -> tuple[dict, int]:
 # ------------------------------------------------------------------------------------------------ quantize
 
 
-def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: QuantOptions, progress, report):
+def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: QuantOptions, progress, report,
+              h_ref_final: torch.Tensor | None = None):
+    """The GPTQ pass, block by block on the quantized model's own hidden states, then the head and the two
+    calibration perplexities.  ``h_ref_final``: the FP16 model's last hidden state when the measurement of
+    this run computed it (``_measure``); otherwise the FP16 trajectory is advanced here, one block forward
+    more per block."""
     from . import weights as F
     from .gptq import (EXL2_PERCDAMP, GPTQ_PERCDAMP, HessianAccumulator, prepare, quantize_exl2,
                        quantize_gptq)
@@ -917,12 +928,16 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
     blocks = _blocks(spec)
     # h: the quantized model's hidden state; h_ref: the FP16 model's, carried along (one more block forward
     # each) for the FP16 calibration perplexity that the quantized one is judged against
+    # (a snapshot names the reference state "h_ref_final" when it is the trajectory's end already)
     start, states = work.restore("quant")
     if states is None:
         h = ids_h()
-        h_ref = h.clone()
+        h_ref = h.clone() if h_ref_final is None else h_ref_final
     else:
-        h, h_ref = states["h"], states["h_ref"]
+        h = states["h"]
+        h_ref = states.get("h_ref_final", states.get("h_ref")) if h_ref_final is None else h_ref_final
+    final = h_ref_final is not None or (states is not None and "h_ref_final" in states)
+    ref_key = "h_ref_final" if final else "h_ref"
     h, h_ref = h.to(device), h_ref.to(device)
     rows, T = h.shape[0], h.shape[1]
     batches = _batches(rows, T, o.batch_tokens)
@@ -992,11 +1007,12 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         work.save()
         h = blk.next_input(h, y_q)
         del y_d, y_q
-        h_ref = blk.advance_reference(h_ref)
+        if not final:
+            h_ref = blk.advance_reference(h_ref)
         del W, lin, dense
         _release_memory()
         if kind == "mlp":
-            work.snapshot("quant", bi + 1, {"h": h, "h_ref": h_ref})
+            work.snapshot("quant", bi + 1, {"h": h, ref_key: h_ref})
         if progress:
             tokens = work.job["blocks"][key].get("expert_tokens")
             progress("quantize", (bi + 1) * 10, len(blocks) * 10,
@@ -1470,14 +1486,14 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
             return spec.embed(ids, device=o.device)
 
         options_of = (lambda kind: block_options(kind, extended=o.extended))
-        strategy = None
+        strategy = h_ref_final = None
         if o.target == "exl2":
             t = time.monotonic()
             if o.measurement:
                 measured = _measured_from_file(spec, loaded, options_of, o.measurement)
             else:
                 if work.job.get("strategy") is None:
-                    measured = _measure(spec, srcw, ids_h, options_of, work, o, progress, report)
+                    measured, h_ref_final = _measure(spec, srcw, ids_h, options_of, work, o, progress, report)
                 else:
                     measured = work.job["measured"]
             report.seconds["measure"] = time.monotonic() - t
@@ -1491,7 +1507,8 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
             strategy = work.job["strategy"]
             report.decoder_bpw = work.job.get("decoder_bpw")
         t = time.monotonic()
-        _quantize(spec, srcw, ids, ids_h, strategy, options_of, work, o, progress, report)
+        _quantize(spec, srcw, ids, ids_h, strategy, options_of, work, o, progress, report, h_ref_final)
+        h_ref_final = None
         _release_memory()                 # the head's work matrices: hand the pages back before compiling
         report.seconds["quantize"] = time.monotonic() - t
         t = time.monotonic()
