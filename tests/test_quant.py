@@ -642,9 +642,11 @@ def _assert_plans_match_separate_runs(W, p, plans, **kw):
         assert r.bits_rows == list(plans[i]) and r.error is None
         assert np.array_equal(r.codes, codes), (i, plans[i])
         assert np.array_equal(r.scale_codes, sc) and np.array_equal(r.q_scale_max, qsm), (i, plans[i])
-        assert torch.equal(r.weight_hat, w_hat), (i, plans[i])
+        if r.weight_hat is not None or kw.get("want_hat") is None:
+            assert torch.equal(r.weight_hat, w_hat), (i, plans[i])
         assert np.array_equal(r.q_invperm, np.argsort(p.perm.numpy())), i
     assert sorted(seen) == list(range(len(plans)))
+    return seen
 
 
 @pytest.mark.parametrize("share_bytes,use_kernel,cap,search", [
@@ -671,6 +673,36 @@ def test_plans_sharing_their_first_groups_give_the_bits_of_separate_runs(share_b
     assert len(plans) > 10
     _assert_plans_match_separate_runs(W, p, plans, share_bytes=share_bytes, use_kernel=use_kernel,
                                       scale_search=search)
+
+
+def test_a_result_the_caller_does_not_want_reconstructed_skips_only_its_weight_hat():
+    """want_hat is asked once per distinct plan, as its result is built, and may depend on what the caller did
+    with the results so far (the measurement keeps reconstructions until a byte budget is spent, then parks the
+    packed form): a declined result has no weight_hat and the same codes and scales as every other path."""
+    from exl2fmt.quant.gptq import quantize_exl2_plans
+
+    K, N = 256, 80
+    p = prepare(_correlated(K, seed=11))
+    W = _weight(N, K, seed=12)
+    plans = list(dict.fromkeys(tuple(opt.get("q_proj").bits_rows(K)) for opt in QP.block_options("attn", True)))
+    plans = plans + [plans[3]]
+    asked, kept = [], []
+
+    def want():                              # keep the first three distinct results, decline the rest
+        asked.append(len(kept))
+        return len(kept) < 3
+
+    got = {}
+    for i, r in quantize_exl2_plans(W, p, plans, want_hat=want):
+        if r.weight_hat is not None and all(r is not k for k in kept):
+            kept.append(r)
+        got[i] = r
+    assert len(asked) == len(set(plans)) and len(kept) == 3
+    assert sum(r.weight_hat is None for r in {id(r): r for r in got.values()}.values()) == len(set(plans)) - 3
+    seen = _assert_plans_match_separate_runs(W, p, plans, want_hat=lambda: False)
+    assert all(r.weight_hat is None for r in seen.values())
+    for i, r in got.items():
+        assert np.array_equal(r.codes, seen[i].codes) and np.array_equal(r.scale_codes, seen[i].scale_codes)
 
 
 def test_quantize_exl2_is_the_one_plan_case_and_keeps_its_error():

@@ -22,7 +22,7 @@ Inside, the work matrix is ``W^T`` in stored (permuted) row order, float32 [K, N
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -347,15 +347,16 @@ class Exl2Result:
 
     ``codes`` uint8 [K, N_pad] (stored order), ``scale_codes`` uint8 [G, N_pad] (0..15), ``q_scale_max``
     float16 [G], ``bits_rows`` [(bits, rows)] per group, ``q_invperm`` int32 [K], ``weight_hat`` float32
-    (or float16: ``quantize_exl2_plans(hat_dtype=)``) [N, K] (the exact fp16 reconstruction, original order),
-    ``error`` (``proxy_error``; None where it was not computed: ``quantize_exl2_plans(error=False)``)."""
+    (or float16: ``quantize_exl2_plans(hat_dtype=)``) [N, K] (the exact fp16 reconstruction, original order;
+    None where the caller did not want it: ``quantize_exl2_plans(want_hat=)``), ``error`` (``proxy_error``; None
+    where it was not computed: ``quantize_exl2_plans(error=False)``)."""
 
     codes: np.ndarray
     scale_codes: np.ndarray
     q_scale_max: np.ndarray
     bits_rows: list[tuple[int, int]]
     q_invperm: np.ndarray
-    weight_hat: torch.Tensor
+    weight_hat: torch.Tensor | None
     error: float | None
 
     def tensors(self, bias: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -408,7 +409,8 @@ def _common_prefix(p: tuple, q: tuple) -> int:
 def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[tuple[int, int]]],
                         refine_scales: bool = False, *, error: bool = False, share_bytes: int | None = None,
                         use_kernel: bool | None = None, hat_dtype: torch.dtype = torch.float32,
-                        scale_search: str = "full") -> Iterator[tuple[int, Exl2Result]]:
+                        scale_search: str = "full", want_hat: Callable[[], bool] | None = None
+                        ) -> Iterator[tuple[int, Exl2Result]]:
     """``quantize_exl2`` of ``weight`` for every group plan in ``plans``, sharing the work the plans have in
     common; yields ``(i, result)`` once for every index i of ``plans`` (equal plans get the same result object),
     in an order of its own.  Each result is bit for bit what ``quantize_exl2(weight, prep, plans[i])`` returns.
@@ -428,7 +430,10 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
     ``use_kernel``: as in ``_sweep``.  ``hat_dtype``: the results' ``weight_hat`` dtype, float32 or float16
     (the same values: the reconstruction is fp16; float16 halves what a caller that keeps it holds).
     ``scale_search``: ``find_scales(search=)`` of every group; ``"full"`` is ExLlamaV2's search, ``"bracket"`` the
-    measurement's cheaper one (each result is then bit for bit that plan's own sweep with that search)."""
+    measurement's cheaper one (each result is then bit for bit that plan's own sweep with that search).
+    ``want_hat``: asked once per distinct plan, just before its result is built (so it may read what the caller
+    did with the results so far); False leaves that result's ``weight_hat`` None and skips its un-permute (a
+    caller that parks the packed form instead: the un-permute is ~13 ms of a 1B MLP candidate's sweep)."""
     N, K = weight.shape
     if error and prep.H is None:
         raise ValueError("a proxy error needs the Hessian, and this Prepared was made without it")
@@ -490,7 +495,7 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
                 fit = fits[bits] = _exl2_fit(bits, refine_scales, scale_codes, qsm, scale_search)
             _sweep_group(Wt, prep.U, codes, j, a, r, fit, use_kernel)
         depth = len(plan)
-        w_hat = _unpermute(Wt, prep.perm, N, hat_dtype, invperm)
+        w_hat = _unpermute(Wt, prep.perm, N, hat_dtype, invperm) if error or want_hat is None or want_hat() else None
         res = Exl2Result(codes=codes.cpu().numpy().copy(), scale_codes=scale_codes[:len(plan)].copy(),
                          q_scale_max=qsm[:len(plan)].copy(), bits_rows=list(plan), q_invperm=invperm.copy(),
                          weight_hat=w_hat,

@@ -472,12 +472,14 @@ def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory:
         # (gptq.quantize_exl2_plans: bit for bit the results of separate quantize_exl2 calls); the proxy error
         # is not computed: the measurement scores candidates by their block outputs
         made: dict[tuple, object] = {}               # group plan -> candidate
+        size = w.numel() * 2                         # a candidate's fp16 reconstruction
+        # (a candidate that will be parked is never un-permuted: only its packed form is written)
         for j, r in quantize_exl2_plans(w, prepared[owner], [qp.bits_rows(w.shape[1]) for qp in settings],
-                                        refine_scales, hat_dtype=torch.float16, scale_search=scale_search):
+                                        refine_scales, hat_dtype=torch.float16, scale_search=scale_search,
+                                        want_hat=lambda: kept + size <= in_memory):
             v = made.get(tuple(r.bits_rows))
             if v is None:
-                size = r.weight_hat.numel() * 2
-                if kept + size <= in_memory:
+                if r.weight_hat is not None:
                     v = r.weight_hat                     # float16: exact, every value is an fp16 value
                     kept += size
                 else:
