@@ -186,6 +186,27 @@ def test_degenerate_hessian_is_a_clear_error():
     with pytest.raises(Exl2Error) as e:
         prepare(H)
     assert e.value.code is ErrorCode.QUANT_NUMERICS
+    # past the kernels' size: one non-finite entry off the diagonal is found too (the factor's finiteness check)
+    K = 640
+    H = _correlated(K, seed=3)
+    for bad in (float("nan"), float("inf")):
+        Hb = H.clone()
+        Hb[5, 600] = Hb[600, 5] = bad
+        with pytest.raises(Exl2Error) as e:
+            prepare(Hb)
+        assert e.value.code is ErrorCode.QUANT_NUMERICS
+
+
+def test_the_hessian_reorder_kernel_is_a_plain_gather():
+    """gptq._permute_both (a Numba gather past 2^18 elements) against torch's two index_selects, on a matrix
+    that is not symmetric, so a transposed read would show."""
+    from exl2fmt.quant.gptq import _permute_both
+
+    g = torch.Generator().manual_seed(4)
+    for K in (600, 16):
+        H = torch.randn(K, K, generator=g)
+        p = torch.randperm(K, generator=g)
+        assert torch.equal(_permute_both(H, p), H.index_select(0, p).index_select(1, p))
 
 
 # ------------------------------------------------------------------------------------------------ tables, bits

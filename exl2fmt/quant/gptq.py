@@ -142,7 +142,7 @@ def prepare(H: torch.Tensor, *, percdamp: float = EXL2_PERCDAMP, act_order: bool
     rev = torch.flip(perm, (0,))
     for attempt in range(1, 11):
         damp = base * attempt
-        Hr = H.index_select(0, rev).index_select(1, rev)          # J Hp J, damped below
+        Hr = _permute_both(H, rev)                                # J Hp J, damped below
         Hr.diagonal().add_(damp)
         Lr, info = torch.linalg.cholesky_ex(Hr)
         del Hr
@@ -155,11 +155,25 @@ def prepare(H: torch.Tensor, *, percdamp: float = EXL2_PERCDAMP, act_order: bool
         U = torch.flip(Linv, (0, 1))                  # (keeps the column-major strides)
         del Linv
         U = U.contiguous()
-        if bool(torch.isfinite(U).all()) and bool((torch.diagonal(U) > 0).all()):
+        # (aminmax: one read pass, no K x K mask; a NaN anywhere makes both NaN, an inf one of them)
+        if bool(torch.isfinite(torch.stack(torch.aminmax(U))).all()) and bool((torch.diagonal(U) > 0).all()):
             return Prepared(perm=perm, U=U, H=H, damp=damp, within_groups=within_groups or None,
                             fixed_groups=fixed_groups or None)
     raise Exl2Error(ErrorCode.QUANT_NUMERICS, f"the Hessian (K={K}) is not positive definite even with "
                     f"damping {damp:.3g}: calibration inputs are degenerate or non-finite")
+
+
+def _permute_both(H: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``H[p][:, p]`` for ``H`` float32 [K, K] and ``p`` int64 [K]: by ``gptq_kernel.permute_both`` on the CPU
+    (past ``_UNPERMUTE_KERNEL_MIN`` elements), by two ``index_select`` elsewhere; the same values."""
+    K = H.shape[0]
+    if H.device.type == "cpu" and H.dtype == torch.float32 and H.is_contiguous() and K * K >= _UNPERMUTE_KERNEL_MIN:
+        from .gptq_kernel import permute_both
+
+        out = torch.empty((K, K), dtype=torch.float32)
+        permute_both(H.numpy(), p.to(torch.int64).numpy(), out.numpy())
+        return out
+    return H.index_select(0, p).index_select(1, p)
 
 
 # ------------------------------------------------------------------------------------------------ the sweep

@@ -17,7 +17,7 @@ from numba import njit, prange
 
 from ..codec._f16 import f16_bits_to_f32, f32_to_f16_bits
 
-__all__ = ["kernel", "unpermute_f32", "unpermute_f16_bits"]
+__all__ = ["kernel", "permute_f32", "unpermute_f32", "unpermute_f16_bits", "permute_both"]
 
 
 #: Output columns per parallel work item: the tile and its row updates stay in L1/L2.
@@ -147,3 +147,16 @@ def unpermute_f16_bits(Wt, invperm, out):
             for n in range(n0, n1):
                 for j in range(j0, j1):
                     out[n, j] = buf[n - n0, j - j0]
+
+
+@njit(cache=True, parallel=True)
+def permute_both(H, p, out):
+    """``out[i, j] = H[p[i], p[j]]``: a square matrix with its rows and columns both reordered by ``p`` (the
+    Hessian in processing order, ``gptq.prepare``); a copy, so exact.  ``H`` float32 [K, K] C order, ``p`` int64
+    [K] a permutation, ``out`` float32 [K, K] C order (written).  Each output row gathers within one source row
+    (K floats: L1/L2-resident), where torch's ``index_select`` along columns reads with a stride of K."""
+    K = H.shape[0]
+    for i in prange(K):
+        src = p[i]
+        for j in range(K):
+            out[i, j] = H[src, p[j]]
