@@ -197,6 +197,22 @@ def test_degenerate_hessian_is_a_clear_error():
         assert e.value.code is ErrorCode.QUANT_NUMERICS
 
 
+def test_the_work_matrix_written_into_a_used_matrix_is_the_fresh_one():
+    """_work_matrix(out=) (a trie restart writes the weight's state into the sweep's own matrix) gives the
+    fresh matrix's values, padding columns zeroed, on the Numba path (past 2^18 weights) and torch's."""
+    from exl2fmt.quant.gptq import _work_matrix
+
+    g = torch.Generator().manual_seed(5)
+    for N, K, n_cols in ((520, 512, 544), (80, 256, 96), (512, 512, 512)):
+        w = torch.randn(N, K, generator=g)
+        perm = torch.randperm(K, generator=g)
+        used = torch.randn(K, n_cols, generator=g)          # what a sweep left there
+        fresh = _work_matrix(w, perm, n_cols)
+        assert _work_matrix(w, perm, n_cols, out=used) is used
+        assert torch.equal(used, fresh) and not used[:, N:].any()
+        assert torch.equal(fresh[:, :N], w.T[perm])
+
+
 def test_the_hessian_reorder_kernel_is_a_plain_gather():
     """gptq._permute_both (a Numba gather past 2^18 elements) against torch's two index_selects, on a matrix
     that is not symmetric, so a transposed read would show."""

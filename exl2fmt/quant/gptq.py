@@ -286,22 +286,27 @@ def _sweep_fixed_groups(Wt: torch.Tensor, U: torch.Tensor, row_group: np.ndarray
     return codes
 
 
-def _work_matrix(weight: torch.Tensor, perm: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """float [N, K] -> float32 [K, n_cols] in stored row order, zero columns beyond N (one new matrix; no
-    float32 copy of ``weight`` is made first).  A float32 weight on the CPU moves through the tiles of
-    ``gptq_kernel.permute_f32`` (torch's ``index_select`` on the transposed view reads with a stride of K: ~3x
-    slower); the same values either way."""
+def _work_matrix(weight: torch.Tensor, perm: torch.Tensor, n_cols: int, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """float [N, K] -> float32 [K, n_cols] in stored row order, zero columns beyond N (one new matrix, or written
+    into ``out``, float32 [K, n_cols] C order; no float32 copy of ``weight`` is made first).  A float32 weight on
+    the CPU moves through the tiles of ``gptq_kernel.permute_f32`` (torch's ``index_select`` on the transposed
+    view reads with a stride of K: ~3x slower); the same values either way."""
     N, K = weight.shape
     w = weight.to(device=perm.device)
     if (w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous()
-            and N * K >= _UNPERMUTE_KERNEL_MIN):
+            and N * K >= _UNPERMUTE_KERNEL_MIN and (out is None or out.is_contiguous())):
         from .gptq_kernel import permute_f32
 
-        Wt = torch.empty((K, n_cols), dtype=torch.float32)
+        Wt = torch.empty((K, n_cols), dtype=torch.float32) if out is None else out
         permute_f32(w.numpy(), perm.to(torch.int64).numpy(), Wt.numpy())
         if n_cols > N:
             Wt[:, N:] = 0
         return Wt
+    if out is not None:
+        out[:, :N] = w.T.index_select(0, perm)
+        out[:, N:] = 0
+        return out
     if n_cols == N:
         return w.T.index_select(0, perm).to(torch.float32)
     Wt = torch.zeros((K, n_cols), dtype=torch.float32, device=perm.device)
@@ -489,7 +494,7 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
                 Wt[a0:].copy_(t)
             else:
                 depth = 0
-                Wt.copy_(_work_matrix(weight, prep.perm, n_pad))
+                _work_matrix(weight, prep.perm, n_pad, out=Wt)         # straight into the same matrix
         # the depths at which a later plan parts from this one, whose state is not saved yet
         need, low = set(), None
         for d in lcp[m:]:
