@@ -101,6 +101,35 @@ def test_captured_inputs_and_half_outputs_are_what_transformers_computes(tiny, a
     eng.release()
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "phi3"])
+def test_a_sweep_stopped_at_a_later_groups_input_gathers_the_same_hessian(tiny, arch):
+    """The quantize pass's sweeps for a block's later groups stop once the group's input is captured: the
+    Hessian must be the full sweep's, bit for bit; such a sweep returns None and refuses a stop it cannot
+    honour (a linear outside the block's dense ones, or one whose Hessian it does not collect)."""
+    from exl2fmt.quant.gptq import HessianAccumulator
+    from exl2fmt.quant.pipeline import _batches
+
+    d = tiny(arch)
+    eng = _engine(d)
+    ids = torch.as_tensor(np.random.default_rng(3).integers(0, 160, (3, 16)))
+    h = eng.embed(ids)
+    for kind in ("attn", "mlp"):
+        blk = eng.block(0, kind, _batches(3, 16, 32))
+        if kind == "attn":
+            blk.sweep(h, None, record=True)
+        owner = eng.groups(kind)[-1][0]
+        K = blk.weights()[owner][0].shape[1]
+        full, stopped = HessianAccumulator(K), HessianAccumulator(K)
+        assert blk.sweep(h, None, {owner: full}) is not None
+        assert blk.sweep(h, None, {owner: stopped}, stop_at=owner) is None
+        assert torch.equal(full.result(), stopped.result())
+        with pytest.raises(ValueError):
+            blk.sweep(h, None, {owner: HessianAccumulator(K)}, stop_at="no_such_linear")
+        with pytest.raises(ValueError):
+            blk.sweep(h, None, None, stop_at=owner)
+    eng.release()
+
+
 def test_parallel_block_has_no_mid_point_and_sequential_ones_do(tiny):
     assert _engine(tiny("cohere")).structure.mid_norm is None
     assert _engine(tiny("gemma2")).structure.mid_norm == "pre_feedforward_layernorm"

@@ -737,11 +737,12 @@ class _LayerRunner:
 
     def forward(self, h: torch.Tensor, subs: Mapping[str, Linear] | None = None, capture: dict | None = None,
                 stop_mid: bool = False, replay_attn: Any = None, record_attn: list | None = None,
-                B_T: tuple | None = None) -> torch.Tensor:
+                B_T: tuple | None = None, stop_at: str | None = None) -> torch.Tensor | None:
         """Run the layer on h float [B, T, hidden] with ``subs`` (name -> Linear) swapped in; ``capture`` receives
         the inputs of the linears (name -> float [B, T, K]); ``stop_mid`` returns the residual stream between
         attention and MLP instead of the layer's output; ``replay_attn`` is a recorded result of the attention
-        module to use instead of running it; ``record_attn`` (a list) receives the attention module's result."""
+        module to use instead of running it; ``record_attn`` (a list) receives the attention module's result;
+        ``stop_at`` (a linear's name) ends the forward once that linear's input is captured, returning None."""
         eng = self.eng
         B, T = h.shape[:2]
         args, kw = eng._layer_kwargs(B, T, h.device)[self.i]
@@ -762,6 +763,8 @@ class _LayerRunner:
                 for f, n, rows in zip(_fns, _names, _parts):
                     if capture is not None:
                         capture[n] = x
+                    if n == stop_at:
+                        raise _Stop
                     if f is not None:
                         ys.append(f(x))
                     elif rows is None:
@@ -797,7 +800,7 @@ class _LayerRunner:
             with torch.no_grad():
                 out = _first(self.layer(h, *args, **kw))
         except _Stop:
-            out = got[0]
+            out = got[0] if got else None
         finally:
             for m in patched:
                 del m.forward
@@ -837,8 +840,15 @@ class LayerBlock:
         return {n: w[n] for n in self.names}
 
     def sweep(self, h: torch.Tensor, linears: Mapping[str, Linear] | None, hessians: dict | None = None,
-              out: torch.Tensor | None = None, record: bool = False) -> torch.Tensor:
-        y = out if out is not None else torch.empty_like(h)
+              out: torch.Tensor | None = None, record: bool = False, stop_at: str | None = None
+              ) -> torch.Tensor | None:
+        """One forward of the block over all batches (see the class docstring); ``stop_at`` (a dense linear of
+        the block whose input ``hessians`` collects) ends each batch's forward once that input is captured: the
+        sweep then returns None (a sweep that only gathers a later group's Hessian skips the rest of the block)."""
+        if stop_at is not None and (stop_at not in self.r.eng.layer_linears(self.r.i) or record
+                                    or not hessians or stop_at not in hessians):
+            raise ValueError(f"stop_at={stop_at!r}: not a dense linear whose Hessian this sweep collects")
+        y = None if stop_at is not None else out if out is not None else torch.empty_like(h)
         if self.kind == "attn" and record:
             self.r.attn_cache = []
         eng, lay = self.r.eng, self.r.eng.experts
@@ -851,12 +861,15 @@ class LayerBlock:
         for bi, sl in enumerate(self.batches):
             cap = {} if hessians else None
             if self.kind == "attn":
-                y[sl] = self.r.forward(h[sl], linears, cap, stop_mid=True,
-                                       record_attn=self.r.attn_cache if record else None)
+                o = self.r.forward(h[sl], linears, cap, stop_mid=True,
+                                   record_attn=self.r.attn_cache if record else None, stop_at=stop_at)
             else:
                 if self.r.attn_cache is None:
                     raise RuntimeError("the MLP half needs a recorded attention sweep of the same layer first")
-                y[sl] = self.r.forward(h[sl], linears, cap, replay_attn=self.r.attn_cache[bi])
+                o = self.r.forward(h[sl], linears, cap, replay_attn=self.r.attn_cache[bi], stop_at=stop_at)
+            if y is not None:
+                y[sl] = o
+            del o
             if hessians:
                 for owner, acc in hessians.items():
                     acc.add(cap[owner])

@@ -966,14 +966,16 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         blk = spec.block(i, kind, batches, device)
         W = blk.weights(device)
         lin = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
+        # (MoE blocks run to the end: their sweeps also count the tokens routed to each expert)
+        dense_names = set() if spec.is_moe(i) else set(blk.tapeable())
         y_d = None
         for group in spec.groups(kind, i):   # linears sharing an input, in the order the forward runs them
             owner = group[0]
             acc = HessianAccumulator(W[owner][0].shape[1], device)
-            y = blk.sweep(h, lin, {owner: acc})
             if y_d is None:                  # the first sweep runs every linear dense: the block's FP16 output
-                y_d = y
-            del y
+                y_d = blk.sweep(h, lin, {owner: acc})
+            else:                            # a later group's only needs its input: the forward stops there
+                blk.sweep(h, lin, {owner: acc}, stop_at=owner if owner in dense_names else None)
             gs = _gptq_groups(o, W[owner][0].shape[1])
             prep = prepare(acc.take(), percdamp=damp, act_order=o.act_order,   # one factorization per group
                            within_groups=gs if o.order == "group" else None,
