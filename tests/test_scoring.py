@@ -72,6 +72,30 @@ def test_delta_products_carry_the_change_to_bf16_precision_of_the_change():
         g(xs[0])
 
 
+def test_one_input_is_compared_with_the_recorded_one_once_while_unchanged(monkeypatch):
+    """The linears of a group read one tensor per forward: the comparison with the recorded input is made once
+    for it, again after the tensor is written to, and for every other tensor, even one with equal values."""
+    w = torch.randn(6, 4)
+    tape = scoring.ReferenceTape(["q", "k"], lambda n: "qk", 1, 1)
+    x = torch.randn(2, 4)
+    for n in ("q", "k"):
+        tape.recorder(n, dense_linear(w))(x)
+    tape.close()
+    calls = []
+    real = torch.equal
+    monkeypatch.setattr(scoring.torch, "equal", lambda a, b: (calls.append(1), real(a, b))[1])
+    g = ("qk", 0)
+    x2 = x.clone()
+    assert tape.is_reference_input(g, x2) and tape.is_reference_input(g, x2) and len(calls) == 1
+    x2.add_(1)                                          # written to: compared again, now different
+    assert not tape.is_reference_input(g, x2) and len(calls) == 2
+    x3 = x.clone()
+    assert tape.is_reference_input(g, x3) and len(calls) == 3
+    with torch.inference_mode():                        # no version counter: always compared
+        xi = x.clone()
+        assert tape.is_reference_input(g, xi) and tape.is_reference_input(g, xi) and len(calls) == 5
+
+
 def test_a_batch_of_another_shape_is_refused():
     ws = _mlp_weights()
     x = torch.randn(1, 8, 256)

@@ -82,6 +82,10 @@ class ReferenceTape:
         self._w16: dict[str, torch.Tensor] = {}
         self._x16: dict[tuple[str, int], torch.Tensor] = {}
         self._scratch: dict[tuple, torch.Tensor] = {}
+        # (group, batch) -> (the input last compared with the recorded one, its version counter, equal?): the
+        # linears of a group get the same input tensor in one forward (q/k/v, gate/up), so one comparison serves
+        # them all while the tensor is unchanged (the reference is kept alive with it: no id reuse)
+        self._same: dict[tuple, tuple] = {}
 
     def scratch(self, tag, shape, dtype=torch.bfloat16, device=None) -> torch.Tensor:
         """A buffer kept for reuse under ``tag`` (the bf16 temporaries of every option would otherwise be fresh
@@ -120,6 +124,20 @@ class ReferenceTape:
 
     def usable(self, n: str) -> bool:
         return n in self.calls and all((n, bi) in self.y for bi in range(self.n_score))
+
+    def is_reference_input(self, g: tuple[str, int], x: torch.Tensor) -> bool:
+        """Whether ``x`` equals, bit for bit, the recorded input ``g`` = (group, batch) (``torch.equal``, done once
+        per input tensor and batch while the tensor is not written to)."""
+        try:
+            version = x._version
+        except RuntimeError:                         # an inference-mode tensor keeps no version counter
+            return torch.equal(x, self.x[g])
+        hit = self._same.get(g)
+        if hit is not None and hit[0] is x and hit[1] == version:
+            return hit[2]
+        same = torch.equal(x, self.x[g])
+        self._same[g] = (x, version, same)
+        return same
 
     def input_bf16(self, g: tuple[str, int]) -> torch.Tensor:
         """The recorded input ``g`` = (group, batch) in bf16, made once."""
@@ -207,7 +225,7 @@ class DeltaLinear:
                                    f"{tuple(x_ref.shape)}")
             key = (self.g, bi)
             prod = tape.scratch(("y", y_ref.shape), y_ref.shape, device=x.device)
-            if torch.equal(x, x_ref):                # a first linear: the block's own input, dx = 0
+            if tape.is_reference_input(key, x):      # a first linear: the block's own input, dx = 0
                 return add_bf16(y_ref, torch.matmul(tape.input_bf16(key), self.d16.t(), out=prod))
             x16 = tape.scratch(("x", x.shape), x.shape, device=x.device)
             y = add_bf16(y_ref, torch.matmul(x16.copy_(x), self.d16.t(), out=prod))
