@@ -932,13 +932,11 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
     # each) for the FP16 calibration perplexity that the quantized one is judged against
     # (a snapshot names the reference state "h_ref_final" when it is the trajectory's end already)
     start, states = work.restore("quant")
-    if states is None:
-        h = ids_h()
-        h_ref = h.clone() if h_ref_final is None else h_ref_final
-    else:
-        h = states["h"]
-        h_ref = states.get("h_ref_final", states.get("h_ref")) if h_ref_final is None else h_ref_final
-    final = h_ref_final is not None or (states is not None and "h_ref_final" in states)
+    h = ids_h() if states is None else states["h"]
+    h_ref = h_ref_final if h_ref_final is not None or states is None else states.get("h_ref_final")
+    final = h_ref is not None                # the trajectory's end already: nothing to advance
+    if not final:
+        h_ref = h.clone() if states is None else states["h_ref"]
     ref_key = "h_ref_final" if final else "h_ref"
     h, h_ref = h.to(device), h_ref.to(device)
     rows, T = h.shape[0], h.shape[1]
@@ -966,8 +964,6 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         blk = spec.block(i, kind, batches, device)
         W = blk.weights(device)
         lin = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
-        # (MoE blocks run to the end: their sweeps also count the tokens routed to each expert)
-        dense_names = set() if spec.is_moe(i) else set(blk.tapeable())
         y_d = None
         for group in spec.groups(kind, i):   # linears sharing an input, in the order the forward runs them
             owner = group[0]
@@ -975,7 +971,8 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
             if y_d is None:                  # the first sweep runs every linear dense: the block's FP16 output
                 y_d = blk.sweep(h, lin, {owner: acc})
             else:                            # a later group's only needs its input: the forward stops there
-                blk.sweep(h, lin, {owner: acc}, stop_at=owner if owner in dense_names else None)
+                # (MoE blocks run to the end: their sweeps also count the tokens routed to each expert)
+                blk.sweep(h, lin, {owner: acc}, stop_at=None if spec.is_moe(i) else owner)
             gs = _gptq_groups(o, W[owner][0].shape[1])
             prep = prepare(acc.take(), percdamp=damp, act_order=o.act_order,   # one factorization per group
                            within_groups=gs if o.order == "group" else None,

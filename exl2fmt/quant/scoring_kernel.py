@@ -8,7 +8,7 @@ named in its docstring computes (float32 arithmetic, one rounding to bf16 by rou
 paths give the same bits (tests/test_scoring.py compares them on every call shape).
 
 bf16 and fp16 arrays travel as their uint16 bit patterns (``tensor.view(torch.int16).numpy().view(np.uint16)``
-or ``scoring._bits``); every array is C-ordered and 2-D, rows run in parallel.
+or ``scoring._u16``); every array is C-ordered and 2-D, rows run in parallel.
 """
 
 from __future__ import annotations
