@@ -475,6 +475,52 @@ def test_exl2_pipeline_resumes_to_the_same_bytes(tiny_llama, tmp_path):
     assert not work.exists()
 
 
+@pytest.mark.parametrize("damage", ["shape", "dtype", "missing", "block"])
+def test_a_damaged_snapshot_is_refused_by_name_on_resume(tiny_llama, tmp_path, damage):
+    """A work directory's hidden-state snapshot that does not fit the run (edited, or from a damaged disk) is
+    CHECKPOINT_INVALID naming the file and the state, never a torch error deep in the quantize pass."""
+    from safetensors.numpy import load_file, save_file
+
+    from exl2fmt.quant import pipeline as P
+
+    src, ids = tiny_llama
+    calls = []
+
+    def boom(phase, done, total, what):
+        calls.append(phase)
+        if phase == "quantize" and calls.count("quantize") == 9:
+            raise KeyboardInterrupt
+
+    old = P._SNAPSHOT_SECONDS
+    P._SNAPSHOT_SECONDS = 0.0
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0), progress=boom)
+    finally:
+        P._SNAPSHOT_SECONDS = old
+    work = tmp_path / ".out.exl2fmt-work"
+    hidden = work / "hidden.safetensors"
+    states = load_file(hidden)
+    assert set(states) == {"h", "h_ref_final"}            # the measured run's reference state is the final one
+    if damage == "shape":
+        states["h_ref_final"] = states["h_ref_final"][:, :5]
+    elif damage == "dtype":
+        states["h"] = states["h"].astype(np.float16)
+    elif damage == "missing":
+        del states["h_ref_final"]
+    if damage == "block":
+        job = json.loads((work / "job.json").read_text())
+        job["snapshot"]["next_block"] = 10 ** 9
+        (work / "job.json").write_text(json.dumps(job))
+    else:
+        save_file(states, hidden)
+    with pytest.raises(Exl2Error) as e:
+        P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0, resume=True))
+    assert e.value.code is ErrorCode.CHECKPOINT_INVALID
+    want = {"shape": "'h_ref_final'", "dtype": "'h'", "missing": "'h_ref' or 'h_ref_final'", "block": "1000000000"}
+    assert want[damage] in e.value.message
+
+
 def test_gptq_pipeline_writes_a_valid_gptq_model(tiny_llama, tmp_path, monkeypatch):
     from exl2fmt.container import open_model
     from exl2fmt.model import load_layer

@@ -365,12 +365,30 @@ class _Work:
         self.save()
         self._last_snapshot = time.monotonic()
 
-    def restore(self, phase: str) -> tuple[int, dict[str, torch.Tensor] | None]:
+    def restore(self, phase: str, shape: tuple[int, ...], need: tuple[tuple[str, ...], ...] = (("h",),),
+                blocks: int | None = None) -> tuple[int, dict[str, torch.Tensor] | None]:
+        """The snapshot of ``phase``: (next block, {name: float32 tensor}), or (0, None) without one.  Every
+        state must be float32 of ``shape`` (rows, T, hidden), each tuple of ``need`` must have one of its names
+        present, and the block index must lie in 0..``blocks``; anything else (a damaged or edited work
+        directory) is ``CHECKPOINT_INVALID`` naming the file and tensor."""
         snap = self.job.get("snapshot")
-        if not snap or snap.get("phase") != phase or not (self.root / "hidden.safetensors").exists():
+        path = self.root / "hidden.safetensors"
+        if not snap or snap.get("phase") != phase or not path.exists():
             return 0, None
-        states = _load_tensors(self.root / "hidden.safetensors")
-        return int(snap["next_block"]), {k: torch.from_numpy(v) for k, v in states.items()}
+        states = _load_tensors(path)
+        nb = snap.get("next_block")
+        if not isinstance(nb, int) or nb < 0 or (blocks is not None and nb > blocks):
+            raise Exl2Error(ErrorCode.CHECKPOINT_INVALID, f"job.json: snapshot block {nb!r} is not a block index "
+                            f"of this model (0..{blocks})", file=str(self.job_path))
+        for name, v in states.items():
+            if v.dtype != np.float32 or tuple(v.shape) != tuple(shape):
+                raise Exl2Error(ErrorCode.CHECKPOINT_INVALID, f"hidden state {name!r} is {v.dtype} "
+                                f"{list(v.shape)}, the run's is float32 {list(shape)}", file=str(path))
+        for names in need:
+            if not any(n in states for n in names):
+                raise Exl2Error(ErrorCode.CHECKPOINT_INVALID, f"the snapshot lacks the hidden state "
+                                f"{' or '.join(map(repr, names))}", file=str(path))
+        return nb, {k: torch.from_numpy(v) for k, v in states.items()}
 
     def layer_path(self, key: str) -> Path:
         return self.out / f"{key}.safetensors"
@@ -637,11 +655,12 @@ def _score_plan(rows: int, length: int, batch_tokens: int, measure_rows: int | N
     return order, _batches(rows, length, per_m * length), m // per_m
 
 
-def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progress, report
+def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progress, report, ids_shape: tuple
              ) -> tuple[dict, torch.Tensor]:
     """Score every candidate option of every block: ({block key: [[option, bits, accuracy]]}, the FP16 model's
     hidden state after the last block, float32 [rows, T, hidden] in the calibration's row order: the reference
-    trajectory this pass runs anyway, which the quantize pass then need not run again)."""
+    trajectory this pass runs anyway, which the quantize pass then need not run again).  ``ids_shape``: the
+    calibration ids' (rows, T), which a resumed snapshot's states must match."""
     from . import scoring
     from . import weights as F
     from .gptq import HessianAccumulator
@@ -649,7 +668,7 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
 
     device = torch.device(o.device)
     blocks = _blocks(spec)
-    start, states = work.restore("measure")
+    start, states = work.restore("measure", (*ids_shape, spec.hidden_size), blocks=len(blocks))
     h = ids_h() if states is None else states["h"]
     rows, T = h.shape[0], h.shape[1]
     order, batches, n_score = _score_plan(rows, T, o.batch_tokens, o.measure_rows)
@@ -931,7 +950,8 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
     # h: the quantized model's hidden state; h_ref: the FP16 model's, carried along (one more block forward
     # each) for the FP16 calibration perplexity that the quantized one is judged against
     # (a snapshot names the reference state "h_ref_final" when it is the trajectory's end already)
-    start, states = work.restore("quant")
+    start, states = work.restore("quant", (*ids.shape, spec.hidden_size), need=(("h",), ("h_ref", "h_ref_final")),
+                                 blocks=len(blocks))
     h = ids_h() if states is None else states["h"]
     h_ref = h_ref_final if h_ref_final is not None or states is None else states.get("h_ref_final")
     final = h_ref is not None                # the trajectory's end already: nothing to advance
@@ -1494,7 +1514,8 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                 measured = _measured_from_file(spec, loaded, options_of, o.measurement)
             else:
                 if work.job.get("strategy") is None:
-                    measured, h_ref_final = _measure(spec, srcw, ids_h, options_of, work, o, progress, report)
+                    measured, h_ref_final = _measure(spec, srcw, ids_h, options_of, work, o, progress, report,
+                                                     tuple(ids.shape))
                 else:
                     measured = work.job["measured"]
             report.seconds["measure"] = time.monotonic() - t
