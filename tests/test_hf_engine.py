@@ -130,6 +130,61 @@ def test_a_sweep_stopped_at_a_later_groups_input_gathers_the_same_hessian(tiny, 
     eng.release()
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "cohere", "starcoder2", "phi3"])
+def test_a_block_finished_from_its_kept_tail_is_the_full_sweep_bit_for_bit(tiny, arch):
+    """The quantize pass makes a block's quantized output from the inputs its last sweep kept for the last linear
+    (o_proj, down_proj) instead of running the block again.  Oracle: the full sweep with the same substitute
+    linears (the dense ones scaled, standing in for quantized ones): the same output and the same recorded
+    attention result (the MLP half replays it), bit for bit, and the same Hessian as a sweep that stops at the
+    linear.  A module that changes its last linear's output (here a hook doubling it) cannot be rebuilt: nothing
+    is kept and finish() runs the block, honouring the change."""
+    from exl2fmt.quant.gptq import HessianAccumulator
+    from exl2fmt.quant.pipeline import _batches
+    from exl2fmt.quant.weights import dense_linear
+
+    d = tiny(arch)
+    eng = _engine(d)
+    ids = torch.as_tensor(np.random.default_rng(4).integers(0, 160, (3, 16)))
+    h = eng.embed(ids)
+    for kind in ("attn", "mlp"):
+        blk = eng.block(0, kind, _batches(3, 16, 32))
+        W = blk.weights()
+        subs = {n: dense_linear(w * (1 + 2 ** -4 * (j + 1)), b) for j, (n, (w, b)) in enumerate(W.items())}
+        want = blk.sweep(h, subs, record=True)
+        want_rec = blk.r.attn_cache
+        owner = eng.groups(kind)[-1][0]
+        K = W[owner][0].shape[1]
+        stopped, tailed = HessianAccumulator(K), HessianAccumulator(K)
+        blk.sweep(h, subs, {owner: stopped}, stop_at=owner)
+        if kind == "mlp":
+            blk.r.attn_cache = want_rec
+        assert blk.sweep(h, subs, {owner: tailed}, tail=owner) is None
+        assert blk.tail is not None and len(blk.tail.inputs) == len(blk.batches)
+        assert torch.equal(stopped.result(), tailed.result())
+        got = blk.finish(h, subs)
+        assert blk.tail is None
+        assert torch.equal(got, want)
+        if kind == "attn":
+            assert all(torch.equal(a[0] if isinstance(a, tuple) else a, b[0] if isinstance(b, tuple) else b)
+                       for a, b in zip(blk.r.attn_cache, want_rec))
+        # a module whose result is not its last linear's output as it came: the full sweep instead
+        hk = blk.r.module(owner).register_forward_hook(lambda m, a, o: o * 2)
+        try:
+            doubled = blk.sweep(h, subs, record=True)
+            assert not torch.equal(doubled, want)
+            blk.sweep(h, subs, {owner: HessianAccumulator(K)}, tail=owner)
+            assert blk.tail is None
+            assert torch.equal(blk.finish(h, subs), doubled)
+        finally:
+            hk.remove()
+        blk.sweep(h, subs, record=True)
+        with pytest.raises(ValueError):
+            blk.sweep(h, None, {owner: HessianAccumulator(K)}, tail="no_such_linear")
+        with pytest.raises(ValueError):
+            blk.sweep(h, None, {owner: HessianAccumulator(K)}, tail=owner, stop_at=owner)
+    eng.release()
+
+
 def test_parallel_block_has_no_mid_point_and_sequential_ones_do(tiny):
     assert _engine(tiny("cohere")).structure.mid_norm is None
     assert _engine(tiny("gemma2")).structure.mid_norm == "pre_feedforward_layernorm"

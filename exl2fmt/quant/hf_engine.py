@@ -109,6 +109,17 @@ def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _without_first(out: Any) -> Any:
+    """A module's result (a tensor, or a tuple / list led by one) with the leading tensor dropped (kept: the rest,
+    such as attention weights); ``_with_first`` puts another tensor in its place."""
+    return (type(out), tuple(out[1:])) if isinstance(out, (tuple, list)) else (None, ())
+
+
+def _with_first(kept: Any, y: torch.Tensor) -> Any:
+    kind, rest = kept
+    return y if kind is None else kind((y, *rest))
+
+
 def _cfg_error(msg: str, code: ErrorCode = ErrorCode.ARCH_UNSUPPORTED) -> Exl2Error:
     return Exl2Error(code, msg, file="config.json")
 
@@ -737,17 +748,24 @@ class _LayerRunner:
 
     def forward(self, h: torch.Tensor, subs: Mapping[str, Linear] | None = None, capture: dict | None = None,
                 stop_mid: bool = False, replay_attn: Any = None, record_attn: list | None = None,
-                B_T: tuple | None = None, stop_at: str | None = None) -> torch.Tensor | None:
+                B_T: tuple | None = None, stop_at: str | None = None, replay_mlp: Any = None,
+                tail: str | None = None, tail_out: list | None = None) -> torch.Tensor | None:
         """Run the layer on h float [B, T, hidden] with ``subs`` (name -> Linear) swapped in; ``capture`` receives
         the inputs of the linears (name -> float [B, T, K]); ``stop_mid`` returns the residual stream between
         attention and MLP instead of the layer's output; ``replay_attn`` is a recorded result of the attention
         module to use instead of running it; ``record_attn`` (a list) receives the attention module's result;
-        ``stop_at`` (a linear's name) ends the forward once that linear's input is captured, returning None."""
+        ``stop_at`` (a linear's name) ends the forward once that linear's input is captured, returning None;
+        ``replay_mlp`` is a result of the MLP module to use instead of running it.  ``tail`` (a linear's name, with
+        ``capture``): that linear is not computed, and the forward ends when the attention or MLP module that
+        called it returns; ``tail_out`` (a list) receives that module's result with the linear's output left out
+        (``_without_first``), or None when the module did not return the linear's output as it came (then its
+        result cannot be rebuilt from the captured input)."""
         eng = self.eng
         B, T = h.shape[:2]
         args, kw = eng._layer_kwargs(B, T, h.device)[self.i]
         patched: list = []
         hooks: list = []
+        emitted: list = []       # the tail linear's stand-in output
         by_module: dict = {}
         for n in eng.layer_linears(self.i):
             by_module.setdefault(eng.path_of[n], []).append(n)
@@ -765,7 +783,11 @@ class _LayerRunner:
                         capture[n] = x
                     if n == stop_at:
                         raise _Stop
-                    if f is not None:
+                    if n == tail:            # a stand-in of the output's shape: the module's result is rebuilt
+                        N = _mod.weight.shape[0] if rows is None else rows[1] - rows[0]
+                        ys.append(x.new_empty((*x.shape[:-1], N)))
+                        emitted.append(ys[-1])
+                    elif f is not None:
                         ys.append(f(x))
                     elif rows is None:
                         ys.append(F.linear(x, _mod.weight, _mod.bias))
@@ -782,6 +804,16 @@ class _LayerRunner:
             patched.append(experts)
         st = eng.structure_of(self.i)
         attn = self.layer.get_submodule(st.attn_child)
+        if replay_mlp is not None:
+            mlp = self.layer.get_submodule(st.mlp_child)
+            mlp.forward = lambda *a, **k: replay_mlp
+            patched.append(mlp)
+        if tail is not None:
+            def ended(m, a, o):
+                tail_out.append(_without_first(o) if emitted and _first(o) is emitted[0] else None)
+                raise _Stop
+            child = st.attn_child if eng.kind_of[tail] == "attn" else st.mlp_child
+            hooks.append(self.layer.get_submodule(child).register_forward_hook(ended))
         if replay_attn is not None:
             attn.forward = lambda *a, **k: replay_attn
             patched.append(attn)
@@ -809,6 +841,16 @@ class _LayerRunner:
         return out
 
 
+@dataclass
+class _Tail:
+    """What ``LayerBlock.sweep(tail=name)`` keeps per batch: the linear's input float [B, T, K] and its module's
+    result without the linear's output (``_without_first``)."""
+
+    name: str
+    inputs: list
+    results: list
+
+
 class LayerBlock:
     """The attention or MLP half of a decoder layer over all calibration rows in batches.
 
@@ -824,6 +866,8 @@ class LayerBlock:
         self.expert_tokens: list[int] | None = None
         #: MoE blocks: expert linear -> prior tokens its Hessian was padded with (moe.pad_expert_hessian)
         self.padded: dict[str, int] = {}
+        #: what the last sweep(tail=...) kept for finish() (None: finish runs the block)
+        self.tail: _Tail | None = None
 
     def owner(self, name: str) -> str:
         """The linear whose input Hessian ``name`` shares (the first of its group)."""
@@ -840,18 +884,33 @@ class LayerBlock:
         return {n: w[n] for n in self.names}
 
     def sweep(self, h: torch.Tensor, linears: Mapping[str, Linear] | None, hessians: dict | None = None,
-              out: torch.Tensor | None = None, record: bool = False, stop_at: str | None = None
-              ) -> torch.Tensor | None:
+              out: torch.Tensor | None = None, record: bool = False, stop_at: str | None = None,
+              tail: str | None = None) -> torch.Tensor | None:
         """One forward of the block over all batches (see the class docstring); ``stop_at`` (a dense linear of
         the block whose input ``hessians`` collects) ends each batch's forward once that input is captured: the
-        sweep then returns None (a sweep that only gathers a later group's Hessian skips the rest of the block)."""
-        if stop_at is not None and (stop_at not in self.r.eng.layer_linears(self.r.i) or record
-                                    or not hessians or stop_at not in hessians):
-            raise ValueError(f"stop_at={stop_at!r}: not a dense linear whose Hessian this sweep collects")
-        y = None if stop_at is not None else out if out is not None else torch.empty_like(h)
+        sweep then returns None (a sweep that only gathers a later group's Hessian skips the rest of the block).
+
+        ``tail`` (such a linear, the last one its attention or MLP module calls) also returns None, and keeps
+        what ``finish`` needs to make the block's output once that linear is replaced, without running the block
+        again: per batch the linear's input (float [B, T, K]; the caller budgets rows x T x K x 4 bytes) and the
+        module's result without the linear's output.  The linear itself is not computed.  When the module does
+        not return that output as it came (so its result cannot be rebuilt), nothing is kept and ``finish``
+        runs the block."""
+        eng = self.r.eng
+        for name in (stop_at, tail):
+            if name is not None and (name not in eng.layer_linears(self.r.i) or record or not hessians
+                                     or name not in hessians or (stop_at and tail)):
+                raise ValueError(f"{name!r}: not a dense linear whose Hessian this sweep collects")
+        self.tail = None
+        if tail is not None:
+            st = eng.structure_of(self.r.i)
+            if eng.child_of[tail] != (st.attn_child if self.kind == "attn" else st.mlp_child):
+                stop_at, tail = tail, None       # its module is not the one finish() replays: nothing to keep
+        kept: _Tail | None = _Tail(tail, [], []) if tail is not None else None
+        y = None if stop_at is not None or tail is not None else out if out is not None else torch.empty_like(h)
         if self.kind == "attn" and record:
             self.r.attn_cache = []
-        eng, lay = self.r.eng, self.r.eng.experts
+        lay = eng.experts
         experts = [o for o in (hessians or {}) if o in eng.expert_names] if self.kind == "mlp" else []
         prior = None
         if any(eng.role(o) != "down_proj" for o in experts):
@@ -860,16 +919,25 @@ class LayerBlock:
         self.r.routed = []
         for bi, sl in enumerate(self.batches):
             cap = {} if hessians else None
+            ended: list | None = [] if tail is not None else None
             if self.kind == "attn":
                 o = self.r.forward(h[sl], linears, cap, stop_mid=True,
-                                   record_attn=self.r.attn_cache if record else None, stop_at=stop_at)
+                                   record_attn=self.r.attn_cache if record else None, stop_at=stop_at,
+                                   tail=tail, tail_out=ended)
             else:
                 if self.r.attn_cache is None:
                     raise RuntimeError("the MLP half needs a recorded attention sweep of the same layer first")
-                o = self.r.forward(h[sl], linears, cap, replay_attn=self.r.attn_cache[bi], stop_at=stop_at)
+                o = self.r.forward(h[sl], linears, cap, replay_attn=self.r.attn_cache[bi], stop_at=stop_at,
+                                   tail=tail, tail_out=ended)
             if y is not None:
                 y[sl] = o
             del o
+            if kept is not None:
+                if len(ended) == 1 and ended[0] is not None:
+                    kept.inputs.append(cap[tail])
+                    kept.results.append(ended[0])
+                else:
+                    kept = None
             if hessians:
                 for owner, acc in hessians.items():
                     acc.add(cap[owner])
@@ -879,6 +947,29 @@ class LayerBlock:
             self.expert_tokens = [sum(c[e] for c in self.r.routed) for e in range(lay.num_experts)]
         for o in experts:                # experts with fewer routed tokens than input features: padded (moe.py)
             self.padded[o] = pad_expert_hessian(hessians[o], None if eng.role(o) == "down_proj" else prior)
+        self.tail = kept
+        return y
+
+    def finish(self, h: torch.Tensor, linears: Mapping[str, Linear]) -> torch.Tensor:
+        """The block's output float [rows, T, hidden] with ``linears`` swapped in (the attention half records its
+        attention result for the MLP half, as ``sweep(record=True)``).  After a ``sweep(tail=name)`` that kept
+        its tail, only ``linears[name]`` runs on the kept inputs, and the layer around the rebuilt module result:
+        the same operations on the same values as a full sweep, so the same bits."""
+        kept, self.tail = self.tail, None
+        if kept is None:
+            return self.sweep(h, linears, record=True)
+        f = linears[kept.name]
+        y = torch.empty_like(h)
+        if self.kind == "attn":
+            self.r.attn_cache = []
+        for bi, sl in enumerate(self.batches):
+            result = _with_first(kept.results[bi], f(kept.inputs[bi]))
+            kept.inputs[bi] = kept.results[bi] = None
+            if self.kind == "attn":
+                self.r.attn_cache.append(result)
+                y[sl] = self.r.forward(h[sl], stop_mid=True, replay_attn=result)
+            else:
+                y[sl] = self.r.forward(h[sl], replay_attn=self.r.attn_cache[bi], replay_mlp=result)
         return y
 
     def next_input(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -934,6 +934,11 @@ def _spend_slack(items, budget: int, used: int) -> tuple[dict, int]:
 # ------------------------------------------------------------------------------------------------ quantize
 
 
+#: the quantize pass keeps a block's last linear's inputs (LayerBlock.sweep(tail=)) when they take at most this or
+#: one hidden state's bytes (a 1B down_proj's at 8 x 256 tokens: 46 MB; at 32 x 512: 369 MB, recomputed instead)
+_TAIL_BYTES = 64 << 20
+
+
 def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: QuantOptions, progress, report,
               h_ref_final: torch.Tensor | None = None):
     """The GPTQ pass, block by block on the quantized model's own hidden states, then the head and the two
@@ -985,14 +990,21 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         W = blk.weights(device)
         lin = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         y_d = None
-        for group in spec.groups(kind, i):   # linears sharing an input, in the order the forward runs them
+        groups = spec.groups(kind, i)        # linears sharing an input, in the order the forward runs them
+        for gi, group in enumerate(groups):
             owner = group[0]
-            acc = HessianAccumulator(W[owner][0].shape[1], device)
+            K = W[owner][0].shape[1]
+            acc = HessianAccumulator(K, device)
             if y_d is None:                  # the first sweep runs every linear dense: the block's FP16 output
                 y_d = blk.sweep(h, lin, {owner: acc})
+            elif spec.is_moe(i):             # MoE blocks run to the end: their sweeps also count the tokens
+                blk.sweep(h, lin, {owner: acc})                              # routed to each expert
+            elif gi == len(groups) - 1 and len(group) == 1 and rows * T * K * 4 <= max(_TAIL_BYTES, h.nbytes):
+                # the last linear (o_proj, down_proj): its inputs are kept, so that the block's quantized output
+                # is made from them once it is quantized (blk.finish) instead of by one more sweep
+                blk.sweep(h, lin, {owner: acc}, tail=owner)
             else:                            # a later group's only needs its input: the forward stops there
-                # (MoE blocks run to the end: their sweeps also count the tokens routed to each expert)
-                blk.sweep(h, lin, {owner: acc}, stop_at=None if spec.is_moe(i) else owner)
+                blk.sweep(h, lin, {owner: acc}, stop_at=owner)
             gs = _gptq_groups(o, W[owner][0].shape[1])
             prep = prepare(acc.take(), percdamp=damp, act_order=o.act_order,   # one factorization per group
                            within_groups=gs if o.order == "group" else None,
@@ -1010,7 +1022,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         # the last group's factorization and result are not needed by the sweeps below (a down_proj's Hessian and
         # factor are 254 MB at K = 5632)
         prep = r = packed = None
-        y_q = blk.sweep(h, lin, record=True)     # the MLP half replays this (quantized) attention result
+        y_q = blk.finish(h, lin)                 # the MLP half replays this (quantized) attention result
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         if blk.expert_tokens is not None:    # MoE: the tokens per expert are reported from the dense sweep's routing
             y_d = blk.sweep(h, dense)
