@@ -719,3 +719,25 @@ def test_malformed_catalogue(entry):
     lines = [l for l in out.splitlines() if entry["code"] in l]
     names = {path.name} | ({p.name for p in path.iterdir()} if path.is_dir() else set())
     assert any(n in l for l in lines for n in names), lines
+
+
+def test_the_cli_tempers_openmp_spinning_unless_the_user_chose():
+    """The entry point sets libgomp's spin count before torch or Numba load it, and leaves a user's own
+    GOMP_SPINCOUNT or OMP_WAIT_POLICY alone.  Oracle: the environment a child process of the CLI sees."""
+    from exl2fmt.cli import app as app_mod
+
+    env: dict = {}
+    app_mod._compute_threads_env(env)
+    assert env == {"GOMP_SPINCOUNT": app_mod.GOMP_SPINCOUNT}
+    for user in ({"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": "ACTIVE"}):
+        env = dict(user)
+        app_mod._compute_threads_env(env)
+        assert env == user
+    code = ("import os, sys; from exl2fmt.cli.app import main; sys.argv = ['exl2fmt', '--version'];\n"
+            "try: main()\nexcept SystemExit: pass\nprint('SPIN', os.environ.get('GOMP_SPINCOUNT'))")
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean).stdout
+    assert f"SPIN {app_mod.GOMP_SPINCOUNT}" in out
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(clean, OMP_WAIT_POLICY="PASSIVE")).stdout
+    assert "SPIN None" in out

@@ -81,9 +81,24 @@ def fast_args(argv: list[str]) -> tuple[str, bool, dict] | None:
     return cmd, i > 0, kw
 
 
+#: OpenMP spin-wait of the compute threads (torch's and Numba's libgomp) before they sleep, unless the user set
+#: ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY``.  libgomp's default (300 000 spins) burns a second core for up to a
+#: few hundred microseconds after every parallel op; 10 000 spins kept the 1B quantizer's wall time and cut the
+#: fixture GPTQ run's CPU time by ~0.6 s (bench/RESULTS.md, issue 18).  Read once, when libgomp loads: set
+#: before anything imports torch or runs a parallel Numba kernel.
+GOMP_SPINCOUNT = "10000"
+
+
+def _compute_threads_env(env=os.environ) -> None:
+    if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
+        env["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (``exl2fmt``)."""
     import signal
+
+    _compute_threads_env()
 
     from .errors import EXIT_INTERRUPTED, Interrupted, interrupt_handler
 
