@@ -185,6 +185,32 @@ def test_a_block_finished_from_its_kept_tail_is_the_full_sweep_bit_for_bit(tiny,
     eng.release()
 
 
+@pytest.mark.parametrize("arch", ["llama", "cohere", "phi3"])
+def test_the_mlp_half_runs_without_the_attention_weights_and_a_full_forward_reloads_them(tiny, arch):
+    """drop_attention frees the attention module's float32 parameters for the MLP half (which replays the
+    recorded attention result): its sweep is bit-identical without them, they are really gone (meta), and a
+    forward that runs attention again loads them back and matches the forward before the drop."""
+    from exl2fmt.quant.pipeline import _batches
+
+    d = tiny(arch)
+    eng = _engine(d)
+    ids = torch.as_tensor(np.random.default_rng(5).integers(0, 160, (2, 16)))
+    h = eng.embed(ids)
+    attn = eng.block(0, "attn", _batches(2, 16, 16))
+    attn.sweep(h, None, record=True)
+    mlp = eng.block(0, "mlp", _batches(2, 16, 16))
+    want = mlp.sweep(h, None)
+    whole = mlp.advance_reference(h)
+    child = mlp.r.layer.get_submodule(eng.structure.attn_child)
+    mlp.r.drop_attention()
+    assert mlp.r.attn_dropped and all(p.is_meta for p in child.parameters())
+    assert torch.equal(mlp.sweep(h, None), want)
+    assert all(p.is_meta for p in child.parameters())
+    assert torch.equal(mlp.advance_reference(h), whole)     # runs attention: reloaded
+    assert not mlp.r.attn_dropped and not any(p.is_meta for p in child.parameters())
+    eng.release()
+
+
 def test_parallel_block_has_no_mid_point_and_sequential_ones_do(tiny):
     assert _engine(tiny("cohere")).structure.mid_norm is None
     assert _engine(tiny("gemma2")).structure.mid_norm == "pre_feedforward_layernorm"

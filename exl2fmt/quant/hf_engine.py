@@ -472,17 +472,19 @@ class HFModel:
         for n, p in list(module.named_parameters()):
             owner, _, leaf = n.rpartition(".")
             sub = module.get_submodule(owner) if owner else module
+            key = None
             if lay is not None and owner == lay.path:
                 t = lay.fused(self.src, prefix, leaf, device)
             else:
-                t = self.src.get(f"{prefix}.{self._ckpt_param(n) if lay is not None else n}", torch.float32, device)
-            saved.append((sub, leaf, sub._parameters[leaf]))
+                key = f"{prefix}.{self._ckpt_param(n) if lay is not None else n}"
+                t = self.src.get(key, torch.float32, device)
+            saved.append((sub, leaf, sub._parameters[leaf], key))
             sub._parameters[leaf] = nn.Parameter(t, requires_grad=False)
         return saved
 
     @staticmethod
     def _free(saved: list) -> None:
-        for sub, leaf, meta in saved:
+        for sub, leaf, meta, _ in saved:
             sub._parameters[leaf] = meta
 
     # --- inputs of the decoder layers -----------------------------------------------------------------
@@ -716,6 +718,7 @@ class _LayerRunner:
         self.eng, self.i, self.device = eng, i, device
         self.layer = eng.layers[i]
         self.saved = eng._materialize(self.layer, eng.layer_prefix(i), device)
+        self.attn_dropped = False       # drop_attention()
         self.attn_cache: list | None = None
         self.routed: list = []          # per forward with the experts driven: tokens routed to each expert
 
@@ -723,6 +726,29 @@ class _LayerRunner:
         self.eng._free(self.saved)
         self.saved = []
         self.attn_cache = None
+        self.attn_dropped = False
+
+    def _attn_params(self) -> list:
+        """The ``saved`` entries of the attention module's parameters."""
+        child = self.layer.get_submodule(self.eng.structure_of(self.i).attn_child)
+        mods = {id(m) for m in child.modules()}
+        return [e for e in self.saved if id(e[0]) in mods]
+
+    def drop_attention(self) -> None:
+        """Free the attention module's float32 parameters (meta again) while only replays of its recorded result
+        run: the MLP half's sweeps (a 1B layer's q/k/v/o: 36 MB).  A later forward that runs the attention
+        module loads them again (``forward``)."""
+        entries = self._attn_params()
+        if self.eng.is_moe(self.i) or any(key is None for *_, key in entries):
+            return                       # (fused-expert parameters are not reloaded by key: kept)
+        self.eng._free(entries)
+        self.attn_dropped = True
+
+    def _reload_attention(self) -> None:
+        for sub, leaf, _, key in self._attn_params():
+            sub._parameters[leaf] = nn.Parameter(self.eng.src.get(key, torch.float32, self.device),
+                                                 requires_grad=False)
+        self.attn_dropped = False
 
     def module(self, name: str) -> nn.Linear:
         return self.layer.get_submodule(self.eng.path_of[name])
@@ -761,6 +787,8 @@ class _LayerRunner:
         (``_without_first``), or None when the module did not return the linear's output as it came (then its
         result cannot be rebuilt from the captured input)."""
         eng = self.eng
+        if self.attn_dropped and replay_attn is None:
+            self._reload_attention()
         B, T = h.shape[:2]
         args, kw = eng._layer_kwargs(B, T, h.device)[self.i]
         patched: list = []

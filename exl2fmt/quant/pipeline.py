@@ -681,6 +681,8 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
         i, kind = blocks[bi]
         key = spec.block_key(i, kind)
         blk = spec.block(i, kind, batches, device)
+        if kind == "mlp":                    # its sweeps replay the recorded attention result
+            blk.r.drop_attention()
         W = blk.weights(device)
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         owners = sorted({blk.owner(n) for n in blk.names})
@@ -987,6 +989,8 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
     for bi in range(start, len(blocks)):
         i, kind = blocks[bi]
         blk = spec.block(i, kind, batches, device)
+        if kind == "mlp" and final:          # only replays of the attention result run (advance_reference would
+            blk.r.drop_attention()           # run it: it would load the weights again)
         W = blk.weights(device)
         lin = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         y_d = None
