@@ -83,9 +83,9 @@ def _rss_kb() -> int:
 def child(src: str, dst: str, bits: float, rows: int, length: int, ids: str | None) -> None:
     import threading
 
-    from exl2fmt.cli.app import _compute_threads_env
+    from exl2fmt.cli.app import _runtime_env
 
-    _compute_threads_env()              # what the exl2fmt command sets before torch loads (OpenMP spinning)
+    _runtime_env()                      # what the exl2fmt command sets before torch loads
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
 
     phase, peaks = ["setup"], {}

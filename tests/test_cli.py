@@ -721,23 +721,26 @@ def test_malformed_catalogue(entry):
     assert any(n in l for l in lines for n in names), lines
 
 
-def test_the_cli_tempers_openmp_spinning_unless_the_user_chose():
-    """The entry point sets libgomp's spin count before torch or Numba load it, and leaves a user's own
-    GOMP_SPINCOUNT or OMP_WAIT_POLICY alone.  Oracle: the environment a child process of the CLI sees."""
+def test_the_cli_sets_its_runtime_environment_unless_the_user_chose():
+    """The entry point sets libgomp's spin count and torch's huge-page allocations before torch or Numba load,
+    and leaves a user's own GOMP_SPINCOUNT / OMP_WAIT_POLICY / THP_MEM_ALLOC_ENABLE alone.  Oracle: the
+    environment the CLI process ends up with."""
     from exl2fmt.cli import app as app_mod
 
     env: dict = {}
-    app_mod._compute_threads_env(env)
-    assert env == {"GOMP_SPINCOUNT": app_mod.GOMP_SPINCOUNT}
+    app_mod._runtime_env(env)
+    assert env == {"GOMP_SPINCOUNT": app_mod.GOMP_SPINCOUNT, "THP_MEM_ALLOC_ENABLE": app_mod.THP_MEM_ALLOC_ENABLE}
     for user in ({"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": "ACTIVE"}):
-        env = dict(user)
-        app_mod._compute_threads_env(env)
-        assert env == user
+        env = dict(user, THP_MEM_ALLOC_ENABLE="0")
+        app_mod._runtime_env(env)
+        assert env == dict(user, THP_MEM_ALLOC_ENABLE="0")
     code = ("import os, sys; from exl2fmt.cli.app import main; sys.argv = ['exl2fmt', '--version'];\n"
-            "try: main()\nexcept SystemExit: pass\nprint('SPIN', os.environ.get('GOMP_SPINCOUNT'))")
-    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+            "try: main()\nexcept SystemExit: pass\n"
+            "print('ENV', os.environ.get('GOMP_SPINCOUNT'), os.environ.get('THP_MEM_ALLOC_ENABLE'))")
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "THP_MEM_ALLOC_ENABLE")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean).stdout
-    assert f"SPIN {app_mod.GOMP_SPINCOUNT}" in out
+    assert f"ENV {app_mod.GOMP_SPINCOUNT} {app_mod.THP_MEM_ALLOC_ENABLE}" in out
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(clean, OMP_WAIT_POLICY="PASSIVE")).stdout
-    assert "SPIN None" in out
+                         env=dict(clean, OMP_WAIT_POLICY="PASSIVE", THP_MEM_ALLOC_ENABLE="0")).stdout
+    assert "ENV None 0" in out

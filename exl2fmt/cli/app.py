@@ -84,21 +84,27 @@ def fast_args(argv: list[str]) -> tuple[str, bool, dict] | None:
 #: OpenMP spin-wait of the compute threads (torch's and Numba's libgomp) before they sleep, unless the user set
 #: ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY``.  libgomp's default (300 000 spins) burns a second core for up to a
 #: few hundred microseconds after every parallel op; 10 000 spins kept the 1B quantizer's wall time and cut the
-#: fixture GPTQ run's CPU time by ~0.6 s (bench/RESULTS.md, issue 18).  Read once, when libgomp loads: set
-#: before anything imports torch or runs a parallel Numba kernel.
+#: fixture GPTQ run's CPU time by ~0.6 s (bench/RESULTS.md, issue 18).  Read once, when libgomp loads.
 GOMP_SPINCOUNT = "10000"
+#: torch's CPU allocator puts allocations of 2 MB and more on transparent huge pages (``THP_MEM_ALLOC_ENABLE``,
+#: read at its first allocation), unless the user set it: the 1B quantizer's peak resident set -50 MB on average
+#: at the same wall time (bench/RESULTS.md, issue 18).
+THP_MEM_ALLOC_ENABLE = "1"
 
 
-def _compute_threads_env(env=os.environ) -> None:
+def _runtime_env(env=os.environ) -> None:
+    """What the command sets in its own environment before anything imports torch or runs a parallel Numba
+    kernel (the exl2fmt command only; a library caller's process is its own)."""
     if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
         env["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
+    env.setdefault("THP_MEM_ALLOC_ENABLE", THP_MEM_ALLOC_ENABLE)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (``exl2fmt``)."""
     import signal
 
-    _compute_threads_env()
+    _runtime_env()
 
     from .errors import EXIT_INTERRUPTED, Interrupted, interrupt_handler
 
