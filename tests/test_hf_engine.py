@@ -42,6 +42,13 @@ def _reference(d):
     return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
 
 
+def _embedded(d, seed: int, rows: int, T: int):
+    """The engine of model ``d`` and the embeddings of seeded random ids int64 [rows, T]."""
+    eng = _engine(d)
+    ids = torch.as_tensor(np.random.default_rng(seed).integers(0, 160, (rows, T)))
+    return eng, eng.embed(ids)
+
+
 @pytest.mark.parametrize("arch", DENSE + OTHER)
 def test_layerwise_forward_equals_transformers_full_model(tiny, arch):
     d = tiny(arch)
@@ -109,10 +116,7 @@ def test_a_sweep_stopped_at_a_later_groups_input_gathers_the_same_hessian(tiny, 
     from exl2fmt.quant.gptq import HessianAccumulator
     from exl2fmt.quant.pipeline import _batches
 
-    d = tiny(arch)
-    eng = _engine(d)
-    ids = torch.as_tensor(np.random.default_rng(3).integers(0, 160, (3, 16)))
-    h = eng.embed(ids)
+    eng, h = _embedded(tiny(arch), 3, 3, 16)
     for kind in ("attn", "mlp"):
         blk = eng.block(0, kind, _batches(3, 16, 32))
         if kind == "attn":
@@ -142,10 +146,7 @@ def test_a_block_finished_from_its_kept_tail_is_the_full_sweep_bit_for_bit(tiny,
     from exl2fmt.quant.pipeline import _batches
     from exl2fmt.quant.weights import dense_linear
 
-    d = tiny(arch)
-    eng = _engine(d)
-    ids = torch.as_tensor(np.random.default_rng(4).integers(0, 160, (3, 16)))
-    h = eng.embed(ids)
+    eng, h = _embedded(tiny(arch), 4, 3, 16)
     for kind in ("attn", "mlp"):
         blk = eng.block(0, kind, _batches(3, 16, 32))
         W = blk.weights()
@@ -192,10 +193,7 @@ def test_the_mlp_half_runs_without_the_attention_weights_and_a_full_forward_relo
     forward that runs attention again loads them back and matches the forward before the drop."""
     from exl2fmt.quant.pipeline import _batches
 
-    d = tiny(arch)
-    eng = _engine(d)
-    ids = torch.as_tensor(np.random.default_rng(5).integers(0, 160, (2, 16)))
-    h = eng.embed(ids)
+    eng, h = _embedded(tiny(arch), 5, 2, 16)
     attn = eng.block(0, "attn", _batches(2, 16, 16))
     attn.sweep(h, None, record=True)
     mlp = eng.block(0, "mlp", _batches(2, 16, 16))
