@@ -209,6 +209,29 @@ def test_the_mlp_half_runs_without_the_attention_weights_and_a_full_forward_relo
     eng.release()
 
 
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_a_quantized_linears_original_weight_can_be_freed(tiny, arch):
+    """drop_linear frees a linear's float32 weight once every later forward substitutes it (the quantize pass with
+    the FP16 trajectory handed over): sweeps with substitutes are bit-identical without it, the parameter is meta,
+    and rows of a fused module (phi3's qkv_proj / gate_up_proj) are kept."""
+    from exl2fmt.quant.pipeline import _batches
+    from exl2fmt.quant.weights import dense_linear
+
+    eng, h = _embedded(tiny(arch), 6, 2, 16)
+    blk = eng.block(0, "attn", _batches(2, 16, 16))
+    W = blk.weights()
+    subs = {n: dense_linear(w.clone(), b) for n, (w, b) in W.items()}
+    want = blk.sweep(h, subs, record=True)
+    dropped = [n for n in blk.names if blk.r.drop_linear(n)]
+    assert dropped == [n for n in blk.names if n not in eng.part_of]
+    for n in dropped:
+        assert blk.r.module(n).weight.is_meta
+    for n in set(blk.names) - set(dropped):
+        assert not blk.r.module(n).weight.is_meta
+    assert torch.equal(blk.sweep(h, subs, record=True), want)
+    eng.release()
+
+
 def test_parallel_block_has_no_mid_point_and_sequential_ones_do(tiny):
     assert _engine(tiny("cohere")).structure.mid_norm is None
     assert _engine(tiny("gemma2")).structure.mid_norm == "pre_feedforward_layernorm"

@@ -744,6 +744,17 @@ class _LayerRunner:
         self.eng._free(entries)
         self.attn_dropped = True
 
+    def drop_linear(self, n: str) -> bool:
+        """Free linear ``n``'s float32 weight (meta again) for the rest of the layer's life: every later forward
+        must pass a substitute for it (one that runs the module's own weight fails on the meta tensor).  Not for
+        rows of a fused module or for MoE layers (False: kept)."""
+        if n in self.eng.part_of or n not in self.eng.path_of or self.eng.is_moe(self.i):
+            return False
+        mod = self.module(n)
+        entries = [e for e in self.saved if e[0] is mod and e[1] == "weight"]
+        self.eng._free(entries)
+        return bool(entries)
+
     def _reload_attention(self) -> None:
         for sub, leaf, _, key in self._attn_params():
             sub._parameters[leaf] = nn.Parameter(self.eng.src.get(key, torch.float32, self.device),

@@ -1018,8 +1018,15 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
                 w, b = W[n]
                 r, packed = quant_layer(i, n, w, b, prep)
                 lin[n] = F.dense_linear(r.weight_hat, b)
+                N = w.shape[0]
+                # no FP16 forward of this layer follows (the trajectory was handed over; not MoE, whose dense
+                # sweep below counts the routed tokens): the float32 original is not needed again (a 1B gate and
+                # up: 92 MB while down_proj is factored)
+                w = None
+                if final and not spec.is_moe(i) and blk.r.drop_linear(n):
+                    W[n] = (None, b)
                 lk = spec.linear_key(i, n)
-                work.job.setdefault("layers", {})[lk] = asdict(LayerResult(lk, _plan_of(r), _bpw_of(packed, w.shape[0]),
+                work.job.setdefault("layers", {})[lk] = asdict(LayerResult(lk, _plan_of(r), _bpw_of(packed, N),
                                                                          r.error))
                 if progress:
                     progress("quantize", bi * 10 + 1 + _linears(spec, kind, i).index(n), len(blocks) * 10, lk)
@@ -1027,9 +1034,8 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         # factor are 254 MB at K = 5632)
         prep = r = packed = None
         y_q = blk.finish(h, lin)                 # the MLP half replays this (quantized) attention result
-        dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         if blk.expert_tokens is not None:    # MoE: the tokens per expert are reported from the dense sweep's routing
-            y_d = blk.sweep(h, dense)
+            y_d = blk.sweep(h, {n: F.dense_linear(w, b) for n, (w, b) in W.items()})
         key = spec.block_key(i, kind)
         work.job.setdefault("blocks", {})[key] = {
             "block": key, "option": None if strategy is None else strategy["options"].get(key),
@@ -1046,7 +1052,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         del y_d, y_q
         if not final:
             h_ref = blk.advance_reference(h_ref)
-        del W, lin, dense
+        del W, lin
         _release_memory()
         if kind == "mlp":
             work.snapshot("quant", bi + 1, {"h": h, ref_key: h_ref})
