@@ -85,7 +85,7 @@ def child(src: str, dst: str, bits: float, rows: int, length: int, ids: str | No
 
     from exl2fmt.cli.app import _runtime_env
 
-    _runtime_env()                      # what the exl2fmt command sets before torch loads
+    _runtime_env(["convert", src, dst, "--to", "exl2"])   # what that exl2fmt command sets before torch loads
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
 
     phase, peaks = ["setup"], {}

@@ -722,25 +722,36 @@ def test_malformed_catalogue(entry):
 
 
 def test_the_cli_sets_its_runtime_environment_unless_the_user_chose():
-    """The entry point sets libgomp's spin count and torch's huge-page allocations before torch or Numba load,
-    and leaves a user's own GOMP_SPINCOUNT / OMP_WAIT_POLICY / THP_MEM_ALLOC_ENABLE alone.  Oracle: the
-    environment the CLI process ends up with."""
+    """The entry point sets libgomp's spin count (every command) and torch's huge-page allocations (convert --to
+    exl2 only) before torch or Numba load, and leaves a user's own GOMP_SPINCOUNT / OMP_WAIT_POLICY /
+    THP_MEM_ALLOC_ENABLE alone.  Oracle: the environment the CLI process ends up with."""
     from exl2fmt.cli import app as app_mod
 
-    env: dict = {}
-    app_mod._runtime_env(env)
-    assert env == {"GOMP_SPINCOUNT": app_mod.GOMP_SPINCOUNT, "THP_MEM_ALLOC_ENABLE": app_mod.THP_MEM_ALLOC_ENABLE}
+    exl2 = ["convert", "src", "dst", "--to", "exl2"]
+    cases = ((exl2, True), (["convert", "s", "d", "--to=exl2"], True), (["convert", "s", "d", "-t", "exl2"], True),
+             (["convert", "s", "d", "--to", "gptq"], False), (["inspect", "exl2"], False),
+             (["validate", "--to", "exl2"], False))
+    for argv, thp in cases:
+        env: dict = {}
+        app_mod._runtime_env(argv, env)
+        want = {"GOMP_SPINCOUNT": app_mod.GOMP_SPINCOUNT}
+        if thp:
+            want["THP_MEM_ALLOC_ENABLE"] = app_mod.THP_MEM_ALLOC_ENABLE
+        assert env == want, argv
     for user in ({"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": "ACTIVE"}):
         env = dict(user, THP_MEM_ALLOC_ENABLE="0")
-        app_mod._runtime_env(env)
+        app_mod._runtime_env(exl2, env)
         assert env == dict(user, THP_MEM_ALLOC_ENABLE="0")
-    code = ("import os, sys; from exl2fmt.cli.app import main; sys.argv = ['exl2fmt', '--version'];\n"
-            "try: main()\nexcept SystemExit: pass\n"
+    code = ("import os, sys; from exl2fmt.cli.app import main\n"
+            "try: main(sys.argv[1:])\nexcept SystemExit: pass\n"
             "print('ENV', os.environ.get('GOMP_SPINCOUNT'), os.environ.get('THP_MEM_ALLOC_ENABLE'))")
     clean = {k: v for k, v in os.environ.items()
              if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "THP_MEM_ALLOC_ENABLE")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean).stdout
+    out = subprocess.run([sys.executable, "-c", code, "--version"], capture_output=True, text=True, env=clean).stdout
+    assert f"ENV {app_mod.GOMP_SPINCOUNT} None" in out
+    out = subprocess.run([sys.executable, "-c", code, "convert", "--help", "--to", "exl2"], capture_output=True,
+                         text=True, env=clean).stdout
     assert f"ENV {app_mod.GOMP_SPINCOUNT} {app_mod.THP_MEM_ALLOC_ENABLE}" in out
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code, "--version"], capture_output=True, text=True,
                          env=dict(clean, OMP_WAIT_POLICY="PASSIVE", THP_MEM_ALLOC_ENABLE="0")).stdout
     assert "ENV None 0" in out

@@ -87,24 +87,39 @@ def fast_args(argv: list[str]) -> tuple[str, bool, dict] | None:
 #: fixture GPTQ run's CPU time by ~0.6 s (bench/RESULTS.md, issue 18).  Read once, when libgomp loads.
 GOMP_SPINCOUNT = "10000"
 #: torch's CPU allocator puts allocations of 2 MB and more on transparent huge pages (``THP_MEM_ALLOC_ENABLE``,
-#: read at its first allocation), unless the user set it: the 1B quantizer's peak resident set -50 MB on average
-#: at the same wall time (bench/RESULTS.md, issue 18).
+#: read at its first allocation) for ``convert --to exl2``, unless the user set it: the 1B EXL2 quantizer's peak
+#: resident set -50 to -70 MB at the same wall time.  Not for other commands: on the fixture's GPTQ run the huge
+#: pages cost ~0.3 s more system time and saved nothing that matters (bench/RESULTS.md, issue 18).
 THP_MEM_ALLOC_ENABLE = "1"
 
 
-def _runtime_env(env=os.environ) -> None:
+def _quantizes_exl2(argv: list[str]) -> bool:
+    """Whether a command line is ``convert ... --to exl2`` (also ``--to=exl2``, ``-t exl2``): a scan, not a parse
+    (typer parses later; a wrong guess only changes how torch allocates)."""
+    if "convert" not in argv:
+        return False
+    for i, tok in enumerate(argv):
+        if tok in ("--to", "-t") and i + 1 < len(argv) and argv[i + 1] == "exl2":
+            return True
+        if tok in ("--to=exl2", "-texl2"):
+            return True
+    return False
+
+
+def _runtime_env(argv: list[str], env=os.environ) -> None:
     """What the command sets in its own environment before anything imports torch or runs a parallel Numba
     kernel (the exl2fmt command only; a library caller's process is its own)."""
     if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
         env["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
-    env.setdefault("THP_MEM_ALLOC_ENABLE", THP_MEM_ALLOC_ENABLE)
+    if _quantizes_exl2(argv):
+        env.setdefault("THP_MEM_ALLOC_ENABLE", THP_MEM_ALLOC_ENABLE)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (``exl2fmt``)."""
     import signal
 
-    _runtime_env()
+    _runtime_env(sys.argv[1:] if argv is None else argv)
 
     from .errors import EXIT_INTERRUPTED, Interrupted, interrupt_handler
 
