@@ -83,9 +83,9 @@ def _rss_kb() -> int:
 def child(src: str, dst: str, bits: float, rows: int, length: int, ids: str | None) -> None:
     import threading
 
-    from exl2fmt.cli.app import _runtime_env
+    from exl2fmt.cli.app import set_runtime_env
 
-    _runtime_env(["convert", src, dst, "--to", "exl2"])   # what that exl2fmt command sets before torch loads
+    set_runtime_env(["convert", src, dst, "--to", "exl2"])   # what that exl2fmt command sets before torch loads
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
 
     phase, peaks = ["setup"], {}

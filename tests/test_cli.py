@@ -733,14 +733,14 @@ def test_the_cli_sets_its_runtime_environment_unless_the_user_chose():
              (["validate", "--to", "exl2"], False))
     for argv, thp in cases:
         env: dict = {}
-        app_mod._runtime_env(argv, env)
+        app_mod.set_runtime_env(argv, env)
         want = {"GOMP_SPINCOUNT": app_mod.GOMP_SPINCOUNT}
         if thp:
             want["THP_MEM_ALLOC_ENABLE"] = app_mod.THP_MEM_ALLOC_ENABLE
         assert env == want, argv
     for user in ({"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": "ACTIVE"}):
         env = dict(user, THP_MEM_ALLOC_ENABLE="0")
-        app_mod._runtime_env(exl2, env)
+        app_mod.set_runtime_env(exl2, env)
         assert env == dict(user, THP_MEM_ALLOC_ENABLE="0")
     code = ("import os, sys; from exl2fmt.cli.app import main\n"
             "try: main(sys.argv[1:])\nexcept SystemExit: pass\n"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["app", "main", "fast_args", "FAST"]
+__all__ = ["app", "main", "fast_args", "set_runtime_env", "FAST"]
 
 #: command -> ({flag: (parameter, value)}, {"--option": parameter} taking one value, defaults of every parameter of
 #: the typer command).  A flag may repeat; the last of ``--layers`` / ``--no-layers`` wins, as in click.
@@ -106,9 +106,10 @@ def _quantizes_exl2(argv: list[str]) -> bool:
     return False
 
 
-def _runtime_env(argv: list[str], env=os.environ) -> None:
-    """What the command sets in its own environment before anything imports torch or runs a parallel Numba
-    kernel (the exl2fmt command only; a library caller's process is its own)."""
+def set_runtime_env(argv: list[str], env=os.environ) -> None:
+    """What the exl2fmt command sets in its own environment (``env``) for the command line ``argv`` (without the
+    program name), before anything imports torch or runs a parallel Numba kernel.  A library caller's process is
+    its own; a benchmark that runs the quantizer in-process calls this to measure what the command runs."""
     if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
         env["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
     if _quantizes_exl2(argv):
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (``exl2fmt``)."""
     import signal
 
-    _runtime_env(sys.argv[1:] if argv is None else argv)
+    set_runtime_env(sys.argv[1:] if argv is None else argv)
 
     from .errors import EXIT_INTERRUPTED, Interrupted, interrupt_handler
 
