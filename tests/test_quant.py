@@ -807,6 +807,31 @@ def test_quantize_exl2_is_the_one_plan_case_and_keeps_its_error():
     assert e.value.code is ErrorCode.USAGE
 
 
+def test_one_plan_lets_go_of_a_temporary_weight_and_keeps_its_error():
+    """The weight passed as a temporary is freed once the work matrix is made (its weak reference is dead while
+    the generator still holds its result), and the result is the one of a run whose caller keeps the weight: same
+    codes, reconstruction and proxy error (N = 600: the error reads every 3rd output feature)."""
+    import weakref
+
+    from exl2fmt.quant.gptq import quantize_exl2_plans
+
+    K, N = 128, 600
+    H = _correlated(K, seed=21)
+    p = prepare(H)
+    W = _weight(N, K, seed=22)
+    plan = plan_rows(K, [Tier(0.5, 4, 32), Tier(0.5, 3, 32)])
+    kept = quantize_exl2(W, p, plan)
+    assert kept.error == proxy_error(W, kept.weight_hat, H)
+    temp = W.clone()
+    alive = weakref.ref(temp)
+    it = quantize_exl2_plans(temp, p, [plan], error=True)
+    del temp
+    _, r = next(it)
+    assert alive() is None
+    assert np.array_equal(r.codes, kept.codes) and torch.equal(r.weight_hat, kept.weight_hat)
+    assert r.error == kept.error
+
+
 @st.composite
 def _prefix_sharing_plans(draw):
     """(K, plans, share_bytes): a random plan, then plans that each keep a random prefix of an earlier one
@@ -920,6 +945,43 @@ def test_calibration_perplexity_in_chunks_equals_the_whole_logit_computation(tin
     for limit in (4 * eng.vocab_size * 5, 64 << 20):           # 5-token chunks (uneven split of 47) and one chunk
         assert _calibration_ppl(eng, src, h, ids, head, max_logit_bytes=limit) == pytest.approx(want, rel=1e-5)
     src.close()
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "F32", "I64"])
+def test_plain_tensors_are_converted_in_chunks_to_the_whole_tensor_bytes(tmp_path, dtype):
+    """Oracle: the whole tensor widened to float64 (exact for every stored float), clipped to +-65504 and rounded
+    once to fp16 by numpy; the warning only for a finite tensor beyond the range.  Chunks of 1000 bytes split
+    rows, so every chunk boundary is exercised; inf, nan and values above 65504 are present."""
+    from safetensors.torch import save_file
+    from exl2fmt.quant.pipeline import QuantReport, _plain_tensor
+    from exl2fmt.quant.weights import WeightSource
+
+    g = torch.Generator().manual_seed(7)
+    tensors = {}
+    for name, scale, bad in (("big", 4e4, None), ("inf", 4e4, float("inf")), ("nan", 1.0, float("nan")),
+                             ("small", 1.0, None)):
+        x = torch.randn(37, 70, generator=g, dtype=torch.float64) * scale
+        if bad is not None:
+            x[3, 5] = bad
+        if dtype == "F16":
+            x = torch.where(x.isfinite(), x.clamp(-6e4, 6e4), x)      # fp16's finite range; inf stays inf
+        tensors[name] = x.to({"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+                              "I64": torch.int64}[dtype])
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    with WeightSource(tmp_path) as src:
+        for name, t in tensors.items():
+            rep = QuantReport(str(tmp_path), "-", "exl2", {})
+            got = _plain_tensor(src, name, rep, chunk_bytes=1000)
+            if dtype == "I64":
+                assert got.dtype == np.int64 and np.array_equal(got, t.numpy())
+                continue
+            wide = t.double().numpy()
+            want = np.clip(wide, -65504, 65504).astype(np.float16)
+            assert got.dtype == np.float16 and got.tobytes() == want.tobytes(), name
+            beyond = bool(np.isfinite(wide).all() and np.abs(wide).max() > 65504)
+            assert rep.warnings == ([f"{name}: values beyond the fp16 range were clamped"] if beyond else []), name
+            assert beyond == (name == "big" and dtype != "F16")
 
 
 def test_exl2_pipeline_writes_shards_with_an_index(tiny_llama, exl2_default, tmp_path):

@@ -348,10 +348,19 @@ def _unpermute(Wt_hat: torch.Tensor, perm: torch.Tensor, N: int, dtype: torch.dt
 def proxy_error(weight: torch.Tensor, w_hat: torch.Tensor, H: torch.Tensor, max_rows: int = 256) -> float:
     """Relative output error on the calibration inputs: sqrt(tr(D H D^T) / tr(W H W^T)), D = w_hat - W (both
     float [N, K]), i.e. ||X D^T||_F / ||X W^T||_F.  Evaluated on at most ``max_rows`` evenly spaced output
-    features (a fixed subset), so it costs K^2 * 256 rather than K^2 * N multiply-adds."""
-    step = max(1, -(-weight.shape[0] // max_rows))
-    W = weight[::step].to(torch.float32)
-    D = w_hat[::step].to(torch.float32) - W
+    features (a fixed subset, ``_proxy_rows``), so it costs K^2 * 256 rather than K^2 * N multiply-adds."""
+    rows = _proxy_rows(weight.shape[0], max_rows)
+    return _proxy_error_of_rows(weight[rows], w_hat[rows], H)
+
+
+def _proxy_rows(N: int, max_rows: int = 256) -> slice:
+    """The output features ``proxy_error`` reads: every step-th, at most ``max_rows`` of them."""
+    return slice(None, None, max(1, -(-N // max_rows)))
+
+
+def _proxy_error_of_rows(weight_rows: torch.Tensor, hat_rows: torch.Tensor, H: torch.Tensor) -> float:
+    W = weight_rows.to(torch.float32)
+    D = hat_rows.to(torch.float32) - W
     num = float(torch.sum((D @ H) * D))
     den = float(torch.sum((W @ H) * W))
     return float(np.sqrt(max(num, 0.0) / den)) if den > 0 else 0.0
@@ -389,8 +398,13 @@ def quantize_exl2(weight: torch.Tensor, prep: Prepared, bits_rows: list[tuple[in
     """GPTQ-quantize ``weight`` float [N, K] to the EXL2 group plan ``bits_rows`` (``layout.plan_rows``), with
     ExLlamaV2's per-group 4-bit scale search (``exl2fmt.formats.exl2.find_scales``) on the compensated rows;
     ``refine_scales`` adds exl2fmt's per-column refinement of the scale codes (``find_scales(refine=True)``).
-    The result carries ``proxy_error``.  (``quantize_exl2_plans`` with one plan: the same sweep.)"""
-    return next(quantize_exl2_plans(weight, prep, [bits_rows], refine_scales, error=True, hat_dtype=hat_dtype))[1]
+    The result carries ``proxy_error``.  (``quantize_exl2_plans`` with one plan: the same sweep.)
+
+    Holds ``weight`` only until its work matrix is made (and the rows the proxy error reads): a caller that
+    passes a temporary (``quantize_exl2(src.get(...), ...)``) has it freed during the sweep."""
+    plans = quantize_exl2_plans(weight, prep, [bits_rows], refine_scales, error=True, hat_dtype=hat_dtype)
+    del weight
+    return next(plans)[1]
 
 
 #: ``quantize_exl2_plans`` keeps saved sweep states (the not yet processed rows of the work matrix at a point
@@ -452,7 +466,10 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
     measurement's cheaper one (each result is then bit for bit that plan's own sweep with that search).
     ``want_hat``: asked once per distinct plan, just before its result is built (so it may read what the caller
     did with the results so far); False leaves that result's ``weight_hat`` None and skips its un-permute (a
-    caller that parks the packed form instead: the un-permute is ~13 ms of a 1B MLP candidate's sweep)."""
+    caller that parks the packed form instead: the un-permute is ~13 ms of a 1B MLP candidate's sweep).
+
+    With one distinct plan the weight is read once, into the work matrix, and the generator lets go of it then
+    (keeping the rows ``proxy_error`` reads); the last plan's result takes the codes without copying them."""
     N, K = weight.shape
     if error and prep.H is None:
         raise ValueError("a proxy error needs the Hessian, and this Prepared was made without it")
@@ -463,6 +480,11 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
         return
     n_pad = pad32(N)
     Wt = _work_matrix(weight, prep.perm, n_pad)
+    distinct = sorted(set(plans_t))
+    probe = _proxy_rows(N)
+    ref_rows = weight[probe].clone() if error else None        # what proxy_error reads of the weight
+    if len(distinct) == 1:
+        weight = None        # one sweep, never restarted from the weight: let a caller's temporary go now
     row_bytes = n_pad * Wt.element_size()
     budget = min(SHARE_MATRICES * K * row_bytes, SHARE_CAP_BYTES) if share_bytes is None else int(share_bytes)
     codes = torch.empty((K, n_pad), dtype=torch.uint8, device=Wt.device)
@@ -472,8 +494,8 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
     invperm = torch.argsort(prep.perm).to(torch.int32).cpu().numpy()
     fits: dict[int, object] = {}                      # bits -> the fit of a group of that width
 
-    # distinct plans in sorted order (the trie's depth-first order) and the indices that ask for each
-    distinct = sorted(set(plans_t))
+    # distinct plans in sorted order (the trie's depth-first order, ``distinct`` above) and the indices that ask
+    # for each
     asked: dict[tuple, list[int]] = {}
     for i, p in enumerate(plans_t):
         asked.setdefault(p, []).append(i)
@@ -515,10 +537,15 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
             _sweep_group(Wt, prep.U, codes, j, a, r, fit, use_kernel)
         depth = len(plan)
         w_hat = _unpermute(Wt, prep.perm, N, hat_dtype, invperm) if error or want_hat is None or want_hat() else None
-        res = Exl2Result(codes=codes.cpu().numpy().copy(), scale_codes=scale_codes[:len(plan)].copy(),
+        codes_np = codes.cpu().numpy()
+        if m + 1 < len(distinct):         # the next plan sweeps into the same codes; the last one's are handed over
+            codes_np = codes_np.copy()
+        res = Exl2Result(codes=codes_np, scale_codes=scale_codes[:len(plan)].copy(),
                          q_scale_max=qsm[:len(plan)].copy(), bits_rows=list(plan), q_invperm=invperm.copy(),
                          weight_hat=w_hat,
-                         error=proxy_error(weight.to(w_hat.device), w_hat, prep.H) if error else None)
+                         error=_proxy_error_of_rows(ref_rows.to(w_hat.device), w_hat[probe], prep.H)
+                         if error else None)
+        del codes_np
         for i in asked[plan]:
             yield i, res
 

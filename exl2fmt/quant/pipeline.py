@@ -1081,24 +1081,26 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
 
         del dense_head
         _release_memory()
-        # the head is often the largest matrix of a model: kept in its stored 16-bit dtype (exact), widened to
-        # float32 only inside the quantizer's work matrix
-        w = src.get(head_name, src.stored_dtype(head_name), device)
-        acc = HessianAccumulator(w.shape[1], device)
+        N, K = src.shape(head_name)
+        acc = HessianAccumulator(K, device)
         for sl in batches:
             acc.add(spec.final_norm(h[sl]))
         prep = prepare(acc.take(), percdamp=EXL2_PERCDAMP, act_order=o.act_order)
-        # (the reconstruction in float16, exact: the float32 one for the perplexity is made once the sweep's
-        # work matrix is gone, so the two 32000 x 2048 float32 matrices of a 1B head never coexist)
-        r = quantize_exl2(w, prep, head_qparams(o.head_bits).bits_rows(w.shape[1]), bool(o.refine_scales),
-                          hat_dtype=torch.float16)
+        # the head is often the largest matrix of a model: read in its stored 16-bit dtype (exact) and handed
+        # over as a temporary, which quantize_exl2 frees once its float32 work matrix is made; the reconstruction
+        # in float16, exact: the float32 one for the perplexity is made once the sweep's work matrix and codes
+        # are gone, so no two 32000 x 2048 float32 matrices of a 1B head coexist
+        r = quantize_exl2(src.get(head_name, src.stored_dtype(head_name), device), prep,
+                          head_qparams(o.head_bits).bits_rows(K), bool(o.refine_scales), hat_dtype=torch.float16)
         packed = r.tensors(None if b is None else b.cpu().numpy())
         _save_tensors(work.layer_path("lm_head"), packed)
-        report.head_bpw = _bpw_of(packed, w.shape[0])
+        report.head_bpw = _bpw_of(packed, N)
         work.job.setdefault("layers", {})["lm_head"] = asdict(LayerResult("lm_head", _plan_of(r), report.head_bpw,
                                                                           r.error))
-        head = F.dense_linear(r.weight_hat.float(), b)
-        del w, r, acc, prep, packed
+        hat = r.weight_hat
+        del r, acc, prep, packed
+        head = F.dense_linear(hat.float(), b)
+        del hat
     else:
         head = dense_head
     _release_memory()
@@ -1182,15 +1184,35 @@ def _plain_specs(src, skip: set[str]) -> list:
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
-def _plain_tensor(src, name: str, report: QuantReport) -> np.ndarray:
-    """One tensor of ``src`` as written: floating point as fp16 (values beyond its range clamped and
-    reported), integer buffers unchanged."""
-    if src.files.info(name).dtype in _FLOAT_DTYPES:
-        a = src.get(name, torch.float32).numpy()
-        if np.isfinite(a).all() and np.abs(a).max(initial=0) > 65504:
-            report.warnings.append(f"{name}: values beyond the fp16 range were clamped")
-        return np.clip(a, -65504, 65504).astype(np.float16)
-    return src.read_stored(name)
+def _plain_tensor(src, name: str, report: QuantReport, chunk_bytes: int = 16 << 20) -> np.ndarray:
+    """One tensor of ``src`` as written: floating point as fp16 (values beyond its range clamped to +-65504,
+    reported when the tensor is otherwise finite), integer buffers unchanged.
+
+    Read as stored and converted in row chunks of about ``chunk_bytes`` of float32: a 32000 x 2048 embedding
+    costs its stored copy and its fp16 result, not three float32 copies of itself (0.65 GB at the 1B's
+    compile).  Each value is rounded to fp16 once, as a whole-tensor conversion does: the same bytes."""
+    from ..container import bf16_bits_to_f32
+
+    dtype = src.files.info(name).dtype
+    if dtype not in _FLOAT_DTYPES:
+        return src.read_stored(name)
+    a = src.read_stored(name)
+    if dtype == "F16":                  # fp16 already: only +-inf is beyond the range (and no warning was ever
+        return np.clip(a, -65504, 65504, out=a)          # given for a non-finite tensor)
+    out = np.empty(a.shape, dtype=np.float16)
+    flat_in, flat_out = a.reshape(-1), out.reshape(-1)
+    step = max(1, chunk_bytes // 4)
+    finite, big = True, False
+    for s in range(0, flat_in.size, step):
+        c = flat_in[s:s + step]
+        c = bf16_bits_to_f32(c) if dtype == "BF16" else c.copy()        # F32 / F64: a private chunk to clip
+        finite = finite and bool(np.isfinite(c).all())
+        big = big or bool(np.abs(c).max(initial=0) > 65504)
+        np.clip(c, -65504, 65504, out=c)
+        flat_out[s:s + step] = c
+    if finite and big:
+        report.warnings.append(f"{name}: values beyond the fp16 range were clamped")
+    return out
 
 
 def _write_output(tmp: Path, src, layers: list[tuple[str, Path]], skip: set[str], o: QuantOptions,
