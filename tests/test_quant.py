@@ -181,10 +181,48 @@ def test_prepare_retries_with_more_damping():
     assert bool(torch.isfinite(p.U).all())
 
 
-def test_degenerate_hessian_is_a_clear_error():
+@pytest.mark.parametrize("case", ["act_order", "plain", "retry", "retry_kernel", "group_aware"])
+def test_prepare_without_keeping_the_hessian_gives_the_same_factor_and_lets_it_go(case):
+    """keep_hessian=False: the same perm, U (bit for bit) and damping as the default, H None in the result and
+    the caller's temporary freed; also through damping retries, on both sides of the permute kernel's size."""
+    import weakref
+
+    K = 32 if case == "retry" else 640
+    H = _correlated(K, seed=9)
+    if case.startswith("retry"):
+        # indefinite: H[0, 0] = -c with c about 4 damping steps (damp_k = k x percdamp x mean(diag))
+        from exl2fmt.quant.gptq import EXL2_PERCDAMP
+
+        S = float(torch.diag(H)[1:].sum())
+        H[0, 0] = -4 * EXL2_PERCDAMP * S / (K + 4 * EXL2_PERCDAMP)
+    kw = {"act_order": case != "plain", "within_groups": 128 if case == "group_aware" else None}
+    want = prepare(H, **kw)
+    holder = [H.clone()]
+    alive = weakref.ref(holder[0])
+    seen = []
+    real = torch.linalg.cholesky_ex
+
+    def spy(A, *a, **k):
+        seen.append(alive() is None)
+        return real(A, *a, **k)
+    try:
+        torch.linalg.cholesky_ex = spy
+        # (no **kw: a call through an argument tuple would hold the argument until it returns)
+        got = prepare(holder.pop(), keep_hessian=False, act_order=kw["act_order"], within_groups=kw["within_groups"])
+    finally:
+        torch.linalg.cholesky_ex = real
+    assert got.H is None and want.H is not None
+    assert torch.equal(got.perm, want.perm) and torch.equal(got.U, want.U) and got.damp == want.damp
+    assert seen and all(seen)                                # H was gone before the first factorization
+    if case.startswith("retry"):
+        assert 2 < len(seen) < 10
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_degenerate_hessian_is_a_clear_error(keep):
     H = torch.full((64, 64), float("nan"))
     with pytest.raises(Exl2Error) as e:
-        prepare(H)
+        prepare(H, keep_hessian=keep)
     assert e.value.code is ErrorCode.QUANT_NUMERICS
     # past the kernels' size: one non-finite entry off the diagonal is found too (the factor's finiteness check)
     K = 640
@@ -193,7 +231,7 @@ def test_degenerate_hessian_is_a_clear_error():
         Hb = H.clone()
         Hb[5, 600] = Hb[600, 5] = bad
         with pytest.raises(Exl2Error) as e:
-            prepare(Hb)
+            prepare(Hb, keep_hessian=keep)
         assert e.value.code is ErrorCode.QUANT_NUMERICS
 
 
@@ -1180,3 +1218,31 @@ def test_bf16_scoring_measures_the_errors_fp32_scoring_measures(tiny_llama, exl2
             assert {x: v for x, v in a.items() if x != "accuracy"} == {x: v for x, v in b.items() if x != "accuracy"}
             rel.append(abs((1 - a["accuracy"]) - (1 - b["accuracy"])) / (1 - a["accuracy"]))
     assert 0 < max(rel) < 3e-3
+
+
+def test_bf16_scoring_from_16bit_weight_copies_measures_the_same_bits(tiny_llama, tmp_path, monkeypatch):
+    """The option sweeps read each (fp16-checkpoint) weight from its exact fp16 copy, the layer's float32 weights
+    freed: the measurement is byte for byte the one scored from the float32 weights (narrowing disabled), and
+    the copies were really made for every linear of every block."""
+    from conftest import force_delta_scoring
+
+    from exl2fmt.quant import scoring
+    from exl2fmt.quant.pipeline import quantize_model
+
+    src, ids = tiny_llama
+    force_delta_scoring(monkeypatch)
+    real = scoring.exact_16bit
+    narrowed = []
+
+    def counted(w, *a, **k):
+        out = real(w, *a, **k)
+        narrowed.append(out.dtype)
+        return out
+    monkeypatch.setattr(scoring, "exact_16bit", counted)
+    m16 = tmp_path / "m16.json"
+    quantize_model(src, tmp_path / "a", _opts(ids, measure_precision="bf16", save_measurement=str(m16)))
+    assert set(narrowed) == {torch.float16} and len(narrowed) == 7 * 2     # 7 linears x 2 layers
+    monkeypatch.setattr(scoring, "exact_16bit", lambda w, *a, **k: w)
+    m32 = tmp_path / "m32.json"
+    quantize_model(src, tmp_path / "b", _opts(ids, measure_precision="bf16", save_measurement=str(m32)))
+    assert m16.read_bytes() == m32.read_bytes()

@@ -211,3 +211,45 @@ def test_the_cpu_kernels_keep_nan_a_nan_and_fall_back_off_their_layout():
     b = torch.randn(6, 4)
     got = scoring.sub_bf16(a, b, torch.empty(6, 4, dtype=torch.bfloat16))
     assert torch.equal(got, (a - b).bfloat16())
+
+
+@pytest.mark.parametrize("narrow", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 5), (2, 7, 33)])
+def test_a_16bit_weight_gives_the_bits_of_its_float32_original(narrow, shape):
+    """sub_bf16(w_hat, b16) for b16 the exact 16-bit copy of a float32 b: the bits of sub_bf16(w_hat, b) (torch's
+    fp16 - fp32 into bf16, the oracle of the kernels above), on the Numba kernels and on torch's fallback (a
+    transposed operand); and the bf16 weight made from the copy is the one made from the original."""
+    gen = torch.Generator().manual_seed(len(shape) + (narrow == torch.bfloat16))
+    b16 = _special_f32(gen, shape).clamp(-60000, 60000).to(narrow)
+    b16 = torch.where(b16.isnan(), torch.zeros_like(b16), b16)   # (a NaN weight is never narrowed)
+    b = b16.to(torch.float32)
+    a = (_special_f32(gen, shape) * 2.0 ** -100).clamp(-60000, 60000).half()
+    want = torch.sub(a, b, out=torch.empty(shape, dtype=torch.bfloat16))
+    got = scoring.sub_bf16(a, b16, torch.empty(shape, dtype=torch.bfloat16))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    if len(shape) == 2:
+        at, bt = a.T.contiguous().T, b16.T.contiguous().T                  # same values, not C order
+        got_t = scoring.sub_bf16(at, bt, torch.empty(shape, dtype=torch.bfloat16))
+        assert torch.equal(got_t.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(b16.to(torch.bfloat16).view(torch.int16), b.to(torch.bfloat16).view(torch.int16))
+
+
+def test_exact_16bit_narrows_only_what_it_holds_exactly():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(50, 70, generator=gen)
+    f16 = w.half().float()
+    got = scoring.exact_16bit(f16, chunk=333)
+    assert got.dtype == torch.float16 and torch.equal(got.float(), f16)
+    bf = (w * 1e6).bfloat16().float()                        # beyond fp16's range: bf16 holds it
+    got = scoring.exact_16bit(bf, chunk=333)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.float(), bf)
+    assert scoring.exact_16bit(w, chunk=333) is w            # float32 detail in the last chunk's values too
+    late = f16.clone()
+    late.view(-1)[-1] = 0.1                                   # one inexact value, in the last chunk
+    assert scoring.exact_16bit(late, chunk=333) is late
+    nan = f16.clone()
+    nan[3, 3] = float("nan")
+    assert scoring.exact_16bit(nan) is nan
+    signed = torch.tensor([[-0.0, 0.0, 1.0]])
+    got = scoring.exact_16bit(signed)
+    assert torch.equal(got.view(torch.int16), signed.half().view(torch.int16))

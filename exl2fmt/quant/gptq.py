@@ -111,13 +111,19 @@ def group_aware_order(diag: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def prepare(H: torch.Tensor, *, percdamp: float = EXL2_PERCDAMP, act_order: bool = True,
-            within_groups: int | None = None, fixed_groups: int | None = None) -> Prepared:
+            within_groups: int | None = None, fixed_groups: int | None = None,
+            keep_hessian: bool = True) -> Prepared:
     """Act-order permutation and the inverse-Hessian factor for ``H`` float32 [K, K] (symmetric, PSD).
 
     ``act_order`` orders the input features by decreasing ``diag(H)``; with ``within_groups`` (a group size)
     they are ordered group-aware instead (``group_aware_order``: whole groups of that many consecutive
     features, most important group first); with ``fixed_groups`` (a group size) the order is the full
-    act-order and only ``quantize_gptq`` treats groups differently (consecutive features, not processing runs)."""
+    act-order and only ``quantize_gptq`` treats groups differently (consecutive features, not processing runs).
+
+    ``keep_hessian=False``: the result's ``H`` is None, and ``H`` is let go of once its permuted copy is made,
+    so a caller that passes a temporary (``prepare(acc.take(), keep_hessian=False)``) factorizes with two K x K
+    matrices alive instead of three (the same factor: a retry restores the copy's diagonal instead of
+    permuting H again)."""
     K = H.shape[0]
     H = H.to(torch.float32)
     if within_groups and fixed_groups:
@@ -140,16 +146,29 @@ def prepare(H: torch.Tensor, *, percdamp: float = EXL2_PERCDAMP, act_order: bool
     diag_mean = float(torch.diag(H).mean())
     base = max(float(percdamp) * diag_mean, 1e-5)
     rev = torch.flip(perm, (0,))
+    Hr0 = d0 = None
+    if not keep_hessian:                                          # J Hp J once; H itself is not needed again
+        Hr0 = _permute_both(H, rev)
+        d0 = Hr0.diagonal().clone()
+        H = None
     for attempt in range(1, 11):
         damp = base * attempt
-        Hr = _permute_both(H, rev)                                # J Hp J, damped below
+        if Hr0 is None:
+            Hr = _permute_both(H, rev)                            # J Hp J, damped below
+        else:
+            Hr = Hr0
+            Hr.diagonal().copy_(d0)                               # undamped again (a retry), then damped
         Hr.diagonal().add_(damp)
         Lr, info = torch.linalg.cholesky_ex(Hr)
         del Hr
         if int(info) != 0:
             continue
+        # (the permuted copy is not needed past a successful Cholesky: of a finite, damped PSD matrix the factor
+        # is finite with a positive diagonal, |U| <= 1 / sqrt(damp); only a non-finite Hessian fails the check
+        # below, and more damping does not cure that)
+        Hr0 = None
         # Lr^-1 by a triangular solve into the identity's storage (column-major, as LAPACK works)
-        Linv = torch.eye(K, dtype=torch.float32, device=H.device).T
+        Linv = torch.eye(K, dtype=torch.float32, device=Lr.device).T
         torch.linalg.solve_triangular(Lr, Linv, upper=False, out=Linv)
         del Lr
         U = torch.flip(Linv, (0, 1))                  # (keeps the column-major strides)
@@ -159,6 +178,8 @@ def prepare(H: torch.Tensor, *, percdamp: float = EXL2_PERCDAMP, act_order: bool
         if bool(torch.isfinite(torch.stack(torch.aminmax(U))).all()) and bool((torch.diagonal(U) > 0).all()):
             return Prepared(perm=perm, U=U, H=H, damp=damp, within_groups=within_groups or None,
                             fixed_groups=fixed_groups or None)
+        if not keep_hessian:
+            break
     raise Exl2Error(ErrorCode.QUANT_NUMERICS, f"the Hessian (K={K}) is not positive definite even with "
                     f"damping {damp:.3g}: calibration inputs are degenerate or non-finite")
 

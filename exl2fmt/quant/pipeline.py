@@ -37,7 +37,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -479,9 +479,10 @@ def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory:
 
     in_memory = _CANDIDATES_IN_MEMORY if in_memory is None else in_memory
     # every owner factorized first, while nothing else of the block's candidates is alive (the factorization's
-    # transient is the largest: three K x K matrices), each kept without the Hessian itself (the measurement
-    # computes no proxy error; a down_proj's is 127 MB at K = 5632) and only until its last layer is swept
-    prepared = {o: replace(prepare(acc.take()), H=None) for o, acc in hess.items()}
+    # transient is the largest: two K x K matrices, the Hessian itself let go of once permuted, since the
+    # measurement computes no proxy error; a down_proj's is 127 MB at K = 5632), each factor kept only until its
+    # owner's last layer is swept
+    prepared = {o: prepare(acc.take(), keep_hessian=False) for o, acc in hess.items()}
     names = [n for n in blk.names if blk.owner(n) in prepared]
     last = {blk.owner(n): n for n in names}           # the last layer of each Hessian owner
     out: dict[str, dict] = {n: {} for n in names}
@@ -723,6 +724,17 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
                 tape = scoring.ReferenceTape(taped, blk.owner, n_score, n_score)
                 scorer.sweep(h_s, {n: tape.recorder(n, f) for n, f in dense.items()}, out=y)
                 tape.close()
+                if all(tape.usable(n) for n in blk.names):
+                    # every option sweep replaces every linear by a DeltaLinear, which reads its weight only as
+                    # W_hat - W and W in bf16: the exact 16-bit copy of a weight from a 16-bit checkpoint gives
+                    # the same bits at half the bytes, and the layer's own float32 copy is freed (a 1B MLP: -66 MB)
+                    dense = None
+                    for n in blk.names:
+                        w, b = W[n]
+                        w16 = scoring.exact_16bit(w)
+                        if w16 is not w and blk.r.drop_linear(n):
+                            W[n] = (w16, b)
+                        del w, w16
             cache = _VariantCache(F, made, W, tape)
             shared = _SharedOutputs(made, options, [n for n in spec.groups(kind, i)[0] if n in made])
             for j, opt in enumerate(options):

@@ -170,19 +170,42 @@ def _kernel_ok(*ts: torch.Tensor) -> bool:
 
 
 def sub_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` bf16 = a - b, computed in float32 and rounded once (``torch.sub(a, b, out=out)``) for ``a`` float16
-    or float32 and ``b`` float32, all of one shape; on the CPU by ``scoring_kernel`` (torch's mixed-dtype
-    loop is 10x slower there), the same bits."""
-    if (_kernel_ok(a, b, out) and b.dtype == torch.float32 and out.dtype == torch.bfloat16
-            and a.dtype in (torch.float16, torch.float32)):
+    """``out`` bf16 = a - b, both widened to float32 exactly, the difference in float32 and rounded once, for
+    ``a`` float16 or float32 and ``b`` float32, float16 or bfloat16, all of one shape (``b`` in 16 bits: the exact
+    copy of a float32 weight, ``exact_16bit``, gives the bits of that weight); on the CPU by ``scoring_kernel``
+    (torch's mixed-dtype loop is 10x slower there), the same bits."""
+    if (_kernel_ok(a, b, out) and out.dtype == torch.bfloat16 and a.dtype in (torch.float16, torch.float32)
+            and (b.dtype == torch.float32 or (a.dtype == torch.float16 and b.dtype in (torch.float16,
+                                                                                      torch.bfloat16)))):
         from . import scoring_kernel as k
 
-        if a.dtype == torch.float16:
+        if b.dtype == torch.float16:
+            k.sub_f16_f16_to_bf16(_u16(_rows(a)), _u16(_rows(b)), _u16(_rows(out)))
+        elif b.dtype == torch.bfloat16:
+            k.sub_f16_bf16_to_bf16(_u16(_rows(a)), _u16(_rows(b)), _u16(_rows(out)))
+        elif a.dtype == torch.float16:
             k.sub_f16_to_bf16(_u16(_rows(a)), _rows(b).numpy(), _u16(_rows(out)))
         else:
             k.sub_f32_to_bf16(_rows(a).numpy(), _rows(b).numpy(), _u16(_rows(out)))
         return out
-    return torch.sub(a, b, out=out)
+    # (two 16-bit operands would be subtracted in their own dtype and rounded twice: b is widened first)
+    return torch.sub(a, b if b.dtype == torch.float32 else b.to(torch.float32), out=out)
+
+
+def exact_16bit(w: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
+    """float32 ``w`` as a float16 (else bfloat16) copy when that copy holds every value exactly (a weight read
+    from a 16-bit checkpoint: half the bytes), else ``w`` itself.  Checked value by value in
+    chunks of ``chunk`` elements (NaN never passes: its payload may not survive the round trip)."""
+    if w.dtype != torch.float32:
+        return w
+    flat = w.reshape(-1)
+    for dt in (torch.float16, torch.bfloat16):
+        n = w.to(dt)
+        nf = n.reshape(-1)
+        if all(torch.equal(nf[i:i + chunk].to(torch.float32), flat[i:i + chunk])
+               for i in range(0, flat.numel(), chunk)):
+            return n
+    return w
 
 
 def add_bf16(y: torch.Tensor, p: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -199,8 +222,9 @@ def add_bf16(y: torch.Tensor, p: torch.Tensor, out: torch.Tensor | None = None) 
 
 class DeltaLinear:
     """A candidate W_hat of linear ``n`` scored as the reference output plus bf16 products of the differences
-    (module docstring).  ``w`` float32 [N, K] is the reference weight (row n = output feature n), ``w_hat`` any
-    float [N, K] the candidate; the bias is the reference's and sits in the recorded output already."""
+    (module docstring).  ``w`` float32 [N, K] is the reference weight (row n = output feature n) or its exact
+    16-bit copy (``exact_16bit``: the same differences and bf16 weight, bit for bit), ``w_hat`` any float [N, K]
+    the candidate; the bias is the reference's and sits in the recorded output already."""
 
     def __init__(self, tape: ReferenceTape, n: str, w: torch.Tensor, w_hat: torch.Tensor):
         self.tape, self.n, self.w = tape, n, w

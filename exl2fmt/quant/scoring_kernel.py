@@ -18,7 +18,7 @@ from numba import njit, prange
 
 from ..codec._f16 import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits
 
-__all__ = ["sub_f16_to_bf16", "sub_f32_to_bf16", "add_bf16"]
+__all__ = ["sub_f16_to_bf16", "sub_f16_f16_to_bf16", "sub_f16_bf16_to_bf16", "sub_f32_to_bf16", "add_bf16"]
 
 
 @njit(cache=True, parallel=True)
@@ -29,6 +29,27 @@ def sub_f16_to_bf16(a, b, out):
     for r in prange(R):
         for c in range(C):
             out[r, c] = f32_to_bf16_bits(f16_bits_to_f32(a[r, c]) - b[r, c])
+
+
+@njit(cache=True, parallel=True)
+def sub_f16_f16_to_bf16(a, b, out):
+    """``torch.sub(a, b.float(), out=out)`` for ``a``, ``b`` fp16 bits uint16 [R, C], ``out`` bf16 bits uint16
+    [R, C]: both widened exactly, the difference in float32, rounded once to bf16 (``b`` being the exact fp16
+    copy of a float32 weight, the bits of ``sub_f16_to_bf16`` with that weight)."""
+    R, C = b.shape
+    for r in prange(R):
+        for c in range(C):
+            out[r, c] = f32_to_bf16_bits(f16_bits_to_f32(a[r, c]) - f16_bits_to_f32(b[r, c]))
+
+
+@njit(cache=True, parallel=True)
+def sub_f16_bf16_to_bf16(a, b, out):
+    """``torch.sub(a, b.float(), out=out)`` for ``a`` fp16 bits, ``b`` bf16 bits, ``out`` bf16 bits, all uint16
+    [R, C]."""
+    R, C = b.shape
+    for r in prange(R):
+        for c in range(C):
+            out[r, c] = f32_to_bf16_bits(f16_bits_to_f32(a[r, c]) - bf16_bits_to_f32(b[r, c]))
 
 
 @njit(cache=True, parallel=True)
