@@ -736,7 +736,11 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
                             W[n] = (w16, b)
                         del w, w16
             cache = _VariantCache(F, made, W, tape)
-            shared = _SharedOutputs(made, options, [n for n in spec.groups(kind, i)[0] if n in made])
+            # (a first linear scored from the tape costs one bf16 product and an addition, about what keeping,
+            # comparing and copying its output costs, and the kept outputs were up to 64 MiB of the measurement's
+            # peak: only fp32-scored first linears keep theirs)
+            shared = _SharedOutputs(made, options, [n for n in spec.groups(kind, i)[0]
+                                                    if n in made and not (tape is not None and tape.usable(n))])
             for j, opt in enumerate(options):
                 lin = {n: shared.wrap(j, n, qp, cache.linear(n, qp)) for n, qp in _opt_layers(opt, blk.names)}
                 scorer.sweep(h_s, lin, out=y)
