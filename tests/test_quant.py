@@ -598,6 +598,32 @@ def test_gptq_pipeline_writes_a_valid_gptq_model(tiny_llama, tmp_path, monkeypat
     assert all(l.plan == "gptq 4b g64" for l in r.layers)
 
 
+@pytest.mark.parametrize("target", ["gptq", "exl2"])
+def test_the_quantize_pass_parks_its_hessians_and_writes_the_same_bytes(tiny_llama, tmp_path, monkeypatch, target):
+    """The quantize pass writes each Hessian to the work directory while it is factored and swept, and computes
+    the proxy errors once it is read back: every output file (the manifest's errors included) is byte for byte
+    the run that keeps the Hessians in memory, and one Hessian per group went out."""
+    from exl2fmt.quant import pipeline as P
+
+    src, ids = tiny_llama
+    parked, real = [], P._spilled
+
+    def counted(H, path):
+        if path is not None:
+            parked.append((path.name, tuple(H.shape)))
+        return real(H, path)
+    monkeypatch.setattr(P, "_spilled", counted)
+    kw = dict(target=target, bits=4.0 if target == "exl2" else 4, work_dir=str(tmp_path / "w1"))
+    P.quantize_model(src, tmp_path / "a", _opts(ids, **kw))
+    assert len(parked) == 2 * 4 and ("hessian.f32", (128, 128)) in parked and ("hessian.f32", (256, 256)) in parked
+    monkeypatch.setattr(P, "_SPILL_HESSIANS", False)
+    P.quantize_model(src, tmp_path / "b", _opts(ids, **{**kw, "work_dir": str(tmp_path / "w2")}))
+    assert len(parked) == 2 * 4                          # the second run parked nothing
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")
+    man = json.loads((tmp_path / "a" / "exl2fmt-manifest.json").read_text())
+    assert all(v["error"] > 0 for v in man["layers"].values())
+
+
 def test_bad_options_are_usage_errors(tiny_llama, tmp_path):
     from exl2fmt.quant.pipeline import quantize_model
 

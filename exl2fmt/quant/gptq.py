@@ -370,16 +370,19 @@ def proxy_error(weight: torch.Tensor, w_hat: torch.Tensor, H: torch.Tensor, max_
     """Relative output error on the calibration inputs: sqrt(tr(D H D^T) / tr(W H W^T)), D = w_hat - W (both
     float [N, K]), i.e. ||X D^T||_F / ||X W^T||_F.  Evaluated on at most ``max_rows`` evenly spaced output
     features (a fixed subset, ``_proxy_rows``), so it costs K^2 * 256 rather than K^2 * N multiply-adds."""
-    rows = _proxy_rows(weight.shape[0], max_rows)
-    return _proxy_error_of_rows(weight[rows], w_hat[rows], H)
+    rows = proxy_rows(weight.shape[0], max_rows)
+    return proxy_error_of_rows(weight[rows], w_hat[rows], H)
 
 
-def _proxy_rows(N: int, max_rows: int = 256) -> slice:
+def proxy_rows(N: int, max_rows: int = 256) -> slice:
     """The output features ``proxy_error`` reads: every step-th, at most ``max_rows`` of them."""
     return slice(None, None, max(1, -(-N // max_rows)))
 
 
-def _proxy_error_of_rows(weight_rows: torch.Tensor, hat_rows: torch.Tensor, H: torch.Tensor) -> float:
+def proxy_error_of_rows(weight_rows: torch.Tensor, hat_rows: torch.Tensor, H: torch.Tensor) -> float:
+    """``proxy_error`` from the rows it reads (``weight[proxy_rows(N)]``, ``w_hat[proxy_rows(N)]``, float
+    [n, K], any layout): a caller that computes the error once H is back (after a sweep run without it) keeps
+    only these."""
     W = weight_rows.to(torch.float32)
     D = hat_rows.to(torch.float32) - W
     num = float(torch.sum((D @ H) * D))
@@ -415,15 +418,17 @@ class Exl2Result:
 
 
 def quantize_exl2(weight: torch.Tensor, prep: Prepared, bits_rows: list[tuple[int, int]],
-                  refine_scales: bool = False, hat_dtype: torch.dtype = torch.float32) -> Exl2Result:
+                  refine_scales: bool = False, hat_dtype: torch.dtype = torch.float32, error: bool = True
+                  ) -> Exl2Result:
     """GPTQ-quantize ``weight`` float [N, K] to the EXL2 group plan ``bits_rows`` (``layout.plan_rows``), with
     ExLlamaV2's per-group 4-bit scale search (``exl2fmt.formats.exl2.find_scales``) on the compensated rows;
     ``refine_scales`` adds exl2fmt's per-column refinement of the scale codes (``find_scales(refine=True)``).
-    The result carries ``proxy_error``.  (``quantize_exl2_plans`` with one plan: the same sweep.)
+    The result carries ``proxy_error`` (``error=False``: None, and ``prep.H`` may be None).  (``quantize_exl2_plans``
+    with one plan: the same sweep.)
 
     Holds ``weight`` only until its work matrix is made (and the rows the proxy error reads): a caller that
     passes a temporary (``quantize_exl2(src.get(...), ...)``) has it freed during the sweep."""
-    plans = quantize_exl2_plans(weight, prep, [bits_rows], refine_scales, error=True, hat_dtype=hat_dtype)
+    plans = quantize_exl2_plans(weight, prep, [bits_rows], refine_scales, error=error, hat_dtype=hat_dtype)
     del weight
     return next(plans)[1]
 
@@ -502,7 +507,7 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
     n_pad = pad32(N)
     Wt = _work_matrix(weight, prep.perm, n_pad)
     distinct = sorted(set(plans_t))
-    probe = _proxy_rows(N)
+    probe = proxy_rows(N)
     ref_rows = weight[probe].clone() if error else None        # what proxy_error reads of the weight
     if len(distinct) == 1:
         weight = None        # one sweep, never restarted from the weight: let a caller's temporary go now
@@ -564,7 +569,7 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
         res = Exl2Result(codes=codes_np, scale_codes=scale_codes[:len(plan)].copy(),
                          q_scale_max=qsm[:len(plan)].copy(), bits_rows=list(plan), q_invperm=invperm.copy(),
                          weight_hat=w_hat,
-                         error=_proxy_error_of_rows(ref_rows.to(w_hat.device), w_hat[probe], prep.H)
+                         error=proxy_error_of_rows(ref_rows.to(w_hat.device), w_hat[probe], prep.H)
                          if error else None)
         del codes_np
         for i in asked[plan]:
@@ -578,7 +583,7 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
 class GptqResult:
     """One quantized GPTQ layer in the arrays of ``exl2fmt.formats.gptq.gptq_layer_tensors``:
     ``codes`` uint8 [K, N] (ORIGINAL row order), ``scales`` float16 [G, N], ``zeros`` int32 [G, N] (true zero
-    points), ``g_idx`` int32 [K]; ``weight_hat`` float32 [N, K]; ``error`` (``proxy_error``)."""
+    points), ``g_idx`` int32 [K]; ``weight_hat`` float32 [N, K]; ``error`` (``proxy_error``; None from ``quantize_gptq(error=False)``)."""
 
     codes: np.ndarray
     scales: np.ndarray
@@ -586,7 +591,7 @@ class GptqResult:
     g_idx: np.ndarray
     bits: int
     weight_hat: torch.Tensor
-    error: float
+    error: float | None
 
     def tensors(self, bias: np.ndarray | None = None, v2: bool = False) -> dict[str, np.ndarray]:
         from ..formats.gptq import gptq_layer_tensors
@@ -594,7 +599,8 @@ class GptqResult:
         return gptq_layer_tensors(self.codes, self.scales, self.zeros, self.g_idx, self.bits, v2=v2, bias=bias)
 
 
-def quantize_gptq(weight: torch.Tensor, prep: Prepared, bits: int, group_size: int, *, sym: bool = True) -> GptqResult:
+def quantize_gptq(weight: torch.Tensor, prep: Prepared, bits: int, group_size: int, *, sym: bool = True,
+                  error: bool = True) -> GptqResult:
     """GPTQ-quantize ``weight`` float [N, K] to ``bits`` (2/3/4/8) with groups of ``group_size`` rows (-1 = one
     group).  With a plain act-order ``prep`` the groups are cut in processing order, so
     ``g_idx[perm[i]] = i // group_size`` (non-monotone); with a group-aware ``prep`` (``within_groups`` equal
@@ -602,7 +608,7 @@ def quantize_gptq(weight: torch.Tensor, prep: Prepared, bits: int, group_size: i
     ``g_idx[k] = k // group_size`` (monotone) and ``scales[g]`` / ``zeros[g]`` belong to features
     g*group_size.. as without reordering.  Each group's scale (and zero point when asymmetric) is the best fp16
     fit of the compensated rows (``converters.gptq_quant.fit_group``); asymmetric zero points stay >= 1 so the
-    v1 zero field is never negative."""
+    v1 zero field is never negative.  ``error=False``: no ``proxy_error`` (None; ``prep.H`` may be None)."""
     from ..converters.gptq_quant import fit_group
 
     if bits not in (2, 3, 4, 8):
@@ -660,4 +666,4 @@ def quantize_gptq(weight: torch.Tensor, prep: Prepared, bits: int, group_size: i
             g_idx[perm[a:a + r]] = g
     w_hat = _unpermute(Wt, prep.perm, N)
     return GptqResult(codes=codes, scales=scales, zeros=zeros, g_idx=g_idx, bits=bits, weight_hat=w_hat,
-                      error=proxy_error(weight.to(w_hat.device), w_hat, prep.H))
+                      error=proxy_error(weight.to(w_hat.device), w_hat, prep.H) if error else None)

@@ -735,6 +735,7 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
                         if w16 is not w and blk.r.drop_linear(n):
                             W[n] = (w16, b)
                         del w, w16
+            _trim_heap()                     # the candidates' GPTQ and the tape's forward leave free heap behind
             cache = _VariantCache(F, made, W, tape)
             # (a first linear scored from the tape costs one bf16 product and an addition, about what keeping,
             # comparing and copying its output costs, and the kept outputs were up to 64 MiB of the measurement's
@@ -968,8 +969,8 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
     this run computed it (``_measure``); otherwise the FP16 trajectory is advanced here, one block forward
     more per block."""
     from . import weights as F
-    from .gptq import (EXL2_PERCDAMP, GPTQ_PERCDAMP, HessianAccumulator, prepare, quantize_exl2,
-                       quantize_gptq)
+    from .gptq import (EXL2_PERCDAMP, GPTQ_PERCDAMP, HessianAccumulator, prepare, proxy_error_of_rows, proxy_rows,
+                       quantize_exl2, quantize_gptq)
     from .qparams import QParams
 
     device = torch.device(o.device)
@@ -992,13 +993,14 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
 
     def quant_layer(i, n, w, b, prep):
         key = spec.linear_key(i, n)
+        error = prep.H is not None           # (else the caller computes it once the Hessian is read back)
         if o.target == "exl2":
             ov = strategy["overrides"].get(key)
             qp = QParams.from_json(ov, key) if ov is not None else \
                 options_of(kind)[strategy["options"][spec.block_key(i, kind)]].get(n)
-            r = quantize_exl2(w, prep, qp.bits_rows(w.shape[1]), bool(o.refine_scales))
+            r = quantize_exl2(w, prep, qp.bits_rows(w.shape[1]), bool(o.refine_scales), error=error)
         else:
-            r = quantize_gptq(w, prep, o.bits, o.group_size, sym=o.sym)
+            r = quantize_gptq(w, prep, o.bits, o.group_size, sym=o.sym, error=error)
         bias = None if b is None else b.cpu().numpy()
         tensors = r.tensors(bias)
         path = work.layer_path(key)
@@ -1027,29 +1029,43 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
                 # the last linear (o_proj, down_proj): its inputs are kept, so that the block's quantized output
                 # is made from them once it is quantized (blk.finish) instead of by one more sweep
                 blk.sweep(h, lin, {owner: acc}, tail=owner)
+                if blk.tail is not None:     # finish() runs only this linear: the block's other quantized
+                    lin = {n: lin[n] for n in group}   # reconstructions are done with (a 1B gate + up: 88 MB)
             else:                            # a later group's only needs its input: the forward stops there
                 blk.sweep(h, lin, {owner: acc}, stop_at=owner)
             gs = _gptq_groups(o, W[owner][0].shape[1])
-            prep = prepare(acc.take(), percdamp=damp, act_order=o.act_order,   # one factorization per group
+            # on the CPU the Hessian waits in the work directory while it is factored and its linears swept (a
+            # down_proj's is 127 MB at K = 5632, a third of the factorization's peak); the proxy errors are
+            # computed once it is read back, from the rows they read of each weight and reconstruction
+            spill = work.root / "hessian.f32" if _SPILL_HESSIANS and device.type == "cpu" else None
+            prep = prepare(_spilled(acc.take(), spill), percdamp=damp, act_order=o.act_order,   # one per group
                            within_groups=gs if o.order == "group" else None,
-                           fixed_groups=gs if o.order == "static" else None)
+                           fixed_groups=gs if o.order == "static" else None, keep_hessian=spill is None)
             del acc
+            done: list[tuple] = []           # (key, plan, bpw, error or the rows it is computed from)
             for n in group:
                 w, b = W[n]
                 r, packed = quant_layer(i, n, w, b, prep)
                 lin[n] = F.dense_linear(r.weight_hat, b)
                 N = w.shape[0]
+                probe = r.error if spill is None else (w[proxy_rows(N)].clone(), r.weight_hat[proxy_rows(N)].clone())
                 # no FP16 forward of this layer follows (the trajectory was handed over; not MoE, whose dense
                 # sweep below counts the routed tokens): the float32 original is not needed again (a 1B gate and
                 # up: 92 MB while down_proj is factored)
                 w = None
                 if final and not spec.is_moe(i) and blk.r.drop_linear(n):
                     W[n] = (None, b)
-                lk = spec.linear_key(i, n)
-                work.job.setdefault("layers", {})[lk] = asdict(LayerResult(lk, _plan_of(r), _bpw_of(packed, N),
-                                                                         r.error))
+                done.append((spec.linear_key(i, n), _plan_of(r), _bpw_of(packed, N), probe))
                 if progress:
-                    progress("quantize", bi * 10 + 1 + _linears(spec, kind, i).index(n), len(blocks) * 10, lk)
+                    progress("quantize", bi * 10 + 1 + _linears(spec, kind, i).index(n), len(blocks) * 10,
+                             done[-1][0])
+            if spill is not None:            # the factor and sweep are done with: the Hessian back for the errors
+                prep = r = packed = None
+                H = _unspilled(spill, K)
+            for lk, plan, bpw, probe in done:
+                err = probe if spill is None else proxy_error_of_rows(*probe, H)
+                work.job.setdefault("layers", {})[lk] = asdict(LayerResult(lk, plan, bpw, err))
+            H = done = probe = None
         # the last group's factorization and result are not needed by the sweeps below (a down_proj's Hessian and
         # factor are 254 MB at K = 5632)
         prep = r = packed = None
@@ -1138,6 +1154,29 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         report.warnings.append(f"the calibration perplexity rose from {a:.3f} (FP16) to {q:.3f} (quantized): the "
                                "quantization has probably failed; try more --bits or --head-bits, or calibration "
                                "text closer to the model's use")
+
+
+#: The quantize pass parks each Hessian in the work directory while it is factored and its linears swept (CPU).
+_SPILL_HESSIANS = True
+
+
+def _spilled(H: torch.Tensor, path: Path | None) -> torch.Tensor:
+    """``H`` float32 [K, K] (CPU), also written raw to ``path`` (scratch: no fsync) for ``_unspilled``; ``H``
+    itself when ``path`` is None."""
+    if path is not None:
+        H.numpy().tofile(path)
+    return H
+
+
+def _unspilled(path: Path, K: int) -> torch.Tensor:
+    """The Hessian ``_spilled`` wrote, float32 [K, K], read back bit for bit; the file is removed."""
+    n = path.stat().st_size
+    if n != K * K * 4:                  # our own scratch file: a mismatch means the work directory was tampered with
+        raise Exl2Error(ErrorCode.CHECKPOINT_INVALID, f"expected {K * K * 4} bytes of a {K} x {K} Hessian, found {n}",
+                        file=str(path))
+    H = torch.from_numpy(np.fromfile(path, dtype=np.float32).reshape(K, K))
+    path.unlink()
+    return H
 
 
 def _gptq_groups(o: QuantOptions, K: int) -> int | None:
