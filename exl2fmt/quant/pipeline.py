@@ -404,8 +404,9 @@ _CANDIDATE_BITS = 88
 def _disk_needed(spec, src, o: QuantOptions, measuring: bool) -> tuple[int, int]:
     """Bytes the run will write, a slight overestimate, as (output, work directory): the output (decoder linears
     at ``bits``, the head at ~``head_bits`` + overhead, everything else as fp16); in the work directory the
-    per-layer copies (the quantized part again), one block's parked candidates while measuring, and two
-    hidden-state snapshots."""
+    per-layer copies (the quantized part again), one block's parked candidates while measuring (the quantize
+    pass's parked Hessian, at most the largest K x K float32, comes after them), and two hidden-state
+    snapshots."""
     lin = sum(K * N for i, kind in _blocks(spec) for n in _linears(spec, kind, i) for N, K in [spec.linear_shape(n)])
     quant_bits = float(o.bits) + 0.2 if o.target == "exl2" else float(o.bits) + 0.3
     head = spec.vocab_size * spec.hidden_size
@@ -416,7 +417,9 @@ def _disk_needed(spec, src, o: QuantOptions, measuring: bool) -> tuple[int, int]
     quantized = lin * quant_bits / 8 + (head * head_bits / 8 if o.target == "exl2" else 0)
     block = max(sum(K * N for n in _linears(spec, kind, i) for N, K in [spec.linear_shape(n)])
                 for i, kind in _blocks(spec))
-    variants = block * _CANDIDATE_BITS / 8 if measuring else 0
+    hessian = max(K * K * 4 for i, kind in _blocks(spec) for n in _linears(spec, kind, i)
+                  for _, K in [spec.linear_shape(n)]) if _SPILL_HESSIANS and torch.device(o.device).type == "cpu" else 0
+    variants = max(block * _CANDIDATE_BITS / 8 if measuring else 0, hessian)
     hidden = 2 * 4 * o.rows * o.length * spec.hidden_size
     return int(out), int(quantized + variants + hidden)
 
