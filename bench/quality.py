@@ -55,9 +55,10 @@ def rtn_source(model_dir, bits=4, group_size=128):
 
 def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_eval=64, length_eval=256,
         gptq=True, rtn=True, fp16_head=True, upstream_tables=(), log=print, refine_scales=None,
-        measure_rows=None) -> dict:
+        measure_rows=None, batch_tokens=None) -> dict:
     """Quantize the fixture into ``work`` and evaluate; returns {name: metrics + bpw + seconds}.
-    ``measure_rows``: calibration rows that score the EXL2 measurement's candidates (None = every row)."""
+    ``measure_rows``: calibration rows that score the EXL2 measurement's candidates (None = every row);
+    ``batch_tokens``: ``QuantOptions.batch_tokens`` of every quantization (None = the default for the model)."""
     from exl2fmt.quant.evaluate import compare_many, dequantized_source, eval_ids
     from exl2fmt.quant.hf_engine import HFModel
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
@@ -71,7 +72,7 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
     for i, bits in enumerate(exl2_bits):
         t = time.monotonic()
         opts = QuantOptions(target="exl2", bits=bits, rows=rows_cal, length=length_cal, device="cpu",
-                            refine_scales=refine_scales, measure_rows=measure_rows,
+                            refine_scales=refine_scales, measure_rows=measure_rows, batch_tokens=batch_tokens,
                             **({"save_measurement": str(meas)} if i == 0 else {"measurement": str(meas)}))
         rep = quantize_model(FIXTURE, work / f"exl2-{bits}", opts)
         name = f"EXL2 {bits}"
@@ -89,7 +90,7 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
         # the same measurement, but only ExLlamaV2's own candidate rows may be chosen
         rep = quantize_model(FIXTURE, work / f"exl2-up-{bits}", QuantOptions(
             target="exl2", bits=bits, rows=rows_cal, length=length_cal, device="cpu", measurement=str(meas),
-            extended=False, refine_scales=refine_scales))
+            extended=False, refine_scales=refine_scales, batch_tokens=batch_tokens))
         deq = dequantized_source(work / f"exl2-up-{bits}")
         mem = {n: deq.get(n) for n in deq.names()}
         mem["lm_head.weight"] = ref.get("lm_head.weight")
@@ -100,7 +101,7 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
         t = time.monotonic()
         rep = quantize_model(FIXTURE, work / "gptq-4-g128", QuantOptions(target="gptq", bits=4, group_size=128,
                                                                         rows=rows_cal, length=length_cal,
-                                                                        device="cpu"))
+                                                                        device="cpu", batch_tokens=batch_tokens))
         tests["GPTQ 4b g128"] = dequantized_source(work / "gptq-4-g128")
         info["GPTQ 4b g128"] = {"bpw": _gptq_bpw(work / "gptq-4-g128"), "head_bpw": 16.0,
                                 "seconds": time.monotonic() - t}
@@ -178,11 +179,13 @@ def main() -> None:
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--refine-scales", action="store_true", help="EXL2 with exl2fmt's per-column refinement of "
                     "the scale codes (off by default with calibration)")
+    ap.add_argument("--batch-tokens", type=int, default=None, help="calibration tokens per forward batch of every "
+                    "quantization (default: the quantizer's own for the model; an A/B of the batch split)")
     a = ap.parse_args()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as d:
         res = run(Path(d), rows_eval=a.rows, length_eval=a.length, upstream_tables=(4.0, 3.0, 2.5),
-                  refine_scales=a.refine_scales)
+                  refine_scales=a.refine_scales, batch_tokens=a.batch_tokens)
     lines = table(res)
     print("\n".join(lines))
     total = time.monotonic() - t0
@@ -198,6 +201,7 @@ def main() -> None:
                     f"for a like-for-like comparison (decoder bpw is what --bits sets); 'upstream tables' rows may only pick "
                     f"ExLlamaV2's own candidate rows (same measurement, same solver). Scale codes: "
                     f"{'searched, then refined per column (--refine-scales)' if a.refine_scales else 'ExLlamaV2 search'}. "
+                    f"Batches: {a.batch_tokens or 'the default'} tokens. "
                     f"Whole run {total:.0f} s.\n\n" + "\n".join(lines) + "\n")
 
 

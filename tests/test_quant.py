@@ -1159,6 +1159,38 @@ def test_unknown_measure_search_is_a_usage_error_before_any_work(value):
     assert e.value.code is ErrorCode.USAGE and "--measure-search" in e.value.message
 
 
+def test_default_batch_tokens_bounds_a_batchs_widest_activation_on_the_cpu():
+    """Whole rows whose widest float32 activation fits BATCH_ACTIVATION_BYTES (at least one row, at most
+    MAX_BATCH_TOKENS); CUDA keeps MAX_BATCH_TOKENS.  The numbers: a 1B MLP (5632 wide) at 256-token rows gets 4 rows,
+    the trained fixture (768 wide) the cap, a 70B MLP (28672) one row of 2048."""
+    from exl2fmt.quant.pipeline import BATCH_ACTIVATION_BYTES, MAX_BATCH_TOKENS, default_batch_tokens
+
+    for length in (1, 48, 256, 512, 2048, 3000, 10000):
+        for widest in (128, 768, 2048, 5632, 28672):
+            got = default_batch_tokens(length, widest, "cpu")
+            assert got % length == 0 and got >= length
+            rows = got // length
+            assert rows == 1 or (rows * length * widest * 4 <= BATCH_ACTIVATION_BYTES and got <= MAX_BATCH_TOKENS)
+            assert (rows + 1) * length > MAX_BATCH_TOKENS or (rows + 1) * length * widest * 4 > BATCH_ACTIVATION_BYTES
+            assert default_batch_tokens(length, widest, "cuda") == default_batch_tokens(length, widest, "cuda:1") \
+                == MAX_BATCH_TOKENS
+    assert default_batch_tokens(256, 5632, "cpu") == 1024
+    assert default_batch_tokens(256, 768, "cpu") == default_batch_tokens(512, 768, "cpu") == MAX_BATCH_TOKENS
+    assert default_batch_tokens(48, 256, "cpu") == 170 * 48            # the cap's whole rows
+    assert default_batch_tokens(2048, 28672, "cpu") == 2048
+
+
+def test_batch_tokens_resolve_from_the_model_and_must_be_positive(tiny_llama, tmp_path):
+    from exl2fmt.quant.pipeline import quantize_model
+
+    src, ids = tiny_llama
+    r = quantize_model(src, tmp_path / "a", _opts(ids, target="gptq", bits=4))
+    assert r.options["batch_tokens"] == 170 * 48             # 256 wide: the cap's whole rows
+    with pytest.raises(Exl2Error) as e:
+        quantize_model(src, tmp_path / "b", _opts(ids, target="gptq", bits=4, batch_tokens=0))
+    assert e.value.code is ErrorCode.USAGE and not (tmp_path / "b").exists()
+
+
 def test_score_plan_puts_evenly_spaced_rows_first_in_whole_batches():
     from exl2fmt.quant.pipeline import QuantOptions, _score_plan
 
@@ -1247,9 +1279,10 @@ def test_bf16_scoring_measures_the_errors_fp32_scoring_measures(tiny_llama, exl2
 
 
 def test_bf16_scoring_from_16bit_weight_copies_measures_the_same_bits(tiny_llama, tmp_path, monkeypatch):
-    """The option sweeps read each (fp16-checkpoint) weight from its exact fp16 copy, the layer's float32 weights
-    freed: the measurement is byte for byte the one scored from the float32 weights (narrowing disabled), and
-    the copies were really made for every linear of every block."""
+    """Once a layer's candidates are made, the tape's forward and the option sweeps read its (fp16-checkpoint)
+    weight from its exact fp16 copy, the layer's float32 weight freed: the measurement is byte for byte the one
+    scored from the float32 weights (narrowing disabled), and the copies were really made for every linear of
+    every block."""
     from conftest import force_delta_scoring
 
     from exl2fmt.quant import scoring

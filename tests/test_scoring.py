@@ -253,3 +253,16 @@ def test_exact_16bit_narrows_only_what_it_holds_exactly():
     signed = torch.tensor([[-0.0, 0.0, 1.0]])
     got = scoring.exact_16bit(signed)
     assert torch.equal(got.view(torch.int16), signed.half().view(torch.int16))
+
+
+def test_a_widened_16bit_linear_is_the_float32_linear_bit_for_bit():
+    from exl2fmt.quant.weights import dense_linear, widened_linear
+
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(96, 64, generator=gen).half().float()
+    b = torch.randn(96, generator=gen)
+    x = torch.randn(3, 5, 64, generator=gen)
+    w16 = scoring.exact_16bit(w)
+    assert w16.dtype == torch.float16
+    f = widened_linear(w16, b)
+    assert torch.equal(f(x), dense_linear(w, b)(x)) and f.weight is w16 and f.bias is b

@@ -90,7 +90,9 @@ class QuantOptions:
     # feedback the tighter scales clip compensated rows and the KL rises: bench/RESULTS.md)
     refine_scales: bool | None = None
     norm: float = 2.0                     # solver objective: sum of block error ** norm
-    batch_tokens: int = 8192              # calibration tokens per forward batch
+    # calibration tokens per forward batch (whole rows); None = ``default_batch_tokens`` for the model, resolved
+    # once the model is open
+    batch_tokens: int | None = None
     # calibration rows that score the measurement's candidates (ExLlamaV2's -mr): a count, "all", or None for
     # ``default_measure_rows`` (resolved() makes it a count).  The Hessians of the candidates' GPTQ and the
     # reference outputs always come from every row; fewer scoring rows cut the cost of the option forwards in
@@ -182,6 +184,27 @@ def default_measure_rows(rows: int, length: int) -> int:
     fixture (16 x 256 and 32 x 512) and on a 1B-shaped layer (bench/RESULTS.md, issue 18); the scoring forwards,
     most of the measurement on wide models, shrink in proportion."""
     return max(1, min(rows, max(-(-rows // 4), -(-MEASURE_MIN_TOKENS // max(1, length)))))
+
+
+#: The most calibration tokens one forward batch holds.
+MAX_BATCH_TOKENS = 8192
+#: On the CPU a forward batch holds as many whole rows as keep its widest activation (tokens x the widest
+#: linear dimension, float32) within this many bytes: each sweep holds a few such activations at once, and the
+#: measurement's option scoring about six of them beside its tape (bench/RESULTS.md, issue 18: a 1B layer at
+#: 8 x 256 peaked 0.1 GB lower with 1024-token batches than with one of 2048, in the same time).
+BATCH_ACTIVATION_BYTES = 24 << 20
+
+
+def default_batch_tokens(length: int, widest: int, device: str) -> int:
+    """Tokens per forward batch when ``QuantOptions.batch_tokens`` is None: ``MAX_BATCH_TOKENS`` on CUDA (device
+    memory, where large products pay); on the CPU the whole rows of ``length`` tokens whose activations of the
+    ``widest`` linear dimension fit ``BATCH_ACTIVATION_BYTES``, at least one row, at most ``MAX_BATCH_TOKENS``.
+    (Rows are independent sequences, so a batch split changes only the float rounding of sums over tokens.)"""
+    if str(device).startswith("cuda"):
+        return MAX_BATCH_TOKENS
+    length = max(1, int(length))
+    rows = max(1, min(BATCH_ACTIVATION_BYTES // (4 * length * max(1, int(widest))), MAX_BATCH_TOKENS // length))
+    return rows * length
 
 
 _ORDERS = ("act", "group", "static", "natural")
@@ -468,7 +491,7 @@ _CANDIDATE_IN_MEMORY_MAX = 4 << 20
 
 
 def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory: int | None = None,
-              scale_search: str = "full") -> dict[str, dict]:
+              scale_search: str = "full", done: Callable[[str], None] | None = None) -> dict[str, dict]:
     """GPTQ-quantize every distinct candidate setting of every layer of the block whose Hessian owner is in
     ``hess`` (once per distinct group plan at the layer's K: settings whose proportions round to the same rows
     share the result).  Returns {layer: {QParams:
@@ -477,7 +500,8 @@ def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory:
     layer and setting).  ``scale_search``: ``gptq.quantize_exl2_plans(scale_search=)``.
 
     Only one parked candidate is in memory at a time; scoring loads them back one by one (``_VariantCache``), so
-    the measurement's memory does not grow with the number of candidates."""
+    the measurement's memory does not grow with the number of candidates.  ``done(n)`` is called once layer n's
+    candidates are all made."""
     from .gptq import prepare, quantize_exl2_plans
 
     in_memory = _CANDIDATES_IN_MEMORY if in_memory is None else in_memory
@@ -516,6 +540,8 @@ def _variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_memory:
             del r
         if last[owner] == n:
             del prepared[owner]
+        if done is not None:
+            done(n)
     return out
 
 
@@ -705,7 +731,20 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
             vdir = work.root / "variants"
             shutil.rmtree(vdir, ignore_errors=True)
             vdir.mkdir()
-            made = _variants(blk, W, hess, options, vdir, bool(o.refine_scales), scale_search=o.measure_search)
+
+            def narrow(n):
+                # a layer whose candidates are made is read again only by the tape's reference forward (the
+                # option sweeps replace every linear: by a candidate's dense reconstruction, which reads no W, or
+                # by a DeltaLinear, which reads W_hat - W and W in bf16): the exact 16-bit copy of a weight from a
+                # 16-bit checkpoint, widened per call, gives the same bits at half the bytes, and the layer's own
+                # float32 copy is freed (a 1B MLP: -66 MB, -44 MB of them while down_proj's candidates are made)
+                w, b = W[n]
+                w16 = scoring.exact_16bit(w)
+                if w16 is not w and blk.r.drop_linear(n):
+                    W[n] = (w16, b)
+                    dense[n] = F.widened_linear(w16, b)
+            made = _variants(blk, W, hess, options, vdir, bool(o.refine_scales), scale_search=o.measure_search,
+                             done=narrow)
             for chunk in chunks[1:]:         # the in-memory budget is the block's, shared by its chunks
                 hess = {ow: HessianAccumulator(W[ow][0].shape[1], device) for ow in chunk}
                 blk.sweep(h, dense, hess)
@@ -727,17 +766,7 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
                 tape = scoring.ReferenceTape(taped, blk.owner, n_score, n_score)
                 scorer.sweep(h_s, {n: tape.recorder(n, f) for n, f in dense.items()}, out=y)
                 tape.close()
-                if all(tape.usable(n) for n in blk.names):
-                    # every option sweep replaces every linear by a DeltaLinear, which reads its weight only as
-                    # W_hat - W and W in bf16: the exact 16-bit copy of a weight from a 16-bit checkpoint gives
-                    # the same bits at half the bytes, and the layer's own float32 copy is freed (a 1B MLP: -66 MB)
-                    dense = None
-                    for n in blk.names:
-                        w, b = W[n]
-                        w16 = scoring.exact_16bit(w)
-                        if w16 is not w and blk.r.drop_linear(n):
-                            W[n] = (w16, b)
-                        del w, w16
+            dense = None
             _trim_heap()                     # the candidates' GPTQ and the tape's forward leave free heap behind
             cache = _VariantCache(F, made, W, tape)
             # (a first linear scored from the tape costs one bf16 product and an addition, about what keeping,
@@ -1576,6 +1605,11 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
                 raise
             return _weight_only(model, src_p, dst_p, o, force, progress, config, str(e.message), t0)
         spec.check_weights()
+        if o.batch_tokens is None:
+            widest = max(max(spec.linear_shape(n)) for i, kind in _blocks(spec) for n in _linears(spec, kind, i))
+            o.batch_tokens = default_batch_tokens(o.length, max(widest, spec.hidden_size), o.device)
+        elif int(o.batch_tokens) <= 0:
+            raise Exl2Error(ErrorCode.USAGE, f"batch_tokens must be positive, got {o.batch_tokens}")
         # what exists now (torch, transformers and their modules, the model's set-up) lives for the whole run:
         # set it aside from the cyclic GC, so that each block's gc.collect (_release_memory) walks only what the
         # run itself created (0.15 s per call on the fixture, 14% of a GPTQ run there, otherwise); a caller's

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..container import ModelFiles, bf16_bits_to_f32, open_model
 from ..errors import ErrorCode, Exl2Error
 
-__all__ = ["Linear", "dense_linear", "WeightSource"]
+__all__ = ["Linear", "dense_linear", "widened_linear", "WeightSource"]
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 """A linear layer as a function: x float [..., K] -> y float [..., N] (same dtype and device as x)."""
@@ -146,6 +146,17 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Line
     """
     def apply(x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight, bias)
+    apply.weight = weight  # type: ignore[attr-defined]
+    apply.bias = bias  # type: ignore[attr-defined]
+    return apply
+
+
+def widened_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """``dense_linear`` of a 16-bit ``weight`` float16/bfloat16 [N, K] widened to the input's dtype at each call
+    (a transient, one layer at a time): the same values and bits as ``dense_linear`` of the float32 weight it
+    was copied from exactly (``quant.scoring.exact_16bit``), at half the resident bytes."""
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight.to(x.dtype), bias)
     apply.weight = weight  # type: ignore[attr-defined]
     apply.bias = bias  # type: ignore[attr-defined]
     return apply
