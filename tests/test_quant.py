@@ -624,6 +624,19 @@ def test_the_quantize_pass_parks_its_hessians_and_writes_the_same_bytes(tiny_lla
     assert all(v["error"] > 0 for v in man["layers"].values())
 
 
+def test_a_parked_hessian_of_the_wrong_size_is_refused_by_name(tmp_path):
+    from exl2fmt.quant.pipeline import _spilled, _unspilled
+
+    H = torch.arange(36, dtype=torch.float32).reshape(6, 6)
+    path = tmp_path / "hessian.f32"
+    assert _spilled(H, path) is H and _spilled(H, None) is H
+    assert torch.equal(_unspilled(path, 6), H) and not path.exists()
+    _spilled(H, path)
+    with pytest.raises(Exl2Error) as e:
+        _unspilled(path, 5)
+    assert e.value.code is ErrorCode.CHECKPOINT_INVALID and e.value.file == str(path)
+
+
 def test_bad_options_are_usage_errors(tiny_llama, tmp_path):
     from exl2fmt.quant.pipeline import quantize_model
 

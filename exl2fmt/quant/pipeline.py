@@ -1275,7 +1275,7 @@ def _plain_tensor(src, name: str, report: QuantReport, chunk_bytes: int = 16 << 
     """One tensor of ``src`` as written: floating point as fp16 (values beyond its range clamped to +-65504,
     reported when the tensor is otherwise finite), integer buffers unchanged.
 
-    Read as stored and converted in row chunks of about ``chunk_bytes`` of float32: a 32000 x 2048 embedding
+    Read as stored and converted in chunks of about ``chunk_bytes`` of float32: a 32000 x 2048 embedding
     costs its stored copy and its fp16 result, not three float32 copies of itself (0.65 GB at the 1B's
     compile).  Each value is rounded to fp16 once, as a whole-tensor conversion does: the same bytes."""
     from ..container import bf16_bits_to_f32
