@@ -792,7 +792,7 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
                                 "block's reference outputs are degenerate (non-finite or exploding activations?)")
             measured[key] = rows_out
             work.save()
-            del cache, lin, y, shared, tape
+            del cache, lin, y, shared, tape, made     # (the next block's candidates are made without these)
             shutil.rmtree(vdir, ignore_errors=True)
         if progress:
             progress("measure", (bi + 1) * 1000, len(blocks) * 1000, key)
