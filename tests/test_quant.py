@@ -865,48 +865,33 @@ def test_a_result_the_caller_does_not_want_reconstructed_skips_only_its_weight_h
         assert np.array_equal(r.codes, seen[i].codes) and np.array_equal(r.scale_codes, seen[i].scale_codes)
 
 
-def test_quantize_exl2_is_the_one_plan_case_and_keeps_its_error():
+@pytest.mark.parametrize("K, N", [(192, 64), (128, 600)])
+def test_quantize_exl2_is_the_one_plan_case_keeps_its_error_and_lets_go_of_a_temporary_weight(K, N):
+    """quantize_exl2 is the one-plan sweep, bit for bit, with its proxy error (N = 600: the error reads every 3rd
+    output feature); a weight passed as a temporary is freed once the work matrix is made (its weak reference is
+    dead while the generator still holds its result), with the same result as a run whose caller keeps it."""
+    import weakref
+
     from exl2fmt.quant.gptq import quantize_exl2_plans
 
-    K, N = 192, 64
-    H = _correlated(K, seed=13)
+    H = _correlated(K, seed=K + 13)
     p = prepare(H)
-    W = _weight(N, K, seed=14)
+    W = _weight(N, K, seed=K + 14)
     plan = plan_rows(K, [Tier(0.2, 6, 32), Tier(0.8, 3, 64)])
     r = quantize_exl2(W, p, plan)
     codes, sc, qsm, w_hat = _exl2_separately(W, p, plan)
     assert np.array_equal(r.codes, codes) and torch.equal(r.weight_hat, w_hat)
     assert r.error == proxy_error(W, w_hat, H) and r.error > 0
-    _, r2 = next(quantize_exl2_plans(W, p, [plan], error=True))
-    assert r2.error == r.error
-    with pytest.raises(Exl2Error) as e:
-        next(quantize_exl2_plans(W, p, [plan, [(4, 64)]]))       # a plan that does not cover K
-    assert e.value.code is ErrorCode.USAGE
-
-
-def test_one_plan_lets_go_of_a_temporary_weight_and_keeps_its_error():
-    """The weight passed as a temporary is freed once the work matrix is made (its weak reference is dead while
-    the generator still holds its result), and the result is the one of a run whose caller keeps the weight: same
-    codes, reconstruction and proxy error (N = 600: the error reads every 3rd output feature)."""
-    import weakref
-
-    from exl2fmt.quant.gptq import quantize_exl2_plans
-
-    K, N = 128, 600
-    H = _correlated(K, seed=21)
-    p = prepare(H)
-    W = _weight(N, K, seed=22)
-    plan = plan_rows(K, [Tier(0.5, 4, 32), Tier(0.5, 3, 32)])
-    kept = quantize_exl2(W, p, plan)
-    assert kept.error == proxy_error(W, kept.weight_hat, H)
     temp = W.clone()
     alive = weakref.ref(temp)
     it = quantize_exl2_plans(temp, p, [plan], error=True)
     del temp
-    _, r = next(it)
+    _, r2 = next(it)
     assert alive() is None
-    assert np.array_equal(r.codes, kept.codes) and torch.equal(r.weight_hat, kept.weight_hat)
-    assert r.error == kept.error
+    assert np.array_equal(r2.codes, r.codes) and torch.equal(r2.weight_hat, r.weight_hat) and r2.error == r.error
+    with pytest.raises(Exl2Error) as e:
+        next(quantize_exl2_plans(W, p, [plan, [(4, 64)]]))       # a plan that does not cover K
+    assert e.value.code is ErrorCode.USAGE
 
 
 @st.composite
