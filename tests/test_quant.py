@@ -613,6 +613,7 @@ def test_the_quantize_pass_parks_its_hessians_and_writes_the_same_bytes(tiny_lla
             parked.append((path.name, tuple(H.shape)))
         return real(H, path)
     monkeypatch.setattr(P, "_spilled", counted)
+    monkeypatch.setattr(P, "_SPILL_MIN_BYTES", 0)            # (this model's Hessians are below the real bar)
     kw = dict(target=target, bits=4.0 if target == "exl2" else 4, work_dir=str(tmp_path / "w1"))
     P.quantize_model(src, tmp_path / "a", _opts(ids, **kw))
     assert len(parked) == 2 * 4 and ("hessian.f32", (128, 128)) in parked and ("hessian.f32", (256, 256)) in parked
@@ -622,6 +623,16 @@ def test_the_quantize_pass_parks_its_hessians_and_writes_the_same_bytes(tiny_lla
     assert _files(tmp_path / "a") == _files(tmp_path / "b")
     man = json.loads((tmp_path / "a" / "exl2fmt-manifest.json").read_text())
     assert all(v["error"] > 0 for v in man["layers"].values())
+
+
+def test_hessians_below_the_bar_are_not_parked(tiny_llama, tmp_path, monkeypatch):
+    from exl2fmt.quant import pipeline as P
+
+    src, ids = tiny_llama
+    paths, real = [], P._spilled
+    monkeypatch.setattr(P, "_spilled", lambda H, path: paths.append(path) or real(H, path))
+    P.quantize_model(src, tmp_path / "a", _opts(ids, target="gptq", bits=4))
+    assert paths and all(p is None for p in paths) and 256 * 256 * 4 < P._SPILL_MIN_BYTES
 
 
 def test_a_parked_hessian_of_the_wrong_size_is_refused_by_name(tmp_path):

@@ -442,6 +442,7 @@ def _disk_needed(spec, src, o: QuantOptions, measuring: bool) -> tuple[int, int]
                 for i, kind in _blocks(spec))
     hessian = max(K * K * 4 for i, kind in _blocks(spec) for n in _linears(spec, kind, i)
                   for _, K in [spec.linear_shape(n)]) if _SPILL_HESSIANS and torch.device(o.device).type == "cpu" else 0
+    hessian = hessian if hessian >= _SPILL_MIN_BYTES else 0
     variants = max(block * _CANDIDATE_BITS / 8 if measuring else 0, hessian)
     hidden = 2 * 4 * o.rows * o.length * spec.hidden_size
     return int(out), int(quantized + variants + hidden)
@@ -1069,7 +1070,8 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
             # on the CPU the Hessian waits in the work directory while it is factored and its linears swept (a
             # down_proj's is 127 MB at K = 5632, a third of the factorization's peak); the proxy errors are
             # computed once it is read back, from the rows they read of each weight and reconstruction
-            spill = work.root / "hessian.f32" if _SPILL_HESSIANS and device.type == "cpu" else None
+            spill = work.root / "hessian.f32" if (_SPILL_HESSIANS and device.type == "cpu"
+                                                  and K * K * 4 >= _SPILL_MIN_BYTES) else None
             prep = prepare(_spilled(acc.take(), spill), percdamp=damp, act_order=o.act_order,   # one per group
                            within_groups=gs if o.order == "group" else None,
                            fixed_groups=gs if o.order == "static" else None, keep_hessian=spill is None)
@@ -1188,8 +1190,10 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
                                "text closer to the model's use")
 
 
-#: The quantize pass parks each Hessian in the work directory while it is factored and its linears swept (CPU).
+#: The quantize pass parks each Hessian of at least _SPILL_MIN_BYTES in the work directory while it is factored
+#: and its linears swept (CPU; a 1B down_proj's is 127 MB, a small model's are not worth the file).
 _SPILL_HESSIANS = True
+_SPILL_MIN_BYTES = 4 << 20
 
 
 def _spilled(H: torch.Tensor, path: Path | None) -> torch.Tensor:
