@@ -616,7 +616,8 @@ def test_the_quantize_pass_parks_its_hessians_and_writes_the_same_bytes(tiny_lla
     monkeypatch.setattr(P, "_SPILL_MIN_BYTES", 0)            # (this model's Hessians are below the real bar)
     kw = dict(target=target, bits=4.0 if target == "exl2" else 4, work_dir=str(tmp_path / "w1"))
     P.quantize_model(src, tmp_path / "a", _opts(ids, **kw))
-    assert len(parked) == 2 * 4 and ("hessian.f32", (128, 128)) in parked and ("hessian.f32", (256, 256)) in parked
+    assert len(parked) == 2 * 4
+    assert {("hessian.safetensors", (128, 128)), ("hessian.safetensors", (256, 256))} <= set(parked)
     monkeypatch.setattr(P, "_SPILL_HESSIANS", False)
     P.quantize_model(src, tmp_path / "b", _opts(ids, **{**kw, "work_dir": str(tmp_path / "w2")}))
     assert len(parked) == 2 * 4                          # the second run parked nothing
@@ -639,13 +640,17 @@ def test_a_parked_hessian_of_the_wrong_size_is_refused_by_name(tmp_path):
     from exl2fmt.quant.pipeline import _spilled, _unspilled
 
     H = torch.arange(36, dtype=torch.float32).reshape(6, 6)
-    path = tmp_path / "hessian.f32"
+    path = tmp_path / "hessian.safetensors"
     assert _spilled(H, path) is H and _spilled(H, None) is H
     assert torch.equal(_unspilled(path, 6), H) and not path.exists()
     _spilled(H, path)
     with pytest.raises(Exl2Error) as e:
         _unspilled(path, 5)
     assert e.value.code is ErrorCode.CHECKPOINT_INVALID and e.value.file == str(path)
+    path.write_bytes(path.read_bytes()[:-7])                 # truncated: the container refuses it, by name
+    with pytest.raises(Exl2Error) as e:
+        _unspilled(path, 6)
+    assert e.value.file == str(path)
 
 
 def test_bad_options_are_usage_errors(tiny_llama, tmp_path):

@@ -369,7 +369,7 @@ def _unpermute(Wt_hat: torch.Tensor, perm: torch.Tensor, N: int, dtype: torch.dt
 def proxy_error(weight: torch.Tensor, w_hat: torch.Tensor, H: torch.Tensor, max_rows: int = 256) -> float:
     """Relative output error on the calibration inputs: sqrt(tr(D H D^T) / tr(W H W^T)), D = w_hat - W (both
     float [N, K]), i.e. ||X D^T||_F / ||X W^T||_F.  Evaluated on at most ``max_rows`` evenly spaced output
-    features (a fixed subset, ``_proxy_rows``), so it costs K^2 * 256 rather than K^2 * N multiply-adds."""
+    features (a fixed subset, ``proxy_rows``), so it costs K^2 * 256 rather than K^2 * N multiply-adds."""
     rows = proxy_rows(weight.shape[0], max_rows)
     return proxy_error_of_rows(weight[rows], w_hat[rows], H)
 

@@ -1070,7 +1070,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
             # on the CPU the Hessian waits in the work directory while it is factored and its linears swept (a
             # down_proj's is 127 MB at K = 5632, a third of the factorization's peak); the proxy errors are
             # computed once it is read back, from the rows they read of each weight and reconstruction
-            spill = work.root / "hessian.f32" if (_SPILL_HESSIANS and device.type == "cpu"
+            spill = work.root / "hessian.safetensors" if (_SPILL_HESSIANS and device.type == "cpu"
                                                   and K * K * 4 >= _SPILL_MIN_BYTES) else None
             prep = prepare(_spilled(acc.take(), spill), percdamp=damp, act_order=o.act_order,   # one per group
                            within_groups=gs if o.order == "group" else None,
@@ -1197,22 +1197,28 @@ _SPILL_MIN_BYTES = 4 << 20
 
 
 def _spilled(H: torch.Tensor, path: Path | None) -> torch.Tensor:
-    """``H`` float32 [K, K] (CPU), also written raw to ``path`` (scratch: no fsync) for ``_unspilled``; ``H``
-    itself when ``path`` is None."""
+    """``H`` float32 [K, K] (CPU), also written to ``path`` (scratch safetensors, no fsync) for ``_unspilled``;
+    ``H`` itself when ``path`` is None."""
     if path is not None:
-        H.numpy().tofile(path)
+        _save_tensors(path, {"hessian": H.numpy()}, durable=False)
     return H
 
 
 def _unspilled(path: Path, K: int) -> torch.Tensor:
-    """The Hessian ``_spilled`` wrote, float32 [K, K], read back bit for bit; the file is removed."""
-    n = path.stat().st_size
-    if n != K * K * 4:                  # our own scratch file: a mismatch means the work directory was tampered with
-        raise Exl2Error(ErrorCode.CHECKPOINT_INVALID, f"expected {K * K * 4} bytes of a {K} x {K} Hessian, found {n}",
-                        file=str(path))
-    H = torch.from_numpy(np.fromfile(path, dtype=np.float32).reshape(K, K))
+    """The Hessian ``_spilled`` wrote, float32 [K, K], read back bit for bit (pread, not the memory map); the file
+    is removed.  A damaged file is refused by the container, one of another shape here."""
+    from ..container import SourceReader, open_model
+
+    reader = SourceReader(open_model(path))
+    try:
+        H = reader.read("hessian")
+    finally:
+        reader.close()
+    if H.shape != (K, K) or H.dtype != np.float32:
+        raise Exl2Error(ErrorCode.CHECKPOINT_INVALID, f"expected a float32 {K} x {K} Hessian, found {H.dtype} "
+                        f"{list(H.shape)}", file=str(path), tensor="hessian")
     path.unlink()
-    return H
+    return torch.from_numpy(H)
 
 
 def _gptq_groups(o: QuantOptions, K: int) -> int | None:
