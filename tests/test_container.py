@@ -1253,3 +1253,39 @@ def test_release_drops_a_tensors_pages_and_the_array_still_reads_the_same(tmp_pa
         assert np.array_equal(m.get("small"), small)
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("st_dtype", ["F16", "BF16", "F32", "F64"])
+def test_nonfinite_count_from_bits_equals_isfinite(st_dtype):
+    """Oracle: numpy's isfinite on the values widened to float64 (BF16 by shifting its bits into a float32).
+    Every exponent-all-ones pattern (inf, quiet and signalling NaN with either sign) and the largest finite
+    values, at every position of a 37-element tensor read in chunks of 5 (both chunk ends covered)."""
+    from exl2fmt.container import dtypes as D
+    from exl2fmt.container.dtypes import bf16_bits_to_f32, count_nonfinite
+
+    rng = np.random.default_rng(3)
+    if st_dtype == "BF16":
+        base = rng.integers(0, 1 << 16, 37, dtype=np.uint16)
+        base[(base & 0x7F80) == 0x7F80] = 0x3F80                        # start finite
+        specials = [0x7F80, 0xFF80, 0x7FC0, 0xFF81, 0x7F7F, 0xFF7F, 0x0001]
+        widen = lambda a: bf16_bits_to_f32(a).astype(np.float64)
+    else:
+        dt = {"F16": np.float16, "F32": np.float32, "F64": np.float64}[st_dtype]
+        base = rng.standard_normal(37).astype(dt)
+        fi = np.finfo(dt)
+        bits = {"F16": np.uint16, "F32": np.uint32, "F64": np.uint64}[st_dtype]
+        qnan_neg = (np.array([-np.nan], dt).view(bits) | bits(1)).view(dt)[0]      # a NaN with a payload
+        specials = [dt(np.inf), dt(-np.inf), dt(np.nan), qnan_neg, fi.max, fi.min, fi.smallest_subnormal]
+        widen = lambda a: a.astype(np.float64)
+    for pos in range(base.size):
+        for v in specials:
+            a = base.copy()
+            a[pos] = v
+            a[(pos * 7) % a.size] = v
+            with np.errstate(invalid="ignore"):                       # (a signalling NaN widened)
+                want = int(np.count_nonzero(~np.isfinite(widen(a))))
+            got = D.count_bit_pattern(a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.itemsize]),
+                                      *D._NONFINITE_BITS[st_dtype][:2], chunk=5)
+            assert got == want == count_nonfinite(a, st_dtype), (pos, v)
+    with pytest.raises(ValueError):
+        count_nonfinite(base, "I32")

@@ -1062,6 +1062,27 @@ def test_plain_tensors_are_converted_in_chunks_to_the_whole_tensor_bytes(tmp_pat
             assert beyond == (name == "big" and dtype != "F16")
 
 
+def test_f16_inf_check_finds_every_infinity_and_nothing_else():
+    """The check by which ``_plain_tensor`` clips an fp16 tensor only when it holds an infinity.  Oracle: numpy's
+    isinf on the float16 array; each position (both ends of the 7-value chunks included) holds +inf, -inf, NaN
+    of several payloads, 65504 or the largest subnormal in turn."""
+    from exl2fmt.container.dtypes import count_bit_pattern
+
+    def _has_f16_inf(a, chunk):
+        return count_bit_pattern(a.view(np.uint16), 0x7FFF, 0x7C00, chunk=chunk) > 0
+
+    base = np.linspace(-3, 3, 5 * 6, dtype=np.float16).reshape(5, 6)
+    specials = [np.float16(np.inf), np.float16(-np.inf), np.float16(np.nan), np.uint16(0x7E01).view(np.float16),
+                np.uint16(0xFC01).view(np.float16), np.float16(65504), np.float16(-65504),
+                np.uint16(0x03FF).view(np.float16)]
+    assert not _has_f16_inf(base, chunk=7)
+    for pos in range(base.size):
+        for v in specials:
+            a = base.copy()
+            a.reshape(-1)[pos] = v
+            assert _has_f16_inf(a, chunk=7) == bool(np.isinf(a).any()), (pos, v)
+
+
 def test_exl2_pipeline_writes_shards_with_an_index(tiny_llama, exl2_default, tmp_path):
     """A small --shard-size splits the output; the index maps every tensor to the shard that holds it and the
     sharded model holds the same tensors, byte for byte, as the single-file one (the shared default run; the

@@ -7,7 +7,7 @@ from typing import ClassVar, Mapping
 
 from ..lazynp import np  # numpy on first use: inspect reads headers only
 
-from ..container.dtypes import bf16_bits_to_f32, numpy_to_safetensors_dtype
+from ..container.dtypes import bf16_bits_to_f32, count_nonfinite, numpy_to_safetensors_dtype
 from ..errors import ErrorCode, Exl2Error, Issue, Severity
 from ..layout import LAYOUTS, SLOT_NAMES, Format, SlotStatus, bpw
 
@@ -62,8 +62,8 @@ class LinearBase:
     def _finite(self, slot: str) -> list[Issue]:
         if slot not in self.tensors:
             return []
-        a = as_float32(self.tensors[slot], self.dtypes[slot])
-        bad = int(np.count_nonzero(~np.isfinite(a)))
+        a = self.tensors[slot]
+        bad = count_nonfinite(a, self.dtypes[slot])
         if bad:
             return [self._issue(ErrorCode.NONFINITE_VALUES, f"{bad} of {a.size} values are NaN or Inf", slot)]
         return []

@@ -1291,13 +1291,16 @@ def _plain_tensor(src, name: str, report: QuantReport, chunk_bytes: int = 16 << 
     costs its stored copy and its fp16 result, not three float32 copies of itself (0.65 GB at the 1B's
     compile).  Each value is rounded to fp16 once, as a whole-tensor conversion does: the same bytes."""
     from ..container import bf16_bits_to_f32
+    from ..container.dtypes import count_bit_pattern
 
     dtype = src.files.info(name).dtype
     if dtype not in _FLOAT_DTYPES:
         return src.read_stored(name)
     a = src.read_stored(name)
     if dtype == "F16":                  # fp16 already: only +-inf is beyond the range (and no warning was ever
-        return np.clip(a, -65504, 65504, out=a)          # given for a non-finite tensor)
+        if count_bit_pattern(a.view(np.uint16), 0x7FFF, 0x7C00):     # given for a non-finite tensor; NumPy's
+            np.clip(a, -65504, 65504, out=a)                          # float16 clip is slow: only when needed
+        return a
     out = np.empty(a.shape, dtype=np.float16)
     flat_in, flat_out = a.reshape(-1), out.reshape(-1)
     step = max(1, chunk_bytes // 4)
