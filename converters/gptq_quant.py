@@ -36,7 +36,8 @@ def _quant(x, s, z, maxq):
     return np.clip(q, 0, maxq)
 
 
-def fit_group(x: np.ndarray, bits: int, sym: bool = True, extra_scales=()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def fit_group(x: np.ndarray, bits: int, sym: bool = True, extra_scales=(), want_codes: bool = True
+              ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
     """Round-to-nearest with the best fp16 scale per column.
 
     ``x`` float32 [R, N]: the values of one group.  Candidates per column: the GPTQ range scale (A5: sym
@@ -50,7 +51,8 @@ def fit_group(x: np.ndarray, bits: int, sym: bool = True, extra_scales=()) -> tu
     choice is the one of ``np.sum(err ** 2, axis=0)``; the candidates' errors are evaluated by a Numba kernel
     (``converters.gptq_fit_kernel.fit``).
 
-    Returns (codes uint8 [R, N], scales float16 [N], zeros int32 [N]).
+    Returns (codes uint8 [R, N], scales float16 [N], zeros int32 [N]); codes None with ``want_codes=False``
+    (the GPTQ sweep rounds the rows itself, one at a time).
     """
     x = np.asarray(x, dtype=np.float32)
     R, N = x.shape
@@ -86,7 +88,7 @@ def fit_group(x: np.ndarray, bits: int, sym: bool = True, extra_scales=()) -> tu
     cols = np.arange(N)
     best_s = np.where(found, s16[pick, cols], np.float16(0)).astype(np.float16)
     best_z = np.where(found, z[pick, cols], zsym).astype(np.float32)
-    codes = _quant(x, best_s.astype(np.float32), best_z, maxq).astype(np.uint8)
+    codes = _quant(x, best_s.astype(np.float32), best_z, maxq).astype(np.uint8) if want_codes else None
     return codes, best_s, best_z.astype(np.int32)
 
 

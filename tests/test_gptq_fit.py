@@ -81,6 +81,8 @@ def test_fit_group_kernel_equals_the_numpy_evaluation(how):
             got, want = fit_group(x, bits, sym, extra), _fit_group_numpy(x, bits, sym, extra)
             for g, w in zip(got, want):
                 assert g.dtype == w.dtype and np.array_equal(g, w), (how, trial, R, N, bits, sym)
+            none, s, z = fit_group(x, bits, sym, extra, want_codes=False)        # the GPTQ sweep's call
+            assert none is None and np.array_equal(s, want[1]) and np.array_equal(z, want[2])
 
 
 @pytest.mark.parametrize("act", [False, True])

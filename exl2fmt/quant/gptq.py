@@ -644,7 +644,7 @@ def quantize_gptq(weight: torch.Tensor, prep: Prepared, bits: int, group_size: i
     maxq = float((1 << bits) - 1)
 
     def fit(g, X):
-        _, s, z = fit_group(X.detach().cpu().numpy(), bits, sym)
+        _, s, z = fit_group(X.detach().cpu().numpy(), bits, sym, want_codes=False)
         scales[gid[g]], zeros[gid[g]] = s, z
         return (torch.from_numpy(s.astype(np.float32)).to(X.device),
                 torch.from_numpy(z.astype(np.float32)).to(X.device), maxq)
