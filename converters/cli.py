@@ -84,6 +84,13 @@ def convert_command(
                                                             show_default=False, help="FP16 -> exl2: also write "
                                                             "the measurement (ExLlamaV2's measurement.json "
                                                             "layout) to FILE.")] = None,
+    batch_tokens: Annotated[Optional[int], typer.Option("--batch-tokens", metavar="N", show_default=False,
+                                                        help="FP16 -> exl2/gptq: calibration tokens per forward "
+                                                        "batch, in whole rows (at least one). Default: 8192 on "
+                                                        "CUDA; on the CPU the rows whose widest float32 activation "
+                                                        "fits 24 MiB (a 1B model at 512-token rows: 2 rows). More "
+                                                        "tokens per batch cost memory; a different split changes "
+                                                        "only the rounding of sums over tokens.")] = None,
     measure_rows: Annotated[Optional[str], typer.Option("--measure-rows", metavar="N|all", show_default=False,
                                                         help="FP16 -> exl2: calibration rows that score the "
                                                         "measurement's candidates (evenly spaced; ExLlamaV2's -mr). "
@@ -239,7 +246,7 @@ def convert_command(
         quant = {k: v for k, v in {
             "head_bits": head_bits, "calibration": calibration, "rows": rows, "length": length,
             "measurement": measurement, "save_measurement": save_measurement, "device": device, "seed": seed,
-            "measure_rows": measure_rows, "measure_search": measure_search,
+            "measure_rows": measure_rows, "measure_search": measure_search, "batch_tokens": batch_tokens,
             "measure_precision": measure_precision,
             "resume": resume, "act_order": act_order, "order": order, "work_dir": work_dir, "extended": not upstream_tables,
             "refine_scales": refine_scales}.items() if _QUANT_PARAM.get(k, k) in given}

@@ -1226,6 +1226,38 @@ def test_batch_tokens_resolve_from_the_model_and_must_be_positive(tiny_llama, tm
     assert e.value.code is ErrorCode.USAGE and not (tmp_path / "b").exists()
 
 
+def test_batch_tokens_flag_reaches_the_quantizer_and_bad_values_are_usage_errors(tiny_llama, tmp_path):
+    """``convert --batch-tokens N``: the default's own value given explicitly writes the same bytes; 96 tokens (2
+    of the 48-token rows) and 50 (less than 2 rows: whole rows, so 1) are recorded in the manifest's options; 0,
+    a fraction and a word are refused before anything is written."""
+    from typer.testing import CliRunner
+
+    from exl2fmt.cli.app import app
+    from exl2fmt.quant.pipeline import QuantOptions
+
+    src, ids = tiny_llama
+
+    def run(name, *extra):
+        return CliRunner().invoke(app, ["convert", str(src), str(tmp_path / name), "--to", "gptq", "--calibration",
+                                        str(ids), "--rows", "6", "--length", "48", "--device", "cpu", *extra])
+
+    for name, extra, want in (("default", (), 170 * 48), ("explicit", ("--batch-tokens", "8160"), 8160),
+                              ("two", ("--batch-tokens", "96"), 96), ("one", ("--batch-tokens", "50"), 50)):
+        r = run(name, *extra)
+        assert r.exit_code == 0, r.output
+        man = json.loads((tmp_path / name / "exl2fmt-manifest.json").read_text())
+        assert man["options"]["batch_tokens"] == want, name
+    assert _files(tmp_path / "explicit")["model.safetensors"] == _files(tmp_path / "default")["model.safetensors"]
+    for bad in ("0", "-96"):
+        r = run("bad", "--batch-tokens", bad)
+        assert r.exit_code == 2 and "--batch-tokens" in r.output and not (tmp_path / "bad").exists(), r.output
+    assert run("bad", "--batch-tokens", "many").exit_code == 2 and not (tmp_path / "bad").exists()
+    for bad in (1.5, True, 0):
+        with pytest.raises(Exl2Error) as e:
+            QuantOptions(target="gptq", batch_tokens=bad).resolved()
+        assert e.value.code is ErrorCode.USAGE and "--batch-tokens" in e.value.message
+
+
 def test_score_plan_puts_evenly_spaced_rows_first_in_whole_batches():
     from exl2fmt.quant.pipeline import QuantOptions, _score_plan
 

@@ -90,8 +90,8 @@ class QuantOptions:
     # feedback the tighter scales clip compensated rows and the KL rises: bench/RESULTS.md)
     refine_scales: bool | None = None
     norm: float = 2.0                     # solver objective: sum of block error ** norm
-    # calibration tokens per forward batch (whole rows); None = ``default_batch_tokens`` for the model, resolved
-    # once the model is open
+    # calibration tokens per forward batch (whole rows, at least one; ``--batch-tokens``); None =
+    # ``default_batch_tokens`` for the model, resolved once the model is open
     batch_tokens: int | None = None
     # calibration rows that score the measurement's candidates (ExLlamaV2's -mr): a count, "all", or None for
     # ``default_measure_rows`` (resolved() makes it a count).  The Hessians of the candidates' GPTQ and the
@@ -131,6 +131,9 @@ class QuantOptions:
         o.act_order = o.order != "natural"
         if o.rows <= 0 or o.length <= 0:
             raise Exl2Error(ErrorCode.USAGE, "--rows and --length must be positive")
+        if o.batch_tokens is not None and (isinstance(o.batch_tokens, bool) or int(o.batch_tokens) != o.batch_tokens
+                                           or o.batch_tokens <= 0):
+            raise Exl2Error(ErrorCode.USAGE, f"--batch-tokens must be a positive token count, got {o.batch_tokens!r}")
         if o.measure_rows is None:
             o.measure_rows = default_measure_rows(o.rows, o.length)
         elif o.measure_rows == "all":
@@ -1623,8 +1626,6 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         if o.batch_tokens is None:
             widest = max(max(spec.linear_shape(n)) for i, kind in _blocks(spec) for n in _linears(spec, kind, i))
             o.batch_tokens = default_batch_tokens(o.length, max(widest, spec.hidden_size), o.device)
-        elif int(o.batch_tokens) <= 0:
-            raise Exl2Error(ErrorCode.USAGE, f"batch_tokens must be positive, got {o.batch_tokens}")
         # what exists now (torch, transformers and their modules, the model's set-up) lives for the whole run:
         # set it aside from the cyclic GC, so that each block's gc.collect (_release_memory) walks only what the
         # run itself created (0.15 s per call on the fixture, 14% of a GPTQ run there, otherwise); a caller's
