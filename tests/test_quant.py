@@ -1252,10 +1252,11 @@ def test_batch_tokens_flag_reaches_the_quantizer_and_bad_values_are_usage_errors
         r = run("bad", "--batch-tokens", bad)
         assert r.exit_code == 2 and "--batch-tokens" in r.output and not (tmp_path / "bad").exists(), r.output
     assert run("bad", "--batch-tokens", "many").exit_code == 2 and not (tmp_path / "bad").exists()
-    for bad in (1.5, True, 0):
+    for bad in (1.5, 96.0, True, 0, "96", "many"):
         with pytest.raises(Exl2Error) as e:
             QuantOptions(target="gptq", batch_tokens=bad).resolved()
         assert e.value.code is ErrorCode.USAGE and "--batch-tokens" in e.value.message
+    assert QuantOptions(target="gptq", batch_tokens=np.int64(96)).resolved().batch_tokens == 96
 
 
 def test_score_plan_puts_evenly_spaced_rows_first_in_whole_batches():

@@ -131,9 +131,12 @@ class QuantOptions:
         o.act_order = o.order != "natural"
         if o.rows <= 0 or o.length <= 0:
             raise Exl2Error(ErrorCode.USAGE, "--rows and --length must be positive")
-        if o.batch_tokens is not None and (isinstance(o.batch_tokens, bool) or int(o.batch_tokens) != o.batch_tokens
-                                           or o.batch_tokens <= 0):
-            raise Exl2Error(ErrorCode.USAGE, f"--batch-tokens must be a positive token count, got {o.batch_tokens!r}")
+        if o.batch_tokens is not None:
+            if isinstance(o.batch_tokens, bool) or not isinstance(o.batch_tokens, (int, np.integer)) \
+                    or o.batch_tokens <= 0:
+                raise Exl2Error(ErrorCode.USAGE, f"--batch-tokens must be a positive token count, got "
+                                f"{o.batch_tokens!r}")
+            o.batch_tokens = int(o.batch_tokens)
         if o.measure_rows is None:
             o.measure_rows = default_measure_rows(o.rows, o.length)
         elif o.measure_rows == "all":
