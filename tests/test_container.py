@@ -1257,7 +1257,8 @@ def test_release_drops_a_tensors_pages_and_the_array_still_reads_the_same(tmp_pa
 
 @pytest.mark.parametrize("st_dtype", ["F16", "BF16", "F32", "F64"])
 def test_nonfinite_count_from_bits_equals_isfinite(st_dtype):
-    """Oracle: numpy's isfinite on the values widened to float64 (BF16 by shifting its bits into a float32).
+    """Oracle: numpy's isfinite on the values widened to float64 (BF16 by shifting its bits into a float32);
+    the deep validator's ``nonfinite_count`` is the same function.
     Every exponent-all-ones pattern (inf, quiet and signalling NaN with either sign) and the largest finite
     values, at every position of a 37-element tensor read in chunks of 5 (both chunk ends covered)."""
     from exl2fmt.container import dtypes as D
@@ -1287,5 +1288,12 @@ def test_nonfinite_count_from_bits_equals_isfinite(st_dtype):
             got = D.count_bit_pattern(a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.itemsize]),
                                       *D._NONFINITE_BITS[st_dtype][:2], chunk=5)
             assert got == want == count_nonfinite(a, st_dtype), (pos, v)
-    with pytest.raises(ValueError):
-        count_nonfinite(base, "I32")
+    # other dtypes by isfinite (integers: none), as the deep validator's count always did
+    from exl2fmt.validate.statistics import nonfinite_count
+
+    ints = np.arange(-5, 32, dtype=np.int32)
+    assert count_nonfinite(ints, "I32") == nonfinite_count(ints, "I32") == 0
+    for dt in ("F16", "BF16", "F32", "F64"):
+        a = {"BF16": np.array([0x7F80, 0x3F80, 0xFFC0], np.uint16)}.get(
+            dt, np.array([np.inf, 1.0, np.nan], {"F16": np.float16, "F32": np.float32, "F64": np.float64}.get(dt)))
+        assert nonfinite_count(a, dt) == count_nonfinite(a, dt) == 2

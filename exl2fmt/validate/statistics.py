@@ -16,22 +16,11 @@ CHUNK_ELEMS = 1 << 22
 
 
 def nonfinite_count(a, st_dtype: str) -> int:
-    """NaN/Inf count of a float tensor, chunked (bounded memory), on bit patterns where possible."""
-    import numpy as np
+    """NaN/Inf count of a stored tensor, chunked (bounded memory), on bit patterns where possible
+    (``container.dtypes.count_nonfinite``, which the layer checks of ``formats`` share)."""
+    from ..container.dtypes import count_nonfinite
 
-    flat = np.asarray(a).reshape(-1)
-    n = 0
-    if st_dtype in ("F16", "BF16"):
-        mask = np.uint16(0x7C00 if st_dtype == "F16" else 0x7F80)
-        u = flat.view(np.uint16)
-        for i in range(0, u.size, CHUNK_ELEMS):
-            c = u[i:i + CHUNK_ELEMS]
-            n += int(np.count_nonzero((c & mask) == mask))
-        return n
-    for i in range(0, flat.size, CHUNK_ELEMS):
-        c = flat[i:i + CHUNK_ELEMS]
-        n += int(c.size - np.count_nonzero(np.isfinite(c)))
-    return n
+    return count_nonfinite(a, st_dtype, CHUNK_ELEMS)
 
 
 def weight_stats(w) -> dict:
