@@ -160,6 +160,20 @@ class Exl2Linear(LinearBase):
             raise Exl2Error(ErrorCode.PERM_INVALID if "permutation" in str(e) else ErrorCode.SLOT_SHAPE, str(e),
                             tensor=self.key, file=self.file) from None
 
+    def _decode_is_finite(self) -> bool:
+        """No decoded weight can be NaN or Inf when, for every group, the largest magnitude the decode can reach
+        stays finite: w = fp16((q - 2^(b-1)) * s) with |q - 2^(b-1)| <= 2^(b-1) and s <= fp16(256 * m) (scale
+        code 15; rounding is monotone), m = fp16(q_scale_max / 256) finite and >= 0 (the deep checks).  O(G), so
+        the output need not be scanned; a layer near the fp16 range is counted in the output instead."""
+        qsm = np.asarray(self.tensors[Exl2Slot.Q_SCALE_MAX]).astype(np.float32)
+        if qsm.shape != (self.groups.G,):
+            return False
+        with np.errstate(over="ignore", invalid="ignore"):
+            m = (qsm * np.float32(2.0 ** -8)).astype(np.float16).astype(np.float32)
+            s_max = (m * np.float32(256.0)).astype(np.float16).astype(np.float32)
+            reach = s_max * np.ldexp(np.float32(1.0), self.groups.bits.astype(np.int32) - 1).astype(np.float32)
+            return bool(np.isfinite(s_max).all() and (s_max >= 0).all() and (reach <= np.float32(65504.0)).all())
+
     def stats(self) -> dict:
         """Decode every weight and return {"mean", "std", "absmax", "nonfinite", "numel"} of the dequantized
         ``nn.Linear`` weight (exact fp16 values, padding excluded) without materializing it."""
