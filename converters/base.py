@@ -441,9 +441,22 @@ def run_conversion(converter_cls, src: str | os.PathLike, dst: str | os.PathLike
         if src_p.is_dir() and options.target in ("gptq", "exl2"):   # a quantized output: its own card (issue 12)
             from ..modelcard import copy_model_files
 
-            report.files_copied, left_out = copy_model_files(src_p, tmp)
+            report.files_copied, left_out = copy_model_files(src_p, tmp, report.warnings)
         elif src_p.is_dir():
-            report.files_copied = copy_side_files(src_p, tmp, extra_skip=conv.side_files().keys())
+            skip = set(conv.side_files().keys())
+            from ..modelcard import is_generated_card, original_card, read_source_card
+
+            card = read_source_card(src_p)    # copy_side_files warns when it may not be read
+            if is_generated_card(card):       # exl2fmt's card of the quantized source: untrue of this output
+                skip.add("README.md")
+                orig = original_card(card)
+                if orig:
+                    write_text(tmp / "README.md", orig)
+                    report.files_written.append("README.md")
+                report.warnings.append(
+                    f"README.md: the source's card describes its {report.source_format.upper()} quantization; "
+                    + ("the original model card it kept is this output's README.md" if orig else "not copied"))
+            report.files_copied = copy_side_files(src_p, tmp, extra_skip=skip, warnings=report.warnings)
         report.seconds["write"] = time.perf_counter() - t0
 
         fault_point("written")

@@ -38,6 +38,7 @@ the tokenizer (``converters.gguf_vocab``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -680,7 +681,41 @@ _FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8
                "Q4_0": "MOSTLY_Q4_0"}
 
 
-def _metadata(w, arch, hp, cfg, layer_t, model, items, report) -> None:
+#: the source's files that the GGUF's metadata is derived from (gguf.Metadata.load, SpecialVocab, gguf_vocab)
+_METADATA_INPUTS = ("README.md", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                    "tokenizer.model", "added_tokens.json", "special_tokens_map.json", "merges.txt", "vocab.json",
+                    "chat_template.json", "chat_template.jinja")
+
+
+@contextlib.contextmanager
+def _staged_inputs(src_dir: Path, report):
+    """A private copy of ``_METADATA_INPUTS`` (and ``additional_chat_templates/*.jinja``) that passed the
+    side-file gate, named like the source directory (gguf.Metadata derives the model name from it).  A card that
+    exl2fmt wrote for a quantized source is replaced by the original card it kept (its tags and format are not
+    this GGUF's)."""
+    from ..container.sidefiles import stage_side_files
+    from ..modelcard import is_generated_card, original_card
+
+    names = list(_METADATA_INPUTS)
+    extra = src_dir / "additional_chat_templates"
+    if extra.is_dir() and not extra.is_symlink():
+        with contextlib.suppress(OSError):
+            names += sorted(f"additional_chat_templates/{e.name}" for e in os.scandir(extra)
+                            if e.name.endswith(".jinja"))
+    with stage_side_files(src_dir, names, report.warnings) as d:
+        card = d / "README.md"
+        if card.is_file():
+            text = card.read_text(encoding="utf-8", errors="replace")
+            if is_generated_card(text):
+                orig = original_card(text)
+                if orig:
+                    card.write_text(orig, encoding="utf-8")
+                else:
+                    card.unlink()
+        yield d
+
+
+def _metadata(w, arch, hp, cfg, layer_t, model, items, report, card_dir: Path | None = None) -> None:
     """Hyper-parameters (``gguf_arch.write_common_hparams`` + the architecture's own table entry) and the
     ``general.*`` block as llama.cpp's converter derives it (``gguf.Metadata.load`` on the model directory:
     model card, directory name heuristics for name/basename/finetune/size label; ``gguf.size_label`` from the
@@ -701,7 +736,7 @@ def _metadata(w, arch, hp, cfg, layer_t, model, items, report) -> None:
     level = log.level
     log.setLevel(logging.ERROR)
     try:
-        meta = gguf.Metadata.load(None, root if root.is_dir() else None, None, total)
+        meta = gguf.Metadata.load(None, card_dir, None, total)
     except Exception as e:  # noqa: BLE001 - a malformed model card must not stop the conversion
         report.warnings.append(f"model card metadata not read ({type(e).__name__}: {e})")
         meta = gguf.Metadata()
@@ -868,18 +903,22 @@ def _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, fo
             dt = {"F32": np.float32, "F16": np.float16}.get(it.gtype, np.uint8)
             w.add_tensor_info(it.gguf_name, bshape, np.dtype(dt), it.nbytes,
                               raw_dtype=None if it.gtype in ("F32", "F16") else ggml_type(it.gtype))
-        _metadata(w, arch, hp, model.config, layer_t, model, items, report)
-        n_vocab = next((it.shape[0] for it in items if it.gguf_name == "token_embd.weight"), hp["vocab"])
         from .gguf_vocab import add_tokenizer
 
         from .gguf_arch import spec_for_model_type
 
         spec = spec_for_model_type(model.config.get("model_type"))
         tok_dir = src_p if src_p.is_dir() else src_p.parent
-        tok = add_tokenizer(w, tok_dir, n_vocab, report.warnings, spec.extra.get("vocab"))
-        report.options["tokenizer"] = tok
-        if spec.tokenizer is not None and tok.get("model") != "none":
-            spec.tokenizer(w, tok_dir)
+        # the card, configs and tokenizer files that go into the metadata are read from gated, bounded copies
+        # (container.sidefiles: no link out of the source, no FIFO, no multi-GB README read whole)
+        with _staged_inputs(tok_dir, report) as safe_dir:
+            _metadata(w, arch, hp, model.config, layer_t, model, items, report,
+                      card_dir=safe_dir if Path(str(model.root)).is_dir() else None)
+            n_vocab = next((it.shape[0] for it in items if it.gguf_name == "token_embd.weight"), hp["vocab"])
+            tok = add_tokenizer(w, safe_dir, n_vocab, report.warnings, spec.extra.get("vocab"))
+            report.options["tokenizer"] = tok
+            if spec.tokenizer is not None and tok.get("model") != "none":
+                spec.tokenizer(w, safe_dir)
         w.write_header_to_file(tmp)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()

@@ -21,14 +21,13 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 from .errors import ErrorCode, Exl2Error, escape_name
 
 __all__ = ["MODEL_FILES", "copy_model_files", "layers_markdown", "model_card", "write_model_card",
-           "split_front_matter"]
+           "split_front_matter", "read_source_card", "is_generated_card", "original_card"]
 
 #: Files a model needs besides its weights and config.json (glob patterns, top level of the source directory).
 MODEL_FILES = (
@@ -70,36 +69,95 @@ def _is_model_file(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pat) for pat in MODEL_FILES)
 
 
-def copy_model_files(src_dir: str | os.PathLike, out_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
+def copy_model_files(src_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                     warnings: list[str] | None = None) -> tuple[list[str], list[str]]:
     """Copy the source's model files (``MODEL_FILES``) into ``out_dir``; returns (copied, left out).  Weights,
     indexes, config.json, quantization side files and the source's README.md (kept inside the new card) are
-    neither copied nor listed as left out."""
+    neither copied nor listed as left out.  Every file passes the side-file gate (``container.sidefiles``): a
+    link out of the source, a FIFO or device, a file over its kind's cap is skipped, and why is appended to
+    ``warnings`` (so is a README.md the card will not read)."""
+    from .container.sidefiles import CARD_CAP, copy_side_file, side_file_problem, skip_message
+
     src, out = Path(os.fspath(src_dir)), Path(os.fspath(out_dir))
     copied, left = [], []
     if not src.is_dir():
         return copied, left
     for e in sorted(os.scandir(src), key=lambda e: e.name):
         name = e.name
-        if name.startswith(".") or name == CARD_NAME:
+        if name.startswith("."):
             continue
-        if not e.is_file():
-            if e.is_dir() and name not in ("__pycache__",):
+        if name == CARD_NAME:
+            why = side_file_problem(src, src / name, CARD_CAP)
+            if why is not None and warnings is not None:
+                warnings.append(skip_message(name, why))
+            continue
+        try:
+            is_dir = e.is_dir()
+        except OSError:
+            is_dir = False
+        if is_dir:
+            if name not in ("__pycache__",):
                 left.append(name + "/")
             continue
-        if name in ("config.json", "quantize_config.json", "quant_config.json", "exl2fmt-manifest.json",
-                    "measurement.json") or name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt",
-                                                          ".h5", ".msgpack", ".onnx")) \
+        if name in ("config.json", "quantize_config.json", "quant_config.json", "quantization_config.json",
+                    "exl2fmt-manifest.json", "measurement.json") \
+                or name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack",
+                                  ".onnx")) \
                 or re.fullmatch(r".*\.(safetensors|bin)\.index\.json", name):
             continue
         if not _is_model_file(name):
             left.append(name)
             continue
-        try:
-            shutil.copyfile(src / name, out / name)
-        except OSError as err:
-            raise Exl2Error(ErrorCode.IO_ERROR, f"cannot copy: {err.strerror or err}", file=str(src / name)) from None
+        why = copy_side_file(src, src / name, out / name)
+        if why is not None:
+            if warnings is not None:
+                warnings.append(skip_message(name, why))
+            continue
         copied.append(name)
     return copied, left
+
+
+def read_source_card(src_dir: str | os.PathLike, warnings: list[str] | None = None) -> str:
+    """The source's README.md through the side-file gate (bounded by ``CARD_CAP``); "" when there is none or it
+    may not be read (why appended to ``warnings`` when given)."""
+    from .container.sidefiles import CARD_CAP, read_side_text
+
+    d = Path(os.fspath(src_dir))
+    return read_side_text(d, d / CARD_NAME, CARD_CAP, warnings) or ""
+
+
+_GENERATED = (re.compile(r"^quantized_by:[ \t]*\"?exl2fmt[ \"]", re.M), re.compile(r"^[ \t]+tool:[ \t]*exl2fmt[ \t]*$", re.M))
+_ORIGINAL_HEADING = "## Original model card"
+
+
+def is_generated_card(text: str) -> bool:
+    """Whether ``text`` is a card exl2fmt wrote for a quantized output (its front matter names exl2fmt as the
+    quantizer and as the quantization tool)."""
+    front, _ = split_front_matter(text)
+    return all(r.search(front) for r in _GENERATED)
+
+
+def _unwrap(text: str) -> tuple[str, str]:
+    """(carried front matter, original body) of a card exl2fmt generated: the source's card it kept under
+    "Original model card" (without the note that introduces it), and the license / language entries."""
+    front, body = split_front_matter(text)
+    i = body.find("\n" + _ORIGINAL_HEADING + "\n")
+    orig = ""
+    if i >= 0:
+        rest = body[i + len(_ORIGINAL_HEADING) + 2:].lstrip("\n")
+        if rest.startswith("> The card of the source model"):
+            rest = rest.split("\n", 1)[1] if "\n" in rest else ""
+        orig = rest.strip()
+    return _carried_yaml(front), orig
+
+
+def original_card(text: str) -> str:
+    """The card of the original model rebuilt from a card exl2fmt generated (its license / language front matter
+    and the body kept under "Original model card"); "" when it kept neither."""
+    carried, body = _unwrap(text)
+    if not carried and not body:
+        return ""
+    return (f"---\n{carried}\n---\n\n" if carried else "") + (body + "\n" if body else "")
 
 
 def split_front_matter(text: str) -> tuple[str, str]:
@@ -151,14 +209,11 @@ def model_card(*, fmt: str, src: str | os.PathLike, config: dict | None, version
     src_p = Path(os.fspath(src))
     src_dir = src_p if src_p.is_dir() else src_p.parent
     base = _base_model(config, src_p)
-    card_path = src_dir / CARD_NAME
-    source_card = ""
-    if card_path.is_file():
-        try:
-            source_card = card_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            source_card = ""
-    front, body = split_front_matter(source_card)
+    source_card = read_source_card(src_dir)   # gated and bounded; copy_model_files said why when it is not read
+    if is_generated_card(source_card):  # the source is itself exl2fmt's output: its card describes that format
+        front, body = _unwrap(source_card)
+    else:
+        front, body = split_front_matter(source_card)
     F = _FORMAT.get(fmt, fmt.upper())
     cal = facts.get("calibration")
     y = ["---", f"base_model: {_yaml_str(base)}", "base_model_relation: quantized",
@@ -306,10 +361,8 @@ def gguf_card_metadata(src, config: dict | None, source_format: str, tensor_type
     base = _base_model(config, src_p)
     out: list[tuple[str, str, Any]] = [("general.base_model.count", "u32", 1),
                                        ("general.base_model.0.name", "str", base)]
-    try:
-        front, _ = split_front_matter((src_dir / CARD_NAME).read_text(encoding="utf-8", errors="replace"))
-    except OSError:
-        front = ""
+    card = read_source_card(src_dir)   # gated and bounded (container.sidefiles)
+    front = _unwrap(card)[0] if is_generated_card(card) else split_front_matter(card)[0]
     m = re.search(r"^license:[ \t]*['\"]?([^'\"\n#]+?)['\"]?[ \t]*$", front, re.M)
     if m:
         out.append(("general.license", "str", m.group(1).strip()))

@@ -30,9 +30,12 @@ __all__ = [
 ]
 
 # Files of SRC that are never copied: weights (rewritten), indexes (regenerated; a stale one breaks loaders),
-# quantization side files (rewritten by the converter when the target needs one).
+# quantization side files (rewritten by the converter when the target needs one), and the artefacts of a
+# quantized source that are not true of any other output (exl2fmt's manifest, ExLlamaV2's measurement, a
+# separate quantization_config.json): issue 41.
 _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
-_SKIP_NAMES = {"config.json", "quantize_config.json", "quant_config.json"}
+_SKIP_NAMES = {"config.json", "quantize_config.json", "quant_config.json", "quantization_config.json",
+               "exl2fmt-manifest.json", "measurement.json"}
 _SKIP_DIRS = {".git", ".cache", "__pycache__", ".huggingface"}
 _INDEX_RE = re.compile(r".*\.(safetensors|bin)\.index\.json$")
 
@@ -219,9 +222,14 @@ def publish(tmp: Path, dst: Path, force: bool) -> None:
         remove_path(old)
 
 
-def copy_side_files(src_dir: Path, tmp: Path, extra_skip: Iterable[str] = ()) -> list[str]:
-    """Copy every file of SRC that is not a weight, an index or a quantization side file (recursively;
-    symlinks are followed, hidden tool directories skipped).  Returns the relative paths copied."""
+def copy_side_files(src_dir: Path, tmp: Path, extra_skip: Iterable[str] = (),
+                    warnings: list[str] | None = None) -> list[str]:
+    """Copy every file of SRC that is not a weight, an index or a quantization artefact of the source
+    (recursively; hidden tool directories skipped) through the side-file gate (``sidefiles``: a regular file
+    inside SRC, under its kind's size cap; a link out of SRC, a FIFO or device, an over-cap file is skipped and
+    named in ``warnings``).  Returns the relative paths copied."""
+    from .sidefiles import copy_side_file, skip_message
+
     skip = set(_SKIP_NAMES) | set(extra_skip)
     copied = []
     for root, dirs, files in os.walk(src_dir, followlinks=False):
@@ -234,15 +242,20 @@ def copy_side_files(src_dir: Path, tmp: Path, extra_skip: Iterable[str] = ()) ->
             if fname.endswith(_SKIP_SUFFIXES) or _INDEX_RE.fullmatch(fname):
                 continue
             src = Path(root) / fname
-            if not src.is_file():
-                continue
             out = tmp / rel
             out.parent.mkdir(parents=True, exist_ok=True)
             try:
-                shutil.copyfile(src, out)
-            except OSError as e:  # the file that failed: the source (unreadable) or the copy (disk full)
+                why = copy_side_file(src_dir, src, out)
+            except OSError as e:  # pragma: no cover - copy_side_file names its own errors
                 raise Exl2Error(ErrorCode.IO_ERROR, f"cannot copy {src}: {e.strerror or e}",
                                 file=str(e.filename or out)) from None
+            if why is not None:
+                if warnings is not None:
+                    warnings.append(skip_message(str(rel), why))
+                if rel_root != Path("."):
+                    with contextlib.suppress(OSError):
+                        out.parent.rmdir()   # only when nothing else was copied there
+                continue
             copied.append(str(rel))
     return copied
 

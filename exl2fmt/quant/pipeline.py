@@ -1380,7 +1380,7 @@ def _compile(spec, src, src_dir: Path, tmp: Path, work: _Work, o: QuantOptions, 
     _write_output(tmp, src, [(k, work.layer_path(k)) for k in keys], skip, o, report)
     # the model's own files only (tokenizer, generation config, license...): not a training log; the source's
     # README.md becomes a marked section of the output's own card (written after verification)
-    report.files_copied, report.files_left_out = copy_model_files(src_dir, tmp)
+    report.files_copied, report.files_left_out = copy_model_files(src_dir, tmp, report.warnings)
     _write_metadata(tmp, config, o, report)
 
 
@@ -1572,7 +1572,8 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
         _write_output(tmp, src, layers, {f"{k}.{s}" for k in keys for s in ("weight", "bias")}, o, report)
         from ..modelcard import copy_model_files, write_quant_card
 
-        report.files_copied, report.files_left_out = copy_model_files(src_p if src_p.is_dir() else src_p.parent, tmp)
+        report.files_copied, report.files_left_out = copy_model_files(src_p if src_p.is_dir() else src_p.parent, tmp,
+                                                                      report.warnings)
         _write_metadata(tmp, config, o, report, weight_only=True)
         _validate_or_raise(tmp)
         write_quant_card(tmp, src_p, config, o, report, (report.files_copied, report.files_left_out),
