@@ -171,6 +171,8 @@ def convert_command(
                                                "first at once, at "
                                                "most one a second and one per phase) instead of a progress bar, for "
                                                "bots and pipelines.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of an internal error (same as "
+                                        "exl2fmt --debug convert, or EXL2FMT_DEBUG=1).")] = False,
 ) -> None:
     """Convert a model between formats: FP16/BF16 -> EXL2/GPTQ (quantize), EXL2/GPTQ -> FP16/BF16, EXL2 <-> GPTQ,
     EXL2/GPTQ/FP16 -> GGUF, GGUF -> FP16/BF16/EXL2/GPTQ.
@@ -218,8 +220,11 @@ def convert_command(
     3 unreadable or unsupported source, or a missing optional package (the pip command is named) ·
     4 internal error (the traceback with --debug) · 130 interrupted (the quantizer's progress is kept for --resume).
     """
-    from exl2fmt.cli.errors import EXIT_OK, Interrupted, handle_exception
+    from exl2fmt.cli.errors import EXIT_OK, Interrupted, handle_exception, set_debug
     from exl2fmt.cli.output import Output
+
+    if debug:   # also after the command; the root --debug has set it already
+        set_debug(True)
 
     from exl2fmt.container.partials import SHIELD
 
@@ -424,11 +429,14 @@ def _render(out, rep) -> None:
     if out.mode == "json":
         out.json(rep.as_dict())
         return
+    from exl2fmt.inspect import layer_order_key   # layer tables in model order: block 2 before block 10
+
     if not hasattr(rep, "source_format"):  # the quantizer's report
         for w in rep.warnings:
             out.warn(w)
         out.table(f"dense -> {rep.target}: layers", ["layer", "plan", "bpw", "proxy error"],
-                  [[l.key, l.plan, f"{l.bpw:.3f}", f"{l.error:.4f}"] for l in rep.layers])
+                  [[l.key, l.plan, f"{l.bpw:.3f}", f"{l.error:.4f}"]
+                   for l in sorted(rep.layers, key=lambda l: layer_order_key(l.key))])
         _files_lines(out, rep)
         for line in rep.summary_lines():
             out.line(line, "bold")
@@ -438,7 +446,7 @@ def _render(out, rep) -> None:
     rows = [[l.key, " x ".join(map(str, l.shape)), l.source_plan, l.target_plan,
              "exact" if l.exact else "lossy", _fmt_err(l.rel_error if not l.exact else 0),
              _fmt_err(l.max_abs_error if not l.exact else 0), "yes" if l.verified else "no"]
-            for l in rep.layers]
+            for l in sorted(rep.layers, key=lambda l: layer_order_key(l.key))]
     out.table(f"{rep.source_format} -> {rep.target}: layers", ["layer", "out x in", "source plan", "target plan",
                                                                  "result", "rel. error", "max abs error", "verified"],
               rows)

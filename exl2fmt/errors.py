@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["Category", "ErrorCode", "Severity", "Exl2Error", "Issue", "escape_name"]
+__all__ = ["Category", "ErrorCode", "Severity", "Exl2Error", "Issue", "escape_name", "ci_defuse", "json_ci_defuse"]
 
 
 class Category(str, enum.Enum):
@@ -265,11 +265,43 @@ def escape_name(text: str) -> str:
     So a name cannot move the cursor, clear the screen, forge an extra output line or reorder what the
     reader sees.  Rich markup is not this function's business: the CLI prints through ``rich.text.Text`` with
     markup off, so ``[bold]`` stays literal.  JSON output uses the raw string (``json.dumps`` escapes).
+
+    Then CI workflow commands are defused (``ci_defuse``): the GitHub Actions runner takes a log line that starts
+    with ``::`` after its leading whitespace as a command (``::error ...::``, ``::add-mask::``,
+    ``::stop-commands::``) and ``##[`` anywhere in a line as a legacy one (``##[error]``), on stdout and stderr.
+    A leading ``::`` becomes ``\\u003a\\u003a`` and every ``##[`` becomes ``\\u0023#[``, so a name from a file can
+    neither start a command nor carry one (the result has no line break, so it starts at most one line).
     """
     text = str(text)
-    if text.isprintable():  # the common case, at C speed
-        return text
-    return "".join(ch if ch.isprintable() else _escape_char(ch) for ch in text)
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() else _escape_char(ch) for ch in text)
+    if "##[" in text or ("::" in text and text.lstrip(" ").startswith("::")):
+        return ci_defuse(text)
+    return text  # the common case: two substring scans at C speed
+
+
+#: what ``ci_defuse`` writes for the first colon of a leading ``::`` and the first ``#`` of ``##[``
+CI_COLON = "\\u003a"
+CI_HASH = "\\u0023"
+
+
+def ci_defuse(text: str) -> str:
+    """``text`` (one line, already free of line breaks) with what a CI runner reads as a workflow command made
+    visible: a ``::`` at its start (after spaces) becomes ``\\u003a\\u003a``, each ``##[`` becomes ``\\u0023#[``.
+    ``escape_name`` applies it; JSON output keeps strings exact and uses ``json_ci_defuse`` instead."""
+    if "##[" in text:
+        text = text.replace("##[", CI_HASH + "#[")
+    body = text.lstrip(" ")
+    if body.startswith("::"):
+        text = text[:len(text) - len(body)] + CI_COLON + CI_COLON + body[2:]
+    return text
+
+
+def json_ci_defuse(doc: str) -> str:
+    """A JSON document with every ``##[`` written ``\\u0023#[``: the same JSON value (``##[`` can only occur inside
+    a string, where ``\\u0023`` is ``#``), but no line a CI runner takes for a legacy workflow command.  (No line
+    of indented or compact JSON starts with ``::``.)"""
+    return doc.replace("##[", CI_HASH + "#[") if "##[" in doc else doc
 
 
 def has_control_chars(text: str) -> bool:

@@ -172,6 +172,12 @@ def _layer_row(model, info, config, issues: list[Issue], features=None) -> dict:
     K, N, G, plan, hist, act, layer_bpw, error = (facts[k] for k in ("K", "N", "G", "plan", "hist", "act", "bpw",
                                                                       "error"))
     numel_n = N_stored if fmt is Format.EXL2 else N
+    if error is None and (K == 0 or N == 0 or N_stored == 0):
+        # a layer of no weights: listed with this finding and no bpw (its formula would divide by zero)
+        error = f"empty layer: {K} inputs x {N_stored} outputs stored"
+        first = next(iter(info.slots.values()), None)
+        issues.append(Issue(ErrorCode.SLOT_SHAPE, f"{error}; a linear layer needs at least one input and one "
+                            "output feature", tensor=key, file=None if first is None else str(first.file)))
     if layer_bpw is None and K and numel_n:
         numel = K * numel_n + (numel_n if info.has_bias else 0)
         layer_bpw = info.stored_bytes * 8 / numel if numel else None
@@ -201,7 +207,8 @@ def _histogram(rows) -> list[dict]:
     total: dict[int, int] = {}
     for r in rows:
         for b, w in r["bits"].items():
-            total[int(b)] = total.get(int(b), 0) + w
+            if w:  # a bit width holding no weights (an empty layer's plan) is no bar of the histogram
+                total[int(b)] = total.get(int(b), 0) + w
     s = sum(total.values())
     return [{"bits": b, "weights": total[b], "fraction": round(total[b] / s, 6) if s else 0.0}
             for b in sorted(total, reverse=True)]
@@ -396,6 +403,10 @@ def gguf_scan_summary(g) -> dict:
                          t.n_elements, t.n_bytes) for t in g.tensors]}
 
 
+#: GGUF's 2-D tensors that are embedding tables (looked up, not multiplied): not linear layers, not in the decoder bpw
+_GGUF_EMBEDDINGS = frozenset({"token_embd", "position_embd", "token_types", "per_layer_token_embd"})
+
+
 def inspect_gguf(path: str | os.PathLike, *, layers: bool = True) -> dict:
     """Summarise a ``.gguf`` file through the ``gguf`` package (an optional dependency)."""
     p = str(path)
@@ -456,7 +467,7 @@ def _inspect_gguf(p: str, reader, layers: bool) -> dict:
             issues.append(Issue(ErrorCode.NAME_CONTROL_CHARS, "tensor name contains control characters",
                                 tensor=t.name, file=p))
         shape = [int(x) for x in t.shape]
-        if len(shape) == 2:
+        if len(shape) == 2 and t.name.split(".", 1)[0] not in _GGUF_EMBEDDINGS:  # lookup tables are no linears
             rows.append({
                 "key": t.name, "block": block_of(t.name) or ("head" if t.name.startswith("output.") else None),
                 "format": "gguf", "in_features": shape[0], "out_features": shape[1], "out_features_stored": shape[1],

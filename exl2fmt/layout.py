@@ -396,16 +396,19 @@ def stored_bits(fmt: Format, geometry, present: dict[str, str]) -> int:
     return total
 
 
-def bpw(fmt: Format, geometry, present: dict[str, str]) -> float:
+def bpw(fmt: Format, geometry, present: dict[str, str]) -> float | None:
     """Bits per weight with all overhead, ExLlamaV2's convention (``QParams.total_bits`` / numel).
 
-    numel = K * N_pad (+ N_pad with a bias) for EXL2, K * N (+ N) for GPTQ and dense layers.
+    numel = K * N_pad (+ N_pad with a bias) for EXL2, K * N (+ N) for GPTQ and dense layers.  None for a layer of
+    no weights (0 rows or 0 columns: an invalid layer that inspect still lists, issue 41).
     """
     if fmt is Format.EXL2:
         n = geometry.N_pad
     else:
         n = geometry.N
     numel = geometry.K * n + (n if Exl2Slot.BIAS in present else 0)
+    if numel <= 0:
+        return None
     return stored_bits(fmt, geometry, present) / numel
 
 

@@ -25,24 +25,25 @@ __all__ = ["app", "main", "fast_args", "set_runtime_env", "FAST"]
 FAST: dict[str, tuple[dict[str, tuple[str, bool]], dict[str, str], dict[str, object]]] = {
     "inspect": (
         {"--json": ("json_", True), "--markdown": ("markdown", True), "--layers": ("layers", True),
-         "--no-layers": ("layers", False)},
+         "--no-layers": ("layers", False), "--debug": ("debug", True)},
         {},
-        {"json_": False, "markdown": False, "layers": True, "revision": None},
+        {"json_": False, "markdown": False, "layers": True, "revision": None, "debug": False},
     ),
     "validate": (
         {"--json": ("json_", True), "--markdown": ("markdown", True), "--strict": ("strict", True),
-         "--deep": ("deep", True)},
+         "--deep": ("deep", True), "--debug": ("debug", True)},
         {"--format": "fmt"},
         {"deep": False, "reference": None, "fix_index": False, "strict": False, "kernel": False, "run": False,
          "prompt_ids": None, "device": None, "kernel_m": None, "json_": False, "markdown": False, "fmt": None,
-         "revision": None},
+         "revision": None, "debug": False},
     ),
 }
 
 
 def fast_args(argv: list[str]) -> tuple[str, bool, dict] | None:
     """``(command, debug, keyword arguments of its checks function)`` for a command line of ``FAST``, else None
-    (typer's to parse).  ``argv`` excludes the program name; ``--debug`` may come first, any number of times."""
+    (typer's to parse).  ``argv`` excludes the program name; ``--debug`` may come first, any number of times, and
+    after the command (it is then taken out of the keyword arguments: either place turns it on)."""
     i = 0
     while i < len(argv) and argv[i] == "--debug":
         i += 1
@@ -78,7 +79,8 @@ def fast_args(argv: list[str]) -> tuple[str, bool, dict] | None:
     if path is None:
         return None
     kw["path"] = path
-    return cmd, i > 0, kw
+    debug = kw.pop("debug")
+    return cmd, i > 0 or debug, kw
 
 
 #: OpenMP spin-wait of the compute threads (torch's and Numba's libgomp) before they sleep, unless the user set

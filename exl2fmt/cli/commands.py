@@ -64,6 +64,20 @@ def _root(
     set_debug(debug)   # every command's exception boundary, convert's included
 
 
+#: ``--debug`` after the command as well as before it (``exl2fmt inspect FILE --debug``): the hint of an internal
+#: error says "run with --debug", and users add it at the end of the command line they just ran.
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the traceback of an internal error (same as "
+                                        "exl2fmt --debug COMMAND, or EXL2FMT_DEBUG=1).")]
+
+
+def _debug(flag: bool) -> bool:
+    """The command's ``--debug`` or the root one, made global (every exception boundary sees it)."""
+    if flag:
+        _STATE["debug"] = True
+        set_debug(True)
+    return _STATE["debug"]
+
+
 def _output(json_: bool = False, markdown: bool = False):
     out = checks.make_output(json_, markdown)
     if out is None:  # the usage error is printed
@@ -97,6 +111,7 @@ def inspect(
     markdown: Annotated[bool, typer.Option("--markdown", help="GitHub markdown for a model card.")] = False,
     layers: Annotated[bool, typer.Option("--layers/--no-layers", help="Show the per-layer table.")] = True,
     revision: RevisionOpt = None,
+    debug: DebugOpt = False,
 ) -> None:
     """Show what a model really is, from its headers alone (never reads tensor data).
 
@@ -113,7 +128,7 @@ def inspect(
     * `exl2fmt inspect hf://turboderp/Llama-3-8B-exl2@4.0bpw` (Hub: headers by range, nothing downloaded)
     """
     raise typer.Exit(checks.inspect_command(path, json_=json_, markdown=markdown, layers=layers, revision=revision,
-                                            debug=_STATE["debug"]))
+                                            debug=_debug(debug)))
 
 
 # ------------------------------------------------------------------------------------------------ validate
@@ -153,6 +168,7 @@ def validate(
                    "GitHub test reporters), github = GitHub Actions annotations; --json / --markdown are "
                    "short for --format json / markdown.", show_default=False)] = None,
     revision: RevisionOpt = None,
+    debug: DebugOpt = False,
 ) -> None:
     """Check a model against every rule exl2fmt knows: one line per check, PASS / WARN / FAIL with a stable code.
 
@@ -184,7 +200,7 @@ def validate(
     raise typer.Exit(checks.validate_command(path, deep=deep, reference=reference, fix_index=fix_index, strict=strict,
                                              kernel=kernel, run=run, prompt_ids=prompt_ids, device=device,
                                              kernel_m=kernel_m, json_=json_, markdown=markdown, fmt=fmt,
-                                             revision=revision, debug=_STATE["debug"]))
+                                             revision=revision, debug=_debug(debug)))
 
 
 # ------------------------------------------------------------------------------------------------ sample
@@ -195,6 +211,7 @@ def sample(
     directory: Annotated[str, typer.Argument(help="Where to write config.json and output.safetensors.",
                                              show_default=False)],
     force: Annotated[bool, typer.Option("--force", help="Replace an existing sample.")] = False,
+    debug: DebugOpt = False,
 ) -> None:
     """Write the embedded sample: a tiny Llama-shaped EXL2 model (deterministic, all six bit widths).
 
@@ -203,6 +220,7 @@ def sample(
     * `exl2fmt sample ./exl2fmt-sample`
     * `exl2fmt sample ./exl2fmt-sample --force`
     """
+    _debug(debug)
     out = _output()
 
     def body():
@@ -228,6 +246,7 @@ def dequantize(
                       "as a .npy file (float16 [out_features, in_features]).", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output file.")] = False,
     json_: JsonOpt = False,
+    debug: DebugOpt = False,
 ) -> None:
     """Dequantize one linear layer (EXL2, GPTQ or dense) to the nn.Linear weight, float16 [out, in].
 
@@ -238,6 +257,7 @@ def dequantize(
     * `exl2fmt dequantize ./model model.layers.0.mlp.down_proj`
     * `exl2fmt dequantize ./model lm_head -o lm_head.npy`
     """
+    _debug(debug)
     out = _output(json_)
 
     def body():
@@ -317,6 +337,7 @@ def demo(
     directory: Annotated[Optional[str], typer.Option("--dir", metavar="DIR", help="Where to write the sample "
                          "(default: a new temporary directory).", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace a sample already in --dir.")] = False,
+    debug: DebugOpt = False,
 ) -> None:
     """The main job, end to end on the embedded sample: write it, inspect it, validate it with --deep, and
     dequantize every layer, comparing the fast Numba decoder with the slow NumPy oracle bit for bit.
@@ -328,6 +349,7 @@ def demo(
     * `exl2fmt demo`
     * `exl2fmt demo --dir ./exl2fmt-sample --force`
     """
+    _debug(debug)
     out = _output()
 
     def body():

@@ -9,7 +9,8 @@
 Every string that comes from a file (tensor names, paths, metadata values, messages that quote them) goes
 through ``exl2fmt.errors.escape_name`` before it reaches a terminal, and is wrapped in ``rich.text.Text`` so
 that rich never interprets it as markup.  JSON output keeps names exact: ``json.dumps`` with
-``ensure_ascii=True`` escapes every control and non-ASCII character itself.
+``ensure_ascii=True`` escapes every control and non-ASCII character itself.  ``escape_name`` also defuses CI
+workflow commands (a leading ``::``, any ``##[``); JSON output writes ``##[`` as ``\\u0023#[``, the same value.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 import sys
 from typing import Any, Iterator
 
-from ..errors import escape_name
+from ..errors import escape_name, json_ci_defuse
 
 __all__ = ["Output", "human_bytes", "human_count", "md_escape", "dumps_json"]
 
@@ -181,7 +182,8 @@ class Output:
         self.err_console.print(self.text(s, "dim"), soft_wrap=True)
 
     def json(self, doc: dict) -> None:
-        sys.stdout.write(dumps_json(doc) + "\n")
+        # the same JSON value, with no "##[" a CI runner would take for a workflow command (exl2fmt.errors)
+        sys.stdout.write(json_ci_defuse(dumps_json(doc)) + "\n")
         sys.stdout.flush()
 
     # --- errors -----------------------------------------------------------------------------------------
@@ -249,8 +251,9 @@ class Output:
             if now - last["t"] < min_interval and phase == last["phase"] and not (total and done >= total):
                 return
             last.update(t=now, phase=phase)
-            sys.stderr.write(json.dumps({"status": description, "done": int(done), "total": int(total or 0),
-                                         "what": str(what), "elapsed_s": round(now - t0, 3)}) + "\n")
+            sys.stderr.write(json_ci_defuse(json.dumps({"status": description, "done": int(done),
+                                                        "total": int(total or 0), "what": str(what),
+                                                        "elapsed_s": round(now - t0, 3)})) + "\n")
             sys.stderr.flush()
 
         yield update

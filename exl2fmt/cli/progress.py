@@ -23,7 +23,7 @@ import shutil
 import sys
 import time
 
-from ..errors import escape_name
+from ..errors import escape_name, json_ci_defuse
 
 __all__ = ["PHASE_WEIGHTS", "phases_for", "Overall", "Eta", "Bar", "StatusLines", "fmt_duration", "fit"]
 
@@ -218,8 +218,8 @@ class StatusLines:
         if now - self.t_last < self.min_interval and ph == self.phase and not (total and done >= total):
             return
         self.t_last, self.phase = now, ph
-        self.stream.write(json.dumps({"status": self.description, "done": int(done), "total": int(total or 0),
-                                      "what": str(what), "elapsed_s": round(now - self.t0, 3), "phase": phase or None,
-                                      "fraction": round(f, 4), "eta_s": None if eta is None else round(eta, 1)})
-                          + "\n")
+        line = json.dumps({"status": self.description, "done": int(done), "total": int(total or 0),
+                           "what": str(what), "elapsed_s": round(now - self.t0, 3), "phase": phase or None,
+                           "fraction": round(f, 4), "eta_s": None if eta is None else round(eta, 1)})
+        self.stream.write(json_ci_defuse(line) + "\n")  # same value; no "##[" for a CI runner
         self.stream.flush()
