@@ -12,6 +12,11 @@ module            holds
 ``reader``        ``read_header``, ``SafetensorsFile`` / ``ModelFiles`` (memory-mapped, zero-copy views),
                   ``open_model`` with the index <-> shard rules, and ``SourceReader`` (``pread`` into private
                   arrays, for passes over a whole model)
+``regular``       ``stat_regular`` / ``open_regular``: regular files only (a FIFO or device is IO_ERROR, never opened
+                  blocking)
+``jsonload``      the one guarded loader of JSON side inputs (config.json, the index, tokenizer files,
+                  measurement.json, job.json, calibration ids): byte / value-count / depth caps, every parser error
+                  mapped to the kind's code, and shape helpers (``expect``, ``expect_list_of``, ``expect_dict_of``)
 ``writer``        one header builder, one shard plan and naming, the index text; ``write_safetensors`` /
                   ``write_sharded`` (whole files) and ``ShardWriter`` / ``BackgroundWriter`` (streamed)
 ``publish``       atomic write of one file, the working-directory-then-rename publishing of a model directory,

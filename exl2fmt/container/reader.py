@@ -45,7 +45,6 @@ import collections
 import json
 import mmap
 import os
-import stat
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -53,7 +52,9 @@ from ..lazynp import np  # numpy on first use: inspect reads headers only
 
 from ..errors import ErrorCode, Exl2Error, Issue, Severity
 from . import dtypes  # its SAFETENSORS_DTYPES (numpy dtypes) is built on first use
+from . import jsonload
 from .parse import SafetensorsHeader, TensorInfo, check_prefix, json_repr, json_type, parse_header_bytes, shorten
+from .regular import file_kind, open_regular, stat_regular
 
 __all__ = [
     "MAX_INDEX_BYTES", "MAX_CONFIG_BYTES", "MAX_OPEN_SHARDS", "INDEX_NAME", "file_kind", "open_regular",
@@ -61,9 +62,9 @@ __all__ = [
     "SourceReader",
 ]
 
-MAX_INDEX_BYTES = 100_000_000
+MAX_INDEX_BYTES = jsonload.INDEX.max_bytes
 """Largest ``*.safetensors.index.json`` read."""
-MAX_CONFIG_BYTES = 100_000_000
+MAX_CONFIG_BYTES = jsonload.CONFIG.max_bytes
 """Largest ``config.json`` read."""
 MAX_OPEN_SHARDS = 32
 """Most shards a ``ModelFiles`` keeps memory-mapped at once (each holds one file descriptor)."""
@@ -77,49 +78,6 @@ def _err(code: ErrorCode, msg: str, path: str, tensor: str | None = None) -> Exl
 # ------------------------------------------------------------------------------------------------
 # one header
 # ------------------------------------------------------------------------------------------------
-
-def file_kind(st: os.stat_result) -> str:
-    """What a stat result describes, for messages: "a regular file", "a FIFO (named pipe)", ..."""
-    m = st.st_mode
-    for test, what in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(m):
-            return what
-    return "a special file"  # pragma: no cover - no other kinds on Linux
-
-
-def stat_regular(path: str) -> os.stat_result:
-    """``os.stat`` of a file that must be regular: PATH_NOT_FOUND / IO_ERROR naming what is there instead.
-    Called before any ``open``: opening a FIFO blocks until a writer appears, a device never ends."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        if os.path.lexists(path):
-            raise _err(ErrorCode.IO_ERROR, "expected a regular file, found a symlink to nothing", path) from None
-        raise _err(ErrorCode.PATH_NOT_FOUND, "expected an existing file, found nothing at this path", path) from None
-    except OSError as e:
-        raise _err(ErrorCode.IO_ERROR, f"cannot stat: {e.strerror or e}", path) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise _err(ErrorCode.IO_ERROR, f"expected a regular file, found {file_kind(st)}", path)
-    return st
-
-
-def open_regular(path: str):
-    """Open ``path`` for binary reading only if it is a regular file (checked on the open descriptor, so a
-    file swapped for a FIFO after ``stat_regular`` cannot block: the open itself is non-blocking)."""
-    stat_regular(path)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-                 | getattr(os, "O_BINARY", 0))
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _err(ErrorCode.IO_ERROR, f"expected a regular file, found {file_kind(st)}", path)
-        return open(fd, "rb")  # noqa: SIM115 - the caller closes it
-    except BaseException:
-        os.close(fd)
-        raise
-
 
 def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     """Read and validate the header of a safetensors file (reads 8 + n bytes, never the data)."""
@@ -306,28 +264,10 @@ def _dups(pairs: list[tuple[str, Any]]) -> list[str]:
     return out
 
 
-def _read_json_file(path: Path, cap: int, code: ErrorCode, what: str) -> Any:
-    p = str(path)
-    st = stat_regular(p)
-    if st.st_size > cap:
-        raise _err(code, f"expected {what} of at most {cap} bytes, found {st.st_size} bytes", p)
-    try:
-        with open_regular(p) as f:
-            raw = f.read(min(cap, st.st_size) + 1)  # never allocate by the cap
-    except OSError as e:
-        raise _err(ErrorCode.IO_ERROR, f"cannot read: {e.strerror or e}", p) from None
-    if len(raw) > cap:
-        raise _err(code, f"expected {what} of at most {cap} bytes, found more", p)
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise _err(code, f"expected UTF-8 {what}, found an invalid byte at {e.start}", p) from None
-    try:
-        return json.loads(text, object_pairs_hook=_dup_hook)
-    except RecursionError:
-        raise _err(code, f"expected {what} as JSON, found nesting too deep", p) from None
-    except ValueError as e:
-        raise _err(code, f"expected {what} as JSON, found invalid JSON: {shorten(str(e), 120)}", p) from None
+def _read_json_file(path: Path, kind: "jsonload.JsonKind") -> Any:
+    """config.json / the index through the one guarded loader (size, value-count and depth caps, every parser
+    error mapped to the kind's code), keeping duplicate keys visible (``_DupDict.dups``)."""
+    return jsonload.load_json(path, kind, object_pairs_hook=_dup_hook)
 
 
 def _plain_dict(obj: Any) -> Any:
@@ -378,7 +318,7 @@ class ModelFiles:
             if not os.path.exists(self.config_path):
                 cfg = None
             else:
-                value = _read_json_file(self.config_path, MAX_CONFIG_BYTES, ErrorCode.CONFIG_INVALID, "config.json")
+                value = _read_json_file(self.config_path, jsonload.CONFIG)
                 if not isinstance(value, dict):
                     raise _err(ErrorCode.CONFIG_INVALID,
                                f"expected a JSON object, found {json_type(value)}", str(self.config_path))
@@ -574,7 +514,7 @@ def _duplicate_issues(where: dict[str, list[str]], chosen: Mapping[str, str] | N
 
 def _open_indexed(directory: Path, index: Path) -> ModelFiles:
     ip = str(index)
-    doc = _read_json_file(index, MAX_INDEX_BYTES, ErrorCode.INDEX_INVALID, "the index")
+    doc = _read_json_file(index, jsonload.INDEX)
     if not isinstance(doc, dict):
         raise _err(ErrorCode.INDEX_INVALID, f"expected a JSON object, found {json_type(doc)}", ip)
     wm = doc.get("weight_map")
