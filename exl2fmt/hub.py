@@ -31,9 +31,20 @@ Hardening
 * Every response body is streamed and cut at the expected length: a range answered with ``200`` (the whole file),
   a wrong ``Content-Range``, a body longer than the range (an endless body) or a JSON document past its cap is
   ``HUB_BAD_RESPONSE`` after reading at most one chunk beyond the expected length.
-* At most ``MAX_BYTES_PER_FILE`` are fetched per file (``HUB_FETCH_LIMIT``); declared sizes above
-  ``MAX_FILE_SIZE`` are refused.  Each request has a connect/read timeout and a total deadline
-  (``EXL2FMT_HUB_TIMEOUT`` seconds, default 60).
+* At most ``MAX_BYTES_PER_FILE`` are fetched per file, and at most a byte budget per command
+  (``EXL2FMT_HUB_MAX_BYTES``: bytes or e.g. ``512M``, default ``DEFAULT_MAX_TOTAL_BYTES`` = 256 MiB) over all
+  requests: a range is counted before it is asked for, other bodies as they arrive (``HUB_FETCH_LIMIT``);
+  declared sizes above ``MAX_FILE_SIZE`` are refused.  A ``.gguf`` file's 24-byte preamble (magic, version,
+  counts) is checked before anything more of it is asked for.
+* Time: each request (listing page, HEAD, ranged GET, each redirect hop) has a wall-clock deadline of
+  ``EXL2FMT_HUB_TIMEOUT`` seconds (default 60) that also holds while the response headers trickle in (the HTTP
+  library's read timeout restarts at every byte; the request runs in a thread the caller stops waiting for), and
+  the command's reads together a deadline of ``EXL2FMT_HUB_TOTAL_TIMEOUT`` seconds (default 600):
+  ``HUB_UNREACHABLE`` naming the ``hf://`` file.
+* Names from the server are checked before they name a local file (``unsafe_name``: control and format
+  characters, backslashes, absolute paths, ``.``/``..``/empty segments, components over 255 bytes): a listing
+  with such a name is ``HUB_BAD_RESPONSE``, the name printed escaped; errors about the local image name the
+  ``hf://`` path, never the temporary directory.
 * Redirects are followed by hand, at most ``MAX_REDIRECTS``, to ``http(s)`` URLs only and never from ``https`` to
   ``http``.  The token (``HF_TOKEN`` or the saved login, through ``huggingface_hub.utils.build_hf_headers``) is
   only sent to the endpoint's own origin (scheme, host, port): a redirect to another host - the Hub's CDN hands
@@ -69,7 +80,8 @@ from .layout import Exl2Slot
 
 __all__ = ["HUB_SCHEME", "READ_CHUNK", "HubClient", "MAX_JSON_BYTES", "MAX_GROUPS_BYTES", "MAX_BYTES_PER_FILE", "MAX_FILE_SIZE", "MAX_REDIRECTS",
            "HubRef", "HubStats", "HubSnapshot", "is_hub_uri", "parse_hub_uri", "fetch_snapshot", "inspect_hub",
-           "validate_hub", "reference_shape_checks", "rewrite_paths"]
+           "validate_hub", "reference_shape_checks", "rewrite_paths", "unsafe_name", "DEFAULT_MAX_TOTAL_BYTES",
+           "DEFAULT_TOTAL_TIMEOUT", "MAX_NAME_BYTES", "MAX_PATH_BYTES", "GGUF_PREAMBLE"]
 
 HUB_SCHEME = "hf://"
 MAX_JSON_BYTES = 32 << 20
@@ -81,6 +93,15 @@ MAX_BYTES_PER_FILE = 8 + 100_000_000 + (16 << 20)
 MAX_FILE_SIZE = 1 << 40
 """Largest declared file size accepted (the Hub itself stores files of at most 50 GB)."""
 MAX_REDIRECTS = 5
+DEFAULT_MAX_TOTAL_BYTES = 256 << 20
+"""Default byte budget of one command (every body byte of every request together; ``EXL2FMT_HUB_MAX_BYTES``
+raises or lowers it): real EXL2 models need a few MB (headers, config, q_groups), the largest legal header
+(``MAX_HEADER_BYTES``, 100 MB) fits twice."""
+DEFAULT_TOTAL_TIMEOUT = 600.0
+"""Default wall-clock deadline of one command's Hub reads, in seconds (``EXL2FMT_HUB_TOTAL_TIMEOUT``)."""
+MAX_NAME_BYTES = 255
+"""Longest file name (one path component, UTF-8) taken from a listing: what local file systems hold."""
+MAX_PATH_BYTES = 1024
 MAX_LIST_PAGES = 100
 MAX_LIST_ENTRIES = 100_000
 READ_CHUNK = 1 << 16
@@ -148,6 +169,10 @@ def parse_hub_uri(uri: str, revision: str | None = None) -> HubRef:
                         f"found {repo_id!r}")
     if any(p in ("", ".", "..") for p in tail):
         raise Exl2Error(ErrorCode.USAGE, f"expected a plain path inside the repository, found {'/'.join(tail)!r}")
+    why = unsafe_name("/".join(tail)) if tail else None
+    if why:
+        raise Exl2Error(ErrorCode.USAGE, f"expected a plain path inside the repository, found "
+                        f"{_show('/'.join(tail))}: {why}")
     if revision is not None:
         if rev is not None and rev != revision:
             raise Exl2Error(ErrorCode.USAGE, f"--revision {revision} contradicts @{rev} in {uri}")
@@ -195,6 +220,79 @@ def _timeout() -> float:
         return 60.0
 
 
+def _total_timeout() -> float:
+    try:
+        v = float(os.environ.get("EXL2FMT_HUB_TOTAL_TIMEOUT", str(DEFAULT_TOTAL_TIMEOUT)))
+    except ValueError:
+        return DEFAULT_TOTAL_TIMEOUT
+    return max(0.1, v) if v == v else DEFAULT_TOTAL_TIMEOUT
+
+
+def _byte_budget() -> int:
+    """``EXL2FMT_HUB_MAX_BYTES``: bytes, or with a K / M / G suffix (powers of 1024); a usage error otherwise."""
+    raw = os.environ.get("EXL2FMT_HUB_MAX_BYTES", "").strip()
+    if not raw:
+        return DEFAULT_MAX_TOTAL_BYTES
+    m = re.fullmatch(r"([0-9]{1,15})\s*([KkMmGg]?)[iI]?[bB]?", raw)
+    if not m or int(m.group(1)) <= 0:
+        raise Exl2Error(ErrorCode.USAGE, f"EXL2FMT_HUB_MAX_BYTES must be a positive number of bytes (e.g. "
+                        f"512M or 1G), found {raw[:40]!r}")
+    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+
+
+def _show(name: str, limit: int = 120) -> str:
+    """A name from the server, safe to print: escaped (``ascii``) and cut."""
+    a = ascii(name)
+    return a if len(a) <= limit else a[:limit] + "...'"
+
+
+def unsafe_name(path: str) -> str | None:
+    """Why a repository path (from a listing, or the user's ``hf://`` path) cannot name a local image file, or
+    None: control / format characters (NUL, newlines, bidi overrides ...), a backslash, an absolute path, an
+    empty, ``.`` or ``..`` segment, a component over ``MAX_NAME_BYTES`` or a path over ``MAX_PATH_BYTES``."""
+    import unicodedata
+
+    if not isinstance(path, str) or not path:
+        return "an empty name"
+    for ch in path:
+        if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp") or ch == "\\":
+            return f"the character U+{ord(ch):04X} (a control, format or separator character)"
+    if len(path.encode("utf-8")) > MAX_PATH_BYTES:
+        return f"a path longer than {MAX_PATH_BYTES} bytes"
+    if path.startswith("/"):
+        return "an absolute path"
+    for seg in path.split("/"):
+        if seg in ("", ".", ".."):
+            return "an empty, '.' or '..' path segment"
+        if len(seg.encode("utf-8")) > MAX_NAME_BYTES:
+            return f"a file name longer than {MAX_NAME_BYTES} bytes"
+    return None
+
+
+def _call_by(deadline: float, fn, on_timeout):
+    """``fn()`` in a daemon thread, its result or its exception; ``on_timeout()`` is raised at ``deadline``
+    (time.monotonic) if it has not returned - the only way to bound a call that blocks inside the HTTP library
+    while a server trickles its response headers (its read timeout restarts at every byte).  The abandoned
+    thread ends with its connection (it holds nothing of the caller's)."""
+    box: dict = {}
+    done = threading.Event()
+
+    def run():
+        try:
+            box["r"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["e"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="exl2fmt-hub-request", daemon=True).start()
+    if not done.wait(max(0.0, deadline - time.monotonic())):
+        raise on_timeout()
+    if "e" in box:
+        raise box["e"]
+    return box["r"]
+
+
 class HubClient:
     """Bounded GETs (``get``, ``get_json``), metadata HEADs (``metadata``) and listings (``list_folder``) for one
     read of one repository; ``stats`` counts every body byte as it arrives (thread-safe)."""
@@ -213,6 +311,10 @@ class HubClient:
 
         self.http = importlib.import_module(type(self.session).__module__.split(".")[0])
         self.timeout = _timeout()
+        self.total_timeout = _total_timeout()
+        self.total_deadline = time.monotonic() + self.total_timeout
+        self.budget = _byte_budget()
+        self._committed = 0  # bytes of ranges asked for + bytes of other bodies received, against the budget
         self.stats = HubStats()
         self._lock = threading.Lock()
         from . import __version__
@@ -248,13 +350,41 @@ class HubClient:
             for kind in ("branches", "tags"):
                 for item in doc.get(kind) or [] if isinstance(doc, dict) else []:
                     if isinstance(item, dict) and isinstance(item.get("name"), str):
-                        names.append(item["name"] if kind == "branches" else f"{item['name']} (tag)")
+                        nm = item["name"] if not any(c < " " or c == "\x7f" for c in item["name"]) \
+                            and len(item["name"]) <= MAX_NAME_BYTES else _show(item["name"], 80)
+                        names.append(nm if kind == "branches" else f"{nm} (tag)")
         except Exl2Error:
             pass
         have = (f"; it has: {', '.join(names[:50])}" + (" ..." if len(names) > 50 else "")) if names else ""
         return _hub_err(ErrorCode.HUB_NOT_FOUND, f"no revision {self.ref.rev!r} in {self.ref.repo_id}{have} "
                         "(EXL2 publishers use one branch per bitrate: pick one with @BRANCH or --revision)",
                         self.ref.uri())
+
+    # --- deadlines and the byte budget -------------------------------------------------------------------
+    def _deadline(self) -> float:
+        """One request's wall-clock deadline: ``timeout`` from now, or the command's total deadline if sooner."""
+        return min(time.monotonic() + self.timeout, self.total_deadline)
+
+    def _late(self, what: str, where: str) -> Exl2Error:
+        if time.monotonic() >= self.total_deadline - 1e-3:
+            why = f"the Hub reads of this command ran past their total deadline of {self.total_timeout:g} s " \
+                  "(EXL2FMT_HUB_TOTAL_TIMEOUT)"
+        else:
+            why = f"no complete answer within {self.timeout:g} s (EXL2FMT_HUB_TIMEOUT)"
+        return _hub_err(ErrorCode.HUB_UNREACHABLE, f"{what}: {why}; the server is too slow or holds the "
+                        "connection open", where)
+
+    def _over_budget(self, what: str, where: str, n: int) -> Exl2Error:
+        return _hub_err(ErrorCode.HUB_FETCH_LIMIT, f"{what}: {n} more bytes would take this command past its "
+                        f"budget of {self.budget} bytes fetched (EXL2FMT_HUB_MAX_BYTES; the headers, config and "
+                        "q_groups of real models take a few MB)", where)
+
+    def reserve(self, n: int, what: str, where: str) -> None:
+        """Count ``n`` bytes about to be asked for against the budget; refuse before asking when they do not fit."""
+        with self._lock:
+            if self._committed + n > self.budget:
+                raise self._over_budget(what, where, n)
+            self._committed += n
 
     # --- one bounded GET ------------------------------------------------------------------------------
     def get(self, url: str, what: str, *, start: int | None = None, length: int | None = None,
@@ -264,10 +394,15 @@ class HubClient:
         httpx2 = self.http
 
         want = length if start is not None else cap
-        deadline = time.monotonic() + self.timeout
+        deadline = self._deadline()
         t = httpx2.Timeout(self.timeout, connect=min(self.timeout, 10.0))
         where = file or self.ref.uri()
-        for _hop in range(MAX_REDIRECTS + 1):
+        if start is not None:
+            self.reserve(length, what, where)
+        cancel = threading.Event()  # set when the caller gave up on this request (its deadline passed)
+
+        def hop(url: str):
+            """One request: ("redirect", target) or ("done", body, headers)."""
             same = _origin(url) == _origin(self.endpoint)
             headers = dict(self.auth if same else self.plain)
             headers["Accept-Encoding"] = "identity"
@@ -275,51 +410,69 @@ class HubClient:
                 headers["Range"] = f"bytes={start}-{start + length - 1}"
             with self._lock:
                 self.stats.requests += 1
+            with self.session.stream("GET", url, headers=headers, follow_redirects=False, timeout=t) as r:
+                status = r.status_code
+                if 300 <= status < 400 and "location" in r.headers:
+                    target = urljoin(url, r.headers["location"])
+                    scheme = urlsplit(target).scheme
+                    if scheme not in ("http", "https") or (urlsplit(url).scheme == "https" and scheme == "http"):
+                        raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{what}: refusing a redirect to "
+                                       f"{_show(target)} (only http(s), never https -> http)", where)
+                    return ("redirect", target)
+                if status >= 400:
+                    raise self._status_error(status, r.headers, url, what)
+                if start is not None:
+                    self._check_range(r, status, start, length, expect_size, what, where)
+                elif status != 200:
+                    raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{what}: expected HTTP 200, found {status}", where)
+                body = bytearray()
+                for chunk in r.iter_raw(READ_CHUNK):
+                    if cancel.is_set():
+                        raise _hub_err(ErrorCode.HUB_UNREACHABLE, f"{what}: abandoned", where)
+                    body += chunk
+                    with self._lock:
+                        self.stats.bytes_fetched += len(chunk)
+                        if file is not None:
+                            self.stats.per_file[file] = self.stats.per_file.get(file, 0) + len(chunk)
+                        if start is None:
+                            self._committed += len(chunk)
+                            if self._committed > self.budget:
+                                raise self._over_budget(what, where, len(chunk))
+                    if len(body) > want:
+                        if start is not None:
+                            raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{what}: the server sent more than the "
+                                           f"{length} bytes of the requested range; stopped reading", where)
+                        raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{what}: larger than the cap of {cap} "
+                                       "bytes; stopped reading", where)
+                    if time.monotonic() > deadline:
+                        raise self._late(what, where)
+                if start is not None and len(body) != length:
+                    raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{what}: expected {length} bytes of the range, "
+                                   f"found {len(body)} (connection closed early?)", where)
+                return ("done", bytes(body), r.headers)
+
+        def guarded(url: str):
             try:
-                with self.session.stream("GET", url, headers=headers, follow_redirects=False, timeout=t) as r:
-                    status = r.status_code
-                    if 300 <= status < 400 and "location" in r.headers:
-                        target = urljoin(url, r.headers["location"])
-                        scheme = urlsplit(target).scheme
-                        if scheme not in ("http", "https") or (urlsplit(url).scheme == "https" and scheme == "http"):
-                            raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{what}: refusing a redirect to "
-                                           f"{target[:120]!r} (only http(s), never https -> http)", where)
-                        url = target
-                        continue
-                    if status >= 400:
-                        raise self._status_error(status, r.headers, url, what)
-                    if start is not None:
-                        self._check_range(r, status, start, length, expect_size, what, where)
-                    elif status != 200:
-                        raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{what}: expected HTTP 200, found {status}", where)
-                    body = bytearray()
-                    for chunk in r.iter_raw(READ_CHUNK):
-                        body += chunk
-                        with self._lock:
-                            self.stats.bytes_fetched += len(chunk)
-                            if file is not None:
-                                self.stats.per_file[file] = self.stats.per_file.get(file, 0) + len(chunk)
-                        if len(body) > want:
-                            if start is not None:
-                                raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{what}: the server sent more than the "
-                                               f"{length} bytes of the requested range; stopped reading", where)
-                            raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{what}: larger than the cap of {cap} "
-                                           "bytes; stopped reading", where)
-                        if time.monotonic() > deadline:
-                            raise _hub_err(ErrorCode.HUB_UNREACHABLE, f"{what}: no complete answer within "
-                                           f"{self.timeout:g} s (EXL2FMT_HUB_TIMEOUT)", where)
-                    if start is not None and len(body) != length:
-                        raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{what}: expected {length} bytes of the range, "
-                                       f"found {len(body)} (connection closed early?)", where)
-                    return bytes(body), r.headers
+                return hop(url)
             except Exl2Error:
                 raise
             except httpx2.TimeoutException:
                 raise _hub_err(ErrorCode.HUB_UNREACHABLE, f"{what}: timed out after {self.timeout:g} s "
                                "(EXL2FMT_HUB_TIMEOUT)", where) from None
-            except (httpx2.HTTPError, httpx2.InvalidURL, OSError) as e:
-                raise _hub_err(ErrorCode.HUB_UNREACHABLE, f"{what}: cannot reach {_origin(url)[1] or url[:80]}: "
-                               f"{type(e).__name__}: {str(e)[:200]}", where) from None
+            except (httpx2.HTTPError, httpx2.InvalidURL, OSError, ValueError) as e:
+                raise _hub_err(ErrorCode.HUB_UNREACHABLE, f"{what}: cannot reach {_show(_origin(url)[1] or url)}: "
+                               f"{type(e).__name__}: {_show(str(e), 200)}", where) from None
+
+        def late():
+            cancel.set()
+            return self._late(what, where)
+
+        for _hop in range(MAX_REDIRECTS + 1):
+            res = _call_by(deadline, lambda: guarded(url), late)
+            if res[0] == "redirect":
+                url = res[1]
+                continue
+            return res[1], res[2]
         raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{what}: more than {MAX_REDIRECTS} redirects", where)
 
     @staticmethod
@@ -358,7 +511,9 @@ class HubClient:
             self.stats.requests += 1
         where = self.ref.uri(filename)
         try:
-            m = self._get_meta(url, timeout=self.timeout, library_name="exl2fmt")
+            # huggingface_hub's HEAD, under this command's deadline (its own timeout restarts at every byte)
+            m = _call_by(self._deadline(), lambda: self._get_meta(url, timeout=self.timeout, library_name="exl2fmt"),
+                         lambda: self._late(f"{filename} (HEAD)", where))
         except hf_errors.RevisionNotFoundError:
             raise self._revision_missing() from None
         except hf_errors.GatedRepoError:
@@ -389,7 +544,7 @@ class HubClient:
         if m.size is None or not isinstance(m.size, int) or m.size < 0:
             raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{filename}: the server gave no file size "
                            "(X-Linked-Size / Content-Length)", where)
-        if m.size > MAX_FILE_SIZE:
+        if isinstance(m.size, bool) or m.size > MAX_FILE_SIZE:
             raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{filename}: declared size {m.size} bytes exceeds the cap of "
                            f"{MAX_FILE_SIZE}", where)
         return m.size, m.commit_hash, urljoin(url, m.location) if m.location else url
@@ -411,9 +566,15 @@ class HubClient:
                 raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, "the file listing: expected a JSON array", self.ref.uri())
             for e in doc:
                 if isinstance(e, dict) and e.get("type") == "file" and isinstance(e.get("path"), str):
+                    why = unsafe_name(e["path"])
+                    if why:  # never used as a local name, never printed raw
+                        raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"the file listing names "
+                                       f"{_show(e['path'])}: {why}; refusing a listing with names no local file "
+                                       "can safely hold", self.ref.uri())
                     lfs = e.get("lfs") if isinstance(e.get("lfs"), dict) else {}
                     size = lfs.get("size", e.get("size"))
-                    out.append({"path": e["path"], "size": size if isinstance(size, int) else None})
+                    out.append({"path": e["path"], "size": size if isinstance(size, int)
+                                and not isinstance(size, bool) else None})
             if len(out) > MAX_LIST_ENTRIES:
                 raise _hub_err(ErrorCode.HUB_FETCH_LIMIT, f"more than {MAX_LIST_ENTRIES} files in the folder",
                                self.ref.uri())
@@ -469,11 +630,29 @@ class HubSnapshot:
         self.close()
 
 
+def _image_error(e: OSError, where: str) -> Exl2Error:
+    """A local image that cannot be written: named by its ``hf://`` path (the temporary directory is removed)."""
+    return _hub_err(ErrorCode.IO_ERROR, f"cannot write its local image in the temporary directory (TMPDIR): "
+                    f"{e.strerror or type(e).__name__}", where)
+
+
+def _write_at(path: Path, offset: int, data: bytes, where: str) -> None:
+    try:
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            f.write(data)
+    except OSError as e:
+        raise _image_error(e, where) from None
+
+
 def _sparse_image(path: Path, size: int, head: bytes, where: str) -> None:
-    with open(path, "wb") as f:
-        f.write(head)
-        f.truncate(size)
-        st = os.fstat(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            f.write(head)
+            f.truncate(size)
+            st = os.fstat(f.fileno())
+    except OSError as e:
+        raise _image_error(e, where) from None
     blocks = getattr(st, "st_blocks", None)
     if blocks is not None and blocks * 512 > len(head) + (8 << 20) and size > len(head) + (8 << 20):
         path.unlink(missing_ok=True)
@@ -540,7 +719,10 @@ def fetch_snapshot(ref: HubRef, *, groups: bool = True) -> HubSnapshot:
                 raise _hub_err(ErrorCode.HUB_FETCH_LIMIT, f"{n} is {size} bytes, above the cap of {MAX_JSON_BYTES}",
                                ref.uri(prefix + n))
             body, _ = cl.get(loc, n, cap=MAX_JSON_BYTES, file=ref.uri(prefix + n))
-            (mirror / n).write_bytes(body)
+            try:
+                (mirror / n).write_bytes(body)
+            except OSError as e:
+                raise _image_error(e, ref.uri(prefix + n)) from None
         headers = {}
         for n in shards:
             size, loc = metas[n]
@@ -588,6 +770,35 @@ GGUF_FIRST_FETCH = 1 << 20
 """Bytes of a ``.gguf`` file read first; the header is then read further as far as it turns out to reach."""
 
 
+GGUF_PREAMBLE = 24
+"""magic (4 bytes), version (4), tensor count (8), key/value count (8)."""
+
+
+def _check_gguf_preamble(pre: bytes, size: int, where: str) -> None:
+    """The checks the GGUF pre-scan (``exl2fmt.gguf_scan``) makes first, on the preamble alone: magic, version 2
+    or 3 (either byte order), counts within the caps and the file's size."""
+    from .gguf_scan import GGUF_MAX_KV, GGUF_MAX_TENSORS
+
+    def bad(msg):
+        raise Exl2Error(ErrorCode.GGUF_INVALID, msg + " (read from the first 24 bytes; nothing more was fetched)",
+                        file=where)
+
+    if pre[:4] != b"GGUF":
+        bad(f"expected the magic b'GGUF', found {pre[:4]!r}")
+    bo = "<"
+    (version,) = struct.unpack_from("<I", pre, 4)
+    if version not in (2, 3):
+        (v_be,) = struct.unpack_from(">I", pre, 4)
+        if v_be not in (2, 3):
+            bad(f"expected GGUF version 2 or 3, found {version}")
+        bo = ">"
+    n_tensors, n_kv = struct.unpack_from(bo + "QQ", pre, 8)
+    if n_kv > GGUF_MAX_KV or n_kv * 12 > size - GGUF_PREAMBLE:
+        bad(f"{n_kv} key/value pairs cannot fit in the file (cap {GGUF_MAX_KV})")
+    if n_tensors > GGUF_MAX_TENSORS or n_tensors * 24 > size - GGUF_PREAMBLE:
+        bad(f"{n_tensors} tensors cannot fit in the file (cap {GGUF_MAX_TENSORS})")
+
+
 def _fetch_gguf(cl: HubClient, ref: HubRef) -> HubSnapshot:
     """A ``.gguf`` file: its header, read in growing prefixes.  GGUF does not say its header's length up front,
     so the prefix read so far is put in a sparse image and ``exl2fmt.inspect.inspect_gguf`` (bounds-checking
@@ -604,15 +815,19 @@ def _fetch_gguf(cl: HubClient, ref: HubRef) -> HubSnapshot:
     try:
         (root / "model").mkdir()
         image = root / "model" / name
-        _sparse_image(image, size, b"", where)
+        # the fixed preamble first: a file that is no GGUF is refused on its first 24 bytes, before more is asked
+        if size < GGUF_PREAMBLE:
+            raise Exl2Error(ErrorCode.GGUF_INVALID, f"a file of {size} bytes is shorter than the "
+                            f"{GGUF_PREAMBLE}-byte GGUF preamble (magic, version, counts)", file=where)
+        pre, _ = cl.get(loc, f"{name} preamble", start=0, length=GGUF_PREAMBLE, file=where, expect_size=size)
+        _check_gguf_preamble(pre, size, where)
+        _sparse_image(image, size, pre, where)
         limit = min(size, MAX_BYTES_PER_FILE)
-        have, want = 0, min(limit, GGUF_FIRST_FETCH)
+        have, want = GGUF_PREAMBLE, min(limit, GGUF_FIRST_FETCH)
         while True:
             if want > have:
                 body, _ = cl.get(loc, f"{name} header", start=have, length=want - have, file=where, expect_size=size)
-                with open(image, "r+b") as f:
-                    f.seek(have)
-                    f.write(body)
+                _write_at(image, have, body, where)
                 have = want
             try:
                 rep = inspect_gguf(image, layers=False)
@@ -650,9 +865,8 @@ def _fetch_ranges(cl: HubClient, jobs, metas, mirror: Path, ref: HubRef, prefix:
         size, loc = metas[n]
         body, _ = cl.get(loc, f"{n} {t.name}", start=t.abs_begin, length=t.nbytes, file=ref.uri(prefix + n),
                          expect_size=size)
-        with locks[n], open(mirror / n, "r+b") as f:
-            f.seek(t.abs_begin)
-            f.write(body)
+        with locks[n]:
+            _write_at(mirror / n, t.abs_begin, body, ref.uri(prefix + n))
 
     with ThreadPoolExecutor(max_workers=min(8, len(jobs))) as ex:
         for _ in ex.map(one, jobs):

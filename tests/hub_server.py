@@ -18,6 +18,12 @@ A revision is a branch name or its commit (sha1 of the branch name).  Every requ
 file), ``endless`` (206, no length, a body that does not stop - bounded at 64 MiB so a broken client cannot hang
 the suite), ``wrong_range`` (the range one byte later), ``redirect_loop``, ``redirect_scheme`` (to file://),
 ``huge_length`` (a declared header length of 2**40 in bytes 0-7), ``huge_size`` (``X-Linked-Size`` 2**62).
+
+Round 3 (spec/malformed/hostile3_hub/README.md): ``trickle_list`` / ``trickle_head`` / ``trickle_get`` answer the
+listing, the hub's HEAD or the CDN's ranged GET with a status line and then one header line every
+``trickle_s`` seconds (at most ``trickle_lines``, then the connection closes): a client whose timeout is a
+per-read timeout never gives up.  ``extra_listing`` entries are appended to every listing page (hostile names:
+a NUL, newlines, ``..``, absolute paths, 300-byte names) without any file behind them.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ class HubEmulator:
         self.private = set(private)
         self.page_size = page_size
         self.mode: set[str] = set()
+        self.trickle_s = 0.5
+        self.trickle_lines = 120
+        self.extra_listing: list[dict] = []
         self.requests: list[dict] = []
         self.bytes_served = {"hub": 0, "cdn": 0}
         self._lock = threading.Lock()
@@ -148,9 +157,33 @@ def _handler(emu: HubEmulator, role: str):
         def do_HEAD(self):
             self.do_GET()
 
+        def _trickle(self) -> bool:
+            """The trickle modes: True when this request was answered by trickling its headers."""
+            listing = role == "hub" and "/tree/" in self.path
+            head = role == "hub" and self.command == "HEAD"
+            get = role == "cdn" and self.command == "GET" and self.headers.get("Range") is not None
+            if not (("trickle_list" in emu.mode and listing) or ("trickle_head" in emu.mode and head)
+                    or ("trickle_get" in emu.mode and get)):
+                return False
+            import time
+
+            self.close_connection = True
+            try:
+                self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                self.wfile.flush()
+                for i in range(emu.trickle_lines):
+                    time.sleep(emu.trickle_s)
+                    self.wfile.write(f"X-Trickle-{i}: x\r\n".encode())
+                    self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                pass
+            return True
+
         def do_GET(self):
             self._record()
             try:
+                if self._trickle():
+                    return
                 if role == "cdn":
                     return self._cdn()
                 return self._hub()
@@ -208,7 +241,7 @@ def _handler(emu: HubEmulator, role: str):
                             e["size"] = 134
                         entries.append(e)
                 start = int(parse_qs(url.query).get("cursor", ["0"])[0])
-                page = entries[start:start + emu.page_size]
+                page = entries[start:start + emu.page_size] + list(emu.extra_listing)
                 headers = {}
                 if start + emu.page_size < len(entries):
                     nxt = f"{emu.endpoint}{url.path}?cursor={start + emu.page_size}"

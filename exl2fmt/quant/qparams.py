@@ -19,6 +19,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from ..container import jsonload
 from ..errors import ErrorCode, Exl2Error
 from ..layout import BIT_WIDTHS, Tier, exl2_total_bits, pad32, plan_rows
 
@@ -330,20 +331,17 @@ def read_measurement(path: str | os.PathLike, layer_names: dict[str, tuple[str, 
     another model is refused with ``MEASUREMENT_MODEL_MISMATCH`` before any work: blocks of layers this model
     does not have, or ``total_bits`` that are not this model's cost of the row's setting (other shapes)."""
     p = os.fspath(path)
-    try:
-        if os.path.getsize(p) > 256 << 20:
-            raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, "larger than 256 MiB", file=p)
-        with open(p, encoding="utf-8") as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise Exl2Error(ErrorCode.PATH_NOT_FOUND, "measurement file not found", file=p) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"not readable JSON ({e})", file=p) from None
+    if not os.path.lexists(p):
+        raise Exl2Error(ErrorCode.PATH_NOT_FOUND, "measurement file not found", file=p)
+    # regular file, size / value-count / depth caps, every parser error MEASUREMENT_INVALID (container.jsonload)
+    doc = jsonload.load_json(p, jsonload.MEASUREMENT)
     meas = doc.get("measurement") if isinstance(doc, dict) else None
     if not isinstance(meas, dict):
         raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, "no 'measurement' object", file=p)
     if num_layers is not None:
-        layers_in_file = {int(m.group(2)) for k in meas if (m := _BLOCK_KEY.match(str(k)))}
+        # a layer number of more than 9 digits is no layer of any model (and int() of 5000 digits raises)
+        layers_in_file = {int(m.group(2)) for k in meas
+                          if (m := _BLOCK_KEY.match(str(k))) and len(m.group(2)) <= 9}
         if layers_in_file and max(layers_in_file) + 1 != num_layers:
             raise Exl2Error(ErrorCode.MEASUREMENT_MODEL_MISMATCH, f"the file measures {max(layers_in_file) + 1} "
                             f"decoder layers, this model has {num_layers}: it was measured on another model",
@@ -363,7 +361,10 @@ def read_measurement(path: str | os.PathLike, layer_names: dict[str, tuple[str, 
             acc = d.get("accuracy")
             if not isinstance(acc, (int, float)) or not math.isfinite(acc):
                 raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{where}: accuracy must be a finite number", file=p)
-            opt = Option(tuple((n, QParams.from_json(d[n], f"{where} {n}")) for n in names))
+            try:
+                opt = Option(tuple((n, QParams.from_json(d[n], f"{where} {n}")) for n in names))
+            except Exl2Error as e:
+                raise Exl2Error(e.code, e.message, file=p) from None
             tb = d.get("total_bits")
             tb_ok = (isinstance(tb, (int, float)) and not isinstance(tb, bool) and math.isfinite(tb)
                      and 0 <= tb < 2 ** 63)
