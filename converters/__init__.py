@@ -169,7 +169,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
         dtype = _ALIASES.get(str(dtype).lower(), str(dtype).lower())
     from ..inspect import is_gguf
 
-    if target == "gguf" or (os.path.isfile(src) and is_gguf(src)):  # the GGUF bridge has its own driver
+    src_gguf = os.path.isfile(src) and is_gguf(src)
+    if not os.path.lexists(src) and os.fspath(src).lower().endswith(".gguf"):
+        raise Exl2Error(ErrorCode.PATH_NOT_FOUND, "no such GGUF file", file=os.fspath(src))
+    if src_gguf and target == "gguf":
+        raise Exl2Error(ErrorCode.USAGE, "converting a GGUF file into another GGUF file (re-quantizing) is not "
+                        "supported: use llama.cpp's llama-quantize for that, or decode it to a model directory "
+                        f"first (exl2fmt convert {os.fspath(src)} DIR --to fp16) and convert DIR --to gguf")
+    if target == "gguf" or src_gguf:  # the GGUF bridge has its own driver
         require("gguf", "converting to GGUF" if target == "gguf" else "reading a GGUF file")
         if target == "gguf":
             _no_quantizer_options(quant, "the target is gguf")

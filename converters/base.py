@@ -245,7 +245,9 @@ class ConversionReport:
                      f"({s['exact_layers']} exact, {s['lossy_layers']} lossy), {s['tensors']} other tensors "
                      f"({s['cast_tensors']} cast), {s['shards']} shard(s), {s['bytes_written']} bytes"]
         if s["lossy_layers"]:
-            lines.append(f"worst layer: {s['worst_layer']} relative error {s['worst_rel_error']:.3e}")
+            rel = s["worst_rel_error"]
+            lines.append(f"worst layer: {s['worst_layer']} relative error "
+                         f"{'not finite' if rel is None else format(rel, '.3e')}")
         lines.append(f"verified ({self.verify_mode})" if self.verified else "not verified")
         return lines
 
@@ -305,6 +307,10 @@ class Converter:
 
     def finish(self) -> None:
         """Called after every unit ran (fill compatibility notes and the like)."""
+
+    def verify_files(self, tmp: Path) -> None:
+        """Called by the verify pass with the written (unpublished) output: check the converter's own side files
+        (raise ``Exl2Error`` when one is not what it claims to be)."""
 
     # --- helpers ------------------------------------------------------------------------------------------
     def plain_tensor_names(self, handled: Iterable[str] = ()) -> list[str]:
@@ -462,6 +468,7 @@ def run_conversion(converter_cls, src: str | os.PathLike, dst: str | os.PathLike
         fault_point("written")
         t0 = time.perf_counter()
         _verify(tmp, units, report, progress, writer.checksums, verify)
+        conv.verify_files(tmp)
         report.seconds["verify"] = time.perf_counter() - t0
         if left_out is not None:
             from ..modelcard import write_conversion_card

@@ -25,6 +25,7 @@ validate and checksum, rename):
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -38,6 +39,10 @@ from .gguf_io import decode, open_gguf
 from .gguf_map import HF_ARCHITECTURES, hf_name_map, qk_heads, unpermute_qk
 
 __all__ = ["convert_from_gguf"]
+
+#: elements decoded at a time (16 MB of float32): a tensor is streamed from the file in row chunks of about this
+#: size, so the peak is the output tensor plus a few chunk-sized temporaries whatever the tensor's size
+_CHUNK_ELEMS = 1 << 22
 
 
 def _field(reader, key):
@@ -65,6 +70,8 @@ class _GgufSource:
         self.tensors: dict = {}
 
     def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
         self.reader = None
 
 
@@ -83,6 +90,11 @@ def build_config(reader, path: str, warnings: list[str]) -> tuple[dict, str]:
     for key, problem in gguf_hparam_issues(reader, arch):  # bound every count before any loop or allocation
         raise Exl2Error(ErrorCode.GGUF_METADATA_INVALID, f"{key}: {problem}", file=path)
     shapes = {t.name: [int(x) for x in t.shape] for t in reader.tensors}
+    _check_experts(reader, a, shapes, path)
+    from .gguf_vocab import tokenizer_issues
+
+    for key, problem in tokenizer_issues(reader):  # before any work: the tokenizer must be one that loads
+        raise Exl2Error(ErrorCode.GGUF_METADATA_INVALID, f"{key}: {problem}", file=path)
     emb = shapes.get("token_embd.weight")
     if emb is None or len(emb) != 2:
         raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, "no 2-D token_embd.weight", file=path)
@@ -137,11 +149,53 @@ def build_config(reader, path: str, warnings: list[str]) -> tuple[dict, str]:
         _phi3_longrope(reader, cfg, path)
     cfg.pop("_has_q_bias", None)
     cfg["pad_token_id"] = None  # set below when the GGUF names one (config classes' defaults can exceed the vocab)
-    for typ in ("bos", "eos", "pad"):
-        i = _field(reader, f"tokenizer.ggml.{typ}_token_id")
-        if isinstance(i, int) and not isinstance(i, bool):
+    for typ, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
+        i = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < emb[1]:
             cfg[f"{typ}_token_id"] = i
+        elif i is not None:
+            warnings.append(f"tokenizer.ggml.{key}_token_id = {i!r} is not a token id below the {emb[1]} rows of "
+                            f"token_embd; config.json has no {typ}_token_id")
     return cfg, arch
+
+
+#: GGUF tensor names (suffixes of ``blk.N.``) that hold one row block per expert: stacked experts [E, N, K] and
+#: routers [E, hidden] (numpy order)
+_EXPERT_STACKS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+_ROUTERS = ("ffn_gate_inp.weight",)
+
+
+def _check_experts(reader, a: str, shapes: dict, path: str) -> None:
+    """Before any work: every stacked expert tensor's expert dimension and every router's rows must equal
+    ``{arch}.expert_count`` (which must be present then), and ``expert_used_count`` must lie in 1..expert_count.
+    A tensor that says otherwise would be split into that many outputs, and a lying count would go into
+    config.json as a model transformers cannot load."""
+    key = f"{a}.expert_count"
+    n = _field(reader, key)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+    for name, dims in shapes.items():
+        tail = name.split(".", 2)[-1] if name.startswith("blk.") else name
+        if tail in _EXPERT_STACKS:
+            e, what = (dims[2] if len(dims) == 3 else None), "expert dimension"
+        elif tail in _ROUTERS:
+            e, what = (dims[1] if len(dims) == 2 else None), "router rows"
+        else:
+            continue
+        if e is None:
+            raise Exl2Error(ErrorCode.GGUF_INVALID, f"{name} has {len(dims)} dims; a stacked expert tensor has 3 "
+                            "and a router 2", tensor=name, file=path)
+        if n is None:
+            raise Exl2Error(ErrorCode.GGUF_METADATA_INVALID, f"{key}: missing or not a positive integer, but "
+                            f"{name} holds {e} experts", tensor=name, file=path)
+        if e != n:
+            raise Exl2Error(ErrorCode.GGUF_METADATA_INVALID, f"{key}: {n} experts declared but {name} has {e} "
+                            f"({what}); they must agree", tensor=name, file=path)
+    used_key = f"{a}.expert_used_count"
+    used = _field(reader, used_key)
+    if n is not None and used is not None and (not isinstance(used, int) or isinstance(used, bool)
+                                               or not 1 <= used <= n):
+        raise Exl2Error(ErrorCode.GGUF_METADATA_INVALID, f"{used_key}: expected an integer in 1..{n} (the expert "
+                        f"count), found {repr(used)[:40]}", file=path)
 
 
 def _phi3_longrope(reader, cfg: dict, path: str) -> None:
@@ -197,6 +251,10 @@ class GgufToDense(Converter):
         return units
 
     def _unit(self, t, hf: str, heads: int | None, offset: float = 0.0) -> Unit:
+        """One output unit, decoded in row chunks (``_CHUNK_ELEMS`` elements at a time) straight from the file
+        with ``pread`` into the preallocated F16/BF16 output: peak memory is the output tensor plus one chunk's
+        temporaries, never the float32 decode of a whole tensor (a large embedding's would be several times the
+        output)."""
         gtype = t.tensor_type.name
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         st = self.st
@@ -209,16 +267,40 @@ class GgufToDense(Converter):
             rep = TensorReport(hf, gtype, st)
             self.report.tensors.append(rep)
         src = self.src
+        path = src.path
+        cols = shape[-1] if shape else 1
+        rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+        row_bytes = t.n_bytes // rows if rows else 0
+        step = max(1, _CHUNK_ELEMS // max(cols, 1))
+        if heads and len(shape) == 2:
+            unpermute_qk(np.empty((shape[0], 0), np.uint8), heads, hf)  # the row-count rule, before any work
+            d = shape[0] // heads  # chunks of whole heads: the rope row order moves rows only inside a head
+            step = max(d, step // d * d)
+        chunk_heads = heads if heads and len(shape) != 2 else None  # 1-D (a bias): one chunk, permuted whole
+        out_np = np.float16 if st == "F16" else np.uint16
 
-        def values() -> np.ndarray:
+        def rows_of(r0: int, r1: int) -> np.ndarray:
+            raw = src.reader.read_bytes(t, r0 * row_bytes, (r1 - r0) * row_bytes)
             try:
-                x = decode(np.array(t.data), gtype).reshape(shape)
-            except NotImplementedError:
+                x = decode(raw.view(np.float32) if gtype == "F32" else raw.reshape(r1 - r0, -1), gtype)
+            except (NotImplementedError, KeyError, ValueError):
                 raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"the gguf package cannot decode type {gtype}",
-                                tensor=t.name, file=src.path) from None
+                                tensor=t.name, file=path) from None
+            x = x.reshape(r1 - r0, cols)
+            fin = np.isfinite(x)
+            if not fin.all():
+                bad = int(fin.size - np.count_nonzero(fin))
+                first = r0 * cols + int(np.argmin(fin.reshape(-1)))
+                raise Exl2Error(ErrorCode.NONFINITE_VALUES, f"{bad} decoded value(s) are NaN or infinite (the first "
+                                f"at element {first}): the tensor's block scales or values are not finite, so it "
+                                "has no F16/BF16 conversion", tensor=t.name, file=path)
             if offset:  # Gemma's GGUF norms hold 1 + w (gguf_arch.ArchSpec.norm_offset)
                 x = x - np.float32(offset)
-            return unpermute_qk(x, heads, hf) if heads else x
+            if heads and len(shape) == 2:
+                x = unpermute_qk(x, (r1 - r0) // d, hf)
+            elif chunk_heads:
+                x = unpermute_qk(x.reshape(-1), chunk_heads, hf).reshape(x.shape)
+            return x
 
         def cast(x):
             if st == "F16":
@@ -226,28 +308,45 @@ class GgufToDense(Converter):
                     return x.astype(np.float16)
             return f32_to_bf16_bits(x)
 
+        def build(stats: bool) -> np.ndarray:
+            out = np.empty(shape, dtype=out_np)
+            flat = out.reshape(rows, cols)
+            err, sq_x, sq_d = 0.0, 0.0, 0.0
+            for r0 in range(0, rows if cols else 0, step):
+                r1 = min(rows, r0 + step)
+                x = rows_of(r0, r1)
+                o = cast(x)
+                back = decode(o, st).reshape(x.shape)
+                over = ~np.isfinite(back)
+                if over.any():
+                    big = float(np.max(np.abs(x[over])))
+                    raise Exl2Error(ErrorCode.NONFINITE_VALUES, f"{int(np.count_nonzero(over))} value(s) lie outside "
+                                    f"the {st} range (largest magnitude {big:.6g}) and would be written as infinite: "
+                                    "convert with --to bf16", tensor=t.name, file=path)
+                flat[r0:r1] = o
+                if stats:
+                    diff = back - x
+                    if diff.size:
+                        err = max(err, float(np.max(np.abs(diff))))
+                    if linear:
+                        sq_x += float(np.sum(np.square(x, dtype=np.float64)))
+                        sq_d += float(np.sum(np.square(diff, dtype=np.float64)))
+                del x, o, back
+            if stats:
+                rep.exact = err == 0.0
+                rep.max_abs_error = err
+                if isinstance(rep, LayerReport) and not rep.exact:
+                    rep.rel_error = math.sqrt(sq_d) / math.sqrt(sq_x) if sq_x else 0.0
+            return out
+
         def produce():
-            x = values()
-            out = cast(x)
-            back = decode(out, st).reshape(shape)
-            fin = np.isfinite(x)
-            with np.errstate(invalid="ignore"):
-                diff = np.abs(np.where(fin & np.isfinite(back), back - x, 0))
-            err = float(diff.max()) if diff.size else 0.0
-            bad = int(np.count_nonzero(fin & ~np.isfinite(back)))
-            if bad:
-                self.report.warnings.append(f"{hf}: {bad} values overflow {st}")
-            rep.exact = err == 0.0 and bad == 0
-            rep.max_abs_error = err
-            if isinstance(rep, LayerReport) and not rep.exact:
-                den = float(np.sqrt(np.sum(x.astype(np.float64) ** 2)))
-                rep.rel_error = float(np.sqrt(np.sum((back - x).astype(np.float64) ** 2))) / den if den else 0.0
+            out = build(True)
             if names is None:
                 return {hf: out}
-            return {n: np.ascontiguousarray(out[e]) for e, n in enumerate(names)}
+            return {n: out[e] for e, n in enumerate(names)}
 
         def verify(dst):
-            want = cast(values())
+            want = build(False)
             for e, n in enumerate(names or [hf]):
                 got = dst.read(n)
                 w_e = want if names is None else want[e]
@@ -259,6 +358,7 @@ class GgufToDense(Converter):
                                     "decoded again", tensor=n)
 
         # a stacked expert tensor [E, N, K] becomes the E Hugging Face tensors ...experts.<e>.<proj>.weight
+        # (E was checked against the metadata's expert_count by build_config before any work)
         names = None
         if len(shape) == 3 and ".experts." in hf:
             pre, proj = hf[: -len(".weight")].rsplit(".experts.", 1)
@@ -278,6 +378,16 @@ class GgufToDense(Converter):
 
             self._tok = rebuild_tokenizer(self.src.reader, self.report.warnings)
         return self._tok
+
+    def verify_files(self, tmp) -> None:
+        """The written tokenizer.json must load in the ``tokenizers`` library (when installed) and give every
+        GGUF token its own id."""
+        if "tokenizer.json" not in (self._tok or {}):
+            return
+        from .gguf_vocab import check_tokenizer_file
+
+        f = self.src.reader.get_field("tokenizer.ggml.tokens")
+        check_tokenizer_file(Path(tmp) / "tokenizer.json", None if f is None else f.contents())
 
 
 def convert_from_gguf(src, dst, target: str, *, force: bool = False, shard_size: int = 5_000_000_000,

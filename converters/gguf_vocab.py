@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 from pathlib import Path
 
-__all__ = ["add_tokenizer", "rebuild_tokenizer", "rebuild_sentencepiece", "PRE_PATTERNS"]
+__all__ = ["add_tokenizer", "rebuild_tokenizer", "rebuild_sentencepiece", "PRE_PATTERNS", "tokenizer_issues",
+           "split_merge", "check_tokenizer_file"]
 
 _MAX_TOKENIZER_BYTES = 512 << 20
 #: bound on sum(len(token) ** 2) for rebuilding a SentencePiece vocabulary (Gemma's 256k tokens: ~10^7)
@@ -42,8 +44,13 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
           r"\s*[\r\n]+|\s+(?!\S)|\s+")
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-#: tokenizer.ggml.pre -> the split regex of the Hugging Face pre-tokenizer it stands for
-PRE_PATTERNS = {"llama-bpe": _LLAMA3, "qwen2": _QWEN2, "gpt-2": None}
+#: tokenizer.ggml.pre -> the split regex of the Hugging Face pre-tokenizer it stands for (None: byte-level's own
+#: GPT-2 regex; "digits": each digit split off first, then byte-level's GPT-2 regex, as SmolLM's tokenizer.json
+#: and llama.cpp's ``smollm`` pre-tokenizer do)
+PRE_PATTERNS = {"llama-bpe": _LLAMA3, "qwen2": _QWEN2, "gpt-2": None, "smollm": "digits"}
+#: the tokenizer_config.json key that carries a GGUF's tokenizer.ggml.pre when no pre-tokenizer exl2fmt builds
+#: stands for it (GGUF -> HF writes GPT-2's split then); HF -> GGUF writes it back while the split is unchanged
+GGUF_PRE_KEY = "gguf_pre_tokenizer"
 
 # gguf.TokenType values (kept as ints so this module imports nothing heavy)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -92,8 +99,20 @@ def detect_pre(tj: dict) -> str | None:
         return None
     bl = _byte_level(pre)
     if not pats and bl is not None and bl.get("use_regex", True):
+        if _individual_digits(pre):
+            return "smollm"
         return "gpt-2"
     return None
+
+
+def _individual_digits(pre) -> bool:
+    """``pre`` is exactly ``Sequence[Digits(individual_digits), ByteLevel]`` (SmolLM's pre-tokenizer)."""
+    if not isinstance(pre, dict) or pre.get("type") != "Sequence":
+        return False
+    parts = pre.get("pretokenizers")
+    return (isinstance(parts, list) and len(parts) == 2 and isinstance(parts[0], dict)
+            and parts[0].get("type") == "Digits" and parts[0].get("individual_digits") is True
+            and isinstance(parts[1], dict) and parts[1].get("type") == "ByteLevel")
 
 
 def _load_json(path: Path):
@@ -259,6 +278,10 @@ def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str], va
         load_merges = False
     else:
         pre = detect_pre(tj)
+        if pre == "gpt-2":  # GGUF -> HF wrote GPT-2's split for a pre-tokenizer it could not build: its name
+            recorded = _recorded_pre(Path(src_dir))
+            if recorded is not None:
+                pre = recorded
         if pre is None:
             warnings.append("tokenizer: the pre-tokenizer regex is not one llama.cpp names; written as 'default', "
                             "so llama.cpp may split text differently")
@@ -273,6 +296,16 @@ def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str], va
     if load_merges and not info["merges"]:
         warnings.append("tokenizer: a BPE vocabulary without merges; llama.cpp will not tokenize it usefully")
     return info
+
+
+def _recorded_pre(src_dir: Path) -> str | None:
+    """``tokenizer_config.json``'s ``GGUF_PRE_KEY`` (a short plain name), or None."""
+    path = src_dir / "tokenizer_config.json"
+    try:
+        v = _load_json(path).get(GGUF_PRE_KEY) if path.is_file() else None
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return v if isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}", v) else None
 
 
 def _special(w, src_dir, n_vocab: int, load_merges: bool, info: dict, warnings: list[str]) -> None:
@@ -303,6 +336,126 @@ def _field(reader, key):
         return None
 
 
+# GGUF value types (gguf_scan / the GGUF spec)
+_INTS = {0: "UINT8", 1: "INT8", 2: "UINT16", 3: "INT16", 4: "UINT32", 5: "INT32", 10: "UINT64", 11: "INT64"}
+_FLOATS = {6: "FLOAT32", 12: "FLOAT64"}
+_TYPE_NAMES = {**_INTS, **_FLOATS, 7: "BOOL", 8: "STRING", 9: "ARRAY"}
+#: the special-token id keys llama.cpp reads
+_ID_KEYS = ("bos", "eos", "unknown", "padding", "separator", "cls", "mask", "eot", "eom")
+
+
+def _shown(f) -> str:
+    if f.types[0] == 9:
+        return f"an array of {f.count} {_TYPE_NAMES.get(f.types[-1], f'type-{f.types[-1]}')}"
+    return f"a {_TYPE_NAMES.get(f.types[0], f'type-{f.types[0]}')}"
+
+
+def split_merge(m: str) -> tuple[str, str] | None:
+    """A ``tokenizer.ggml.merges`` entry ``"a b"`` as ``(a, b)``, split at the first space after the first
+    character (as llama.cpp splits it); None when there is no such space or a side is empty."""
+    pos = m.find(" ", 1)
+    if pos < 1 or pos == len(m) - 1:
+        return None
+    return m[:pos], m[pos + 1:]
+
+
+def tokenizer_issues(reader) -> list[tuple[str, str]]:
+    """``[(key, rule broken)]`` for the ``tokenizer.ggml.*`` metadata, checked before GGUF -> HF does any work:
+    every key has its type (model / pre / chat template strings, flags booleans, special-token ids integers,
+    tokens and merges arrays of strings, token_type an array of integers 0..6, scores an array of finite
+    numbers); for the vocabularies that are rebuilt (``gpt2``, ``llama``) tokens are present and unique,
+    token_type and scores have one entry per token, and every merge is ``"a b"`` with ``a``, ``b`` and ``ab``
+    tokens (what the ``tokenizers`` library needs to load the rebuilt tokenizer.json).  Linear in the size of
+    the arrays."""
+    out: list[tuple[str, str]] = []
+    get = reader.get_field
+
+    def want(key: str, ok, rule: str):
+        f = get(key)
+        if f is not None and not ok(f.types):
+            out.append((key, f"expected {rule}, found {_shown(f)}"))
+            return None
+        return f
+
+    for k in ("model", "pre"):
+        want(f"tokenizer.ggml.{k}", lambda t: t == [8], "a string")
+    want("tokenizer.chat_template", lambda t: t == [8], "a string")
+    for k in ("add_bos_token", "add_eos_token", "add_space_prefix"):
+        want(f"tokenizer.ggml.{k}", lambda t: t == [7], "a boolean")
+    for k in _ID_KEYS:
+        want(f"tokenizer.ggml.{k}_token_id", lambda t: len(t) == 1 and t[0] in _INTS, "an integer token id")
+    tok_f = want("tokenizer.ggml.tokens", lambda t: t == [9, 8], "an array of strings")
+    merge_f = want("tokenizer.ggml.merges", lambda t: t == [9, 8], "an array of strings")
+    type_f = want("tokenizer.ggml.token_type", lambda t: len(t) == 2 and t[0] == 9 and t[1] in _INTS,
+                  "an array of integers")
+    score_f = want("tokenizer.ggml.scores", lambda t: len(t) == 2 and t[0] == 9 and t[1] in {**_INTS, **_FLOATS},
+                   "an array of numbers")
+    if out:
+        return out
+    mf = get("tokenizer.ggml.model")
+    model = mf.contents() if mf is not None else None
+    if model not in ("gpt2", "llama"):
+        return out  # not rebuilt (reported as a warning); its arrays are never read
+    if tok_f is None or tok_f.count == 0:
+        return [("tokenizer.ggml.tokens", f"a {model!r} vocabulary needs its tokens: the key is missing or empty")]
+    n = tok_f.count
+    for key, f in (("tokenizer.ggml.token_type", type_f), ("tokenizer.ggml.scores", score_f)):
+        if f is not None and f.count != n:
+            out.append((key, f"expected one entry per token ({n}), found {f.count}"))
+    if out:
+        return out
+    tokens = tok_f.contents()
+    first: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        j = first.setdefault(t, i)
+        if j != i:
+            return [("tokenizer.ggml.tokens", f"token ids {j} and {i} are both {t[:40]!r}; every token must be "
+                     "unique (a vocabulary maps each text to one id)")]
+    if type_f is not None:
+        bad = next(((i, v) for i, v in enumerate(type_f.contents()) if not 0 <= v <= BYTE), None)
+        if bad is not None:
+            out.append(("tokenizer.ggml.token_type", f"entry {bad[0]} is {bad[1]}; token types are 0..{BYTE}"))
+    if score_f is not None:
+        bad = next(((i, v) for i, v in enumerate(score_f.contents()) if not math.isfinite(v)), None)
+        if bad is not None:
+            out.append(("tokenizer.ggml.scores", f"entry {bad[0]} is {bad[1]}; scores must be finite"))
+    if merge_f is not None:
+        for i, m in enumerate(merge_f.contents()):
+            ab = split_merge(m)
+            if ab is None:
+                out.append(("tokenizer.ggml.merges", f"entry {i} {m[:40]!r} is not two tokens separated by a space"))
+                break
+            missing = next((x for x in (ab[0], ab[1], ab[0] + ab[1]) if x not in first), None)
+            if missing is not None:
+                out.append(("tokenizer.ggml.merges", f"entry {i} {m[:40]!r}: {missing[:40]!r} is not a token; both "
+                            "sides of a merge and their concatenation must be in the vocabulary"))
+                break
+    return out
+
+
+def check_tokenizer_file(path: Path, tokens: list[str] | None) -> None:
+    """Load a written ``tokenizer.json`` with the ``tokenizers`` library (when it is installed; skipped
+    otherwise) and check that it maps every GGUF token to its own id: the converter's verification of its
+    tokenizer output.  ``Exl2Error(REFERENCE_MISMATCH)`` naming the file when it does not."""
+    from ..errors import ErrorCode, Exl2Error
+
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the library's own error types vary by version
+        raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"the rebuilt tokenizer.json does not load in the tokenizers "
+                        f"library ({type(e).__name__}: {str(e)[:200]})", file=str(path)) from None
+    if tokens is None:
+        return
+    for i, t in enumerate(tokens):
+        if tok.token_to_id(t) != i:
+            raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"the rebuilt tokenizer.json maps token {t[:40]!r} to "
+                            f"{tok.token_to_id(t)}, not to its GGUF id {i}", file=str(path))
+
+
 def rebuild_tokenizer(reader, warnings: list[str]) -> dict[str, str]:
     """Tokenizer files (name -> text) rebuilt from a GGUF's ``tokenizer.ggml.*``; an empty dict (and a warning)
     when the vocabulary type cannot be rebuilt."""
@@ -319,9 +472,11 @@ def rebuild_tokenizer(reader, warnings: list[str]) -> dict[str, str]:
     merges = _field(reader, "tokenizer.ggml.merges") or []
     pre = _field(reader, "tokenizer.ggml.pre") or "default"
     pattern = PRE_PATTERNS.get(pre, "unknown")
+    keep_pre = None
     if pattern == "unknown":
-        warnings.append(f"tokenizer: pre-tokenizer {pre!r} is not one exl2fmt can rebuild; GPT-2's split is used")
-        pattern = None
+        warnings.append(f"tokenizer: pre-tokenizer {pre!r} is not one exl2fmt can rebuild; GPT-2's split is used "
+                        f"(tokenizer_config.json {GGUF_PRE_KEY} keeps the name for a conversion back to GGUF)")
+        pattern, keep_pre = None, pre
     vocab, added = {}, []
     for i, (t, ty) in enumerate(zip(tokens, types)):
         if ty in (CONTROL, USER_DEFINED):
@@ -330,12 +485,17 @@ def rebuild_tokenizer(reader, warnings: list[str]) -> dict[str, str]:
         vocab[t] = i
     if pattern is None:
         pre_tok = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    elif pattern == "digits":
+        pre_tok = {"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
     else:
         pre_tok = {"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
     flags = {typ: _field(reader, f"tokenizer.ggml.add_{typ}_token") for typ in ("bos", "eos")}
-    ids = {typ: _field(reader, f"tokenizer.ggml.{typ}_token_id") for typ in ("bos", "eos", "unk", "pad")}
+    ids = {typ: _field(reader, f"tokenizer.ggml.{key}_token_id")
+           for typ, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}
     ids = {k: v for k, v in ids.items() if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < len(tokens)}
     post = post_processor(tokens, ids, flags, warnings)
     tj = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
@@ -343,8 +503,10 @@ def rebuild_tokenizer(reader, warnings: list[str]) -> dict[str, str]:
           "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                    "vocab": vocab, "merges": [m.split(" ", 1) for m in merges]}}
+                    "vocab": vocab, "merges": [list(split_merge(m)) for m in merges]}}
     tc: dict = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if keep_pre is not None:
+        tc[GGUF_PRE_KEY] = keep_pre
     special_map: dict = {}
     for typ in ("bos", "eos", "unk", "pad"):
         tc[f"{typ}_token"] = tokens[ids[typ]] if typ in ids else None

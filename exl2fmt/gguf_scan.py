@@ -111,6 +111,7 @@ class GgufFile:
         self.alignment = 32
         self._mm: mmap.mmap | None = None
         self._np: np.ndarray | None = None
+        self._fd: int | None = None  # for ``read_bytes``: private copies that never pile up as mapped pages
 
     # --- reading --------------------------------------------------------------------------------------
     def get_field(self, key: str) -> GgufField | None:
@@ -118,6 +119,9 @@ class GgufFile:
 
     def close(self) -> None:
         self._np = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._mm is not None:
             try:
                 self._mm.close()
@@ -130,6 +134,29 @@ class GgufFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def read_bytes(self, t: "GgufTensor", start: int, n: int) -> np.ndarray:
+        """``n`` bytes of ``t``'s data from byte ``start`` of it, read with ``pread`` into a private buffer (not
+        the memory map: a converter streaming a whole file then holds one chunk, not every page it touched).
+        Bounds were checked at open; a short read (the file shrank) is ``GGUF_INVALID``."""
+        if self._fd is None:
+            self._bad("the file is closed")
+        if start < 0 or n < 0 or start + n > t.n_bytes:
+            self._bad(f"bytes {start}..{start + n} lie outside the tensor's {t.n_bytes}", tensor=t.name)
+        if not hasattr(os, "preadv"):  # pragma: no cover - platforms without preadv: a copy from the map
+            return np.array(self._tensor_data(t).reshape(-1).view(np.uint8)[start:start + n])
+        buf = np.empty(n, dtype=np.uint8)
+        view, done = memoryview(buf), 0
+        while done < n:
+            try:
+                got = os.preadv(self._fd, [view[done:]], t.data_offset + start + done)
+            except OSError as e:
+                raise Exl2Error(ErrorCode.IO_ERROR, f"cannot read: {e.strerror or e}", file=self.path,
+                                tensor=t.name) from None
+            if got <= 0:
+                self._bad("the file ended inside the tensor's data (it changed after it was opened)", tensor=t.name)
+            done += got
+        return buf
 
     def _bad(self, msg: str, tensor: str | None = None):
         raise Exl2Error(ErrorCode.GGUF_INVALID, msg, file=self.path, tensor=tensor)
@@ -215,6 +242,7 @@ def open_gguf_file(path: str | os.PathLike) -> GgufFile:
             if size < 24:
                 bad(f"expected at least 24 header bytes, found a {size}-byte file")
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            g._fd = os.dup(fh.fileno())
     except OSError as e:
         raise Exl2Error(ErrorCode.IO_ERROR, f"cannot read: {e.strerror or e}", file=p) from None
     g._mm = mm
