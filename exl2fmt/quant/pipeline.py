@@ -44,6 +44,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..container import jsonload
 from ..errors import ErrorCode, Exl2Error
 from ..layout import pad32, stays_16bit
 
@@ -355,6 +356,23 @@ def _load_tensors(path: Path) -> dict[str, np.ndarray]:
 # ------------------------------------------------------------------------------------------------ job state
 
 
+def _check_job_shape(job, path: str) -> None:
+    """The types this module relies on in a job.json it reads back (an edited or damaged one is
+    CHECKPOINT_INVALID naming the key, not a TypeError deep in the run)."""
+    K = jsonload.JOB
+    jsonload.expect(job, "object", K, file=path)
+    jsonload.expect_dict_of(job.get("measured", {}), "array", K, file=path, where="measured")
+    jsonload.expect_list_of(job.get("quantized", []), "string", K, file=path, where="quantized")
+    for key in ("snapshot", "strategy"):
+        jsonload.expect(job.get(key), ("object", "null"), K, file=path, where=key)
+    jsonload.expect_dict_of(job.get("blocks", {}), "object", K, file=path, where="blocks")
+    fields_ = set(LayerResult.__dataclass_fields__)
+    for k, v in jsonload.expect_dict_of(job.get("layers", {}), "object", K, file=path, where="layers").items():
+        if set(v) != fields_:
+            raise Exl2Error(ErrorCode.CHECKPOINT_INVALID, f"job.json: layers[{k!r}]: expected the fields "
+                            f"{', '.join(sorted(fields_))}", file=path)
+
+
 class _Work:
     """The work directory: job.json, hidden-state snapshot, per-layer outputs."""
 
@@ -366,10 +384,9 @@ class _Work:
             if not resume:
                 raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "an interrupted quantization left this work directory; "
                                 "pass --resume to continue it, or delete it to start over", file=str(root))
-            try:
-                self.job = json.loads(self.job_path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                raise Exl2Error(ErrorCode.CHECKPOINT_INVALID, f"job.json is unreadable ({e})", file=str(root)) from None
+            # the guarded loader: regular file, caps, parser errors -> CHECKPOINT_INVALID naming job.json
+            self.job = jsonload.load_json(self.job_path, jsonload.JOB)
+            _check_job_shape(self.job, str(self.job_path))
             if self.job.get("version") != WORK_VERSION or self.job.get("fingerprint") != fingerprint:
                 raise Exl2Error(ErrorCode.CHECKPOINT_INVALID, "the work directory belongs to a run with other "
                                 "inputs or options; delete it or repeat the original options", file=str(root))
