@@ -13,7 +13,9 @@ import json
 import os
 from pathlib import Path
 
+from ..container import jsonload
 from ..container.partials import work_dir_name
+from ..errors import Exl2Error
 
 __all__ = ["work_root", "progress_of", "describe"]
 
@@ -29,21 +31,29 @@ def progress_of(root: str | os.PathLike) -> dict | None:
     """How far the run in ``root`` got: {"phase": "measurement"|"quantization", "block": next block (1-based),
     "blocks": M, "done": blocks finished in that phase}; None when there is no readable job.json."""
     p = Path(os.fspath(root)) / "job.json"
-    try:
-        job = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    try:  # the guarded loader: a FIFO never blocks, caps and parser errors are an Exl2Error
+        job = jsonload.load_json(p, jsonload.JOB)
+    except Exl2Error:
         return None
     if not isinstance(job, dict):
         return None
-    cfg = (job.get("fingerprint") or {}).get("source_config") or {}
-    n = cfg.get("num_hidden_layers")
-    blocks = 2 * n if isinstance(n, int) and n > 0 else None
-    snap = job.get("snapshot") or {}
-    if job.get("strategy") is None and (job.get("fingerprint") or {}).get("target") == "exl2":
-        done = len(job.get("measured") or {})
+
+    def obj(v) -> dict:  # a field of the wrong type reads as absent: this only describes progress
+        return v if isinstance(v, dict) else {}
+
+    def count(v) -> int:
+        return len(v) if isinstance(v, (dict, list)) else 0
+
+    fp = obj(job.get("fingerprint"))
+    n = obj(fp.get("source_config")).get("num_hidden_layers")
+    blocks = 2 * n if type(n) is int and 0 < n < 1 << 20 else None
+    snap = obj(job.get("snapshot"))
+    if job.get("strategy") is None and fp.get("target") == "exl2":
+        done = count(job.get("measured"))
         return {"phase": "measurement", "done": done, "block": done + 1, "blocks": blocks}
-    done = len(job.get("blocks") or {})
-    start = int(snap.get("next_block", 0)) if snap.get("phase") == "quant" else 0
+    done = count(job.get("blocks"))
+    nb = snap.get("next_block", 0)
+    start = nb if snap.get("phase") == "quant" and type(nb) is int and 0 <= nb < 1 << 20 else 0
     return {"phase": "quantization", "done": done, "block": start + 1, "blocks": blocks}
 
 
