@@ -165,14 +165,16 @@ def _gemma_tokenizer(w, src_dir) -> None:
 
 def _llama_tokenizer(w, src_dir) -> None:
     # conversion/llama.py LlamaModel.set_vocab: tokenizer_config.json's add_prefix_space, when present.
-    import json
     from pathlib import Path
 
     p = Path(src_dir) / "tokenizer_config.json" if src_dir is not None else None
     if p is not None and p.is_file():
-        try:
-            v = json.loads(p.read_text(encoding="utf-8")).get("add_prefix_space")
-        except (OSError, ValueError, AttributeError):
+        from exl2fmt.container import jsonload
+        from exl2fmt.errors import Exl2Error
+
+        try:  # the guarded loader: caps, and every parser error (deep nesting, 5000-digit ints) an Exl2Error
+            v = jsonload.load_json(p, jsonload.TOKENIZER_CONFIG).get("add_prefix_space")
+        except (Exl2Error, AttributeError):
             return
         if isinstance(v, bool):
             w.add_add_space_prefix(v)

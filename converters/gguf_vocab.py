@@ -28,14 +28,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 from pathlib import Path
+
+from exl2fmt.container import jsonload
+from exl2fmt.errors import Exl2Error
 
 __all__ = ["add_tokenizer", "rebuild_tokenizer", "rebuild_sentencepiece", "PRE_PATTERNS", "tokenizer_issues",
            "split_merge", "check_tokenizer_file"]
 
-_MAX_TOKENIZER_BYTES = 512 << 20
 #: bound on sum(len(token) ** 2) for rebuilding a SentencePiece vocabulary (Gemma's 256k tokens: ~10^7)
 _MAX_MERGE_WORK = 1 << 28
 
@@ -115,11 +116,15 @@ def _individual_digits(pre) -> bool:
             and isinstance(parts[1], dict) and parts[1].get("type") == "ByteLevel")
 
 
-def _load_json(path: Path):
-    if os.path.getsize(path) > _MAX_TOKENIZER_BYTES:
-        raise ValueError(f"{path.name} is larger than {_MAX_TOKENIZER_BYTES} bytes")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+def _load_json(path: Path) -> dict:
+    """A tokenizer file (tokenizer.json, tokenizer_config.json, added_tokens.json) as a JSON object, through the
+    guarded loader (regular file, byte / value-count / depth caps); its problems come back as ValueError, which
+    the callers turn into a warning (the GGUF is then written without that part of the vocabulary)."""
+    kind = jsonload.TOKENIZER.named(path.name)
+    try:
+        return jsonload.expect(jsonload.load_json(path, kind), "object", kind, file=str(path))
+    except Exl2Error as e:
+        raise ValueError(e.one_line()) from None
 
 
 def looks_special(text: str) -> bool:
@@ -241,9 +246,11 @@ def add_tokenizer(w, src_dir: Path | None, n_vocab: int, warnings: list[str], va
         added = [a for a in tj.get("added_tokens") or [] if isinstance(a, dict)]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return none(f"cannot read tokenizer.json ({type(e).__name__}: {e})")
+    if not all(type(i) is int for i in vocab.values()):
+        return none("tokenizer.json model.vocab maps a token to something other than an integer id")
     by_id: dict[int, tuple[str, int]] = {}
     for text, i in vocab.items():
-        by_id[int(i)] = (text, NORMAL)
+        by_id[i] = (text, NORMAL)
     for a in added:
         i, text = a.get("id"), a.get("content")
         if isinstance(i, int) and isinstance(text, str):

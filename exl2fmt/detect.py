@@ -22,14 +22,14 @@ different format than the tensors, the detection carries a ``FORMAT_MISMATCH`` i
 from __future__ import annotations
 
 import enum
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import ErrorCode, Issue
+from .container import jsonload
+from .errors import ErrorCode, Exl2Error, Issue
 from .layout import (DETECTION_ORDER, SLOT_NAMES, AwqSlot, Exl2Slot, Exl3Slot, Format, GptqSlot, marker_slot,
                      slot_names)
 
@@ -157,8 +157,8 @@ def quantization_config(config: dict | None, root: str | os.PathLike | None = No
         try:
             if not p.is_file() or p.stat().st_size > _MAX_SIDE_CONFIG:
                 continue
-            doc = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+            doc = jsonload.load_json(p, jsonload.SIDE_CONFIG)  # the guarded loader (caps, parser errors mapped)
+        except (OSError, Exl2Error):
             continue
         if isinstance(doc, dict):
             return doc, name

@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
+from .container import jsonload
 from .errors import ErrorCode, Exl2Error
 from .layout import Exl2Slot
 
@@ -494,9 +495,9 @@ class HubClient:
 
     def get_json(self, url: str, what: str, file: str | None = None) -> Any:
         body, _ = self.get(url, what, file=file)
-        try:
-            return json.loads(body.decode("utf-8-sig"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
+        try:  # the guarded loader: value-count / depth caps, every parser error mapped
+            return jsonload.loads_json(body, jsonload.HUB_API, file=file)
+        except Exl2Error:
             raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, f"{what}: expected JSON from the server", file) from None
 
     # --- HEAD through huggingface_hub -------------------------------------------------------------------
@@ -558,8 +559,8 @@ class HubClient:
         for _page in range(MAX_LIST_PAGES):
             body, headers = self.get(url, "the file listing")
             try:
-                doc = json.loads(body.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError, RecursionError):
+                doc = jsonload.loads_json(body, jsonload.HUB_API, file=self.ref.uri())
+            except Exl2Error:
                 raise _hub_err(ErrorCode.HUB_BAD_RESPONSE, "the file listing: expected JSON", self.ref.uri()) \
                     from None
             if not isinstance(doc, list):

@@ -66,6 +66,10 @@ class JsonKind:
     def with_code(self, code: ErrorCode) -> "JsonKind":
         return replace(self, code=code)
 
+    def named(self, what: str) -> "JsonKind":
+        """The same limits for a file of another name (``tokenizer_config.json`` read under TOKENIZER's caps)."""
+        return replace(self, what=what)
+
 
 _MB = 1 << 20
 # Real files, for scale: config.json of large models ~10 KB; a 1M-tensor index ~100 MB; Gemma 3's tokenizer.json
