@@ -323,11 +323,15 @@ def _special(w, src_dir, n_vocab: int, load_merges: bool, info: dict, warnings: 
     level = log.level
     log.setLevel(logging.ERROR)
     try:
+        # SpecialVocab json.load()s these with no caps: the guarded loader checks them first (ValueError here)
+        for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+            if src_dir is not None and (Path(src_dir) / name).is_file():
+                _load_json(Path(src_dir) / name)
         sv = gguf.SpecialVocab(src_dir, load_merges=load_merges, n_vocab=n_vocab)
         sv.add_to_gguf(w, quiet=True)
         info["merges"] = len(sv.merges)
         info["special"] = dict(sv.special_token_ids)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         warnings.append(f"tokenizer: special tokens / merges not read ({type(e).__name__}: {e})")
     finally:
         log.setLevel(level)

@@ -44,7 +44,7 @@ from .regular import open_regular, stat_regular
 
 __all__ = [
     "JsonKind", "MAX_NUMBER_DIGITS", "CONFIG", "INDEX", "TOKENIZER", "TOKENIZER_CONFIG", "SIDE_CONFIG",
-    "MEASUREMENT", "JOB", "CALIBRATION_IDS", "CALIBRATION_LINE", "HUB_API", "load_json", "loads_json",
+    "MEASUREMENT", "JOB", "CALIBRATION_IDS", "CALIBRATION_LINE", "HUB_API", "MARKER_JSON", "load_json", "loads_json",
     "read_bounded", "check_structure", "expect", "expect_list_of", "expect_dict_of", "TYPES",
 ]
 
@@ -84,6 +84,7 @@ JOB = JsonKind("job.json", ErrorCode.CHECKPOINT_INVALID, 256 * _MB, 4_000_000)
 CALIBRATION_IDS = JsonKind("a token-id JSON file", ErrorCode.CALIBRATION_INVALID, 128 * _MB, 8_000_000)
 CALIBRATION_LINE = JsonKind("a calibration JSON line", ErrorCode.CALIBRATION_INVALID, 64 * _MB, 100_000)
 HUB_API = JsonKind("a Hub API answer", ErrorCode.HUB_BAD_RESPONSE, 64 * _MB, 2_000_000)
+MARKER_JSON = JsonKind("an owner marker", ErrorCode.IO_ERROR, 4096, 1_000, 8)
 
 # ---------------------------------------------------------------------------------------------------- scanning
 

@@ -35,6 +35,9 @@ import stat
 import threading
 from pathlib import Path
 
+from ..errors import Exl2Error
+from .jsonload import MARKER_JSON, loads_json
+
 __all__ = ["MARKER", "PARTIAL_TAG", "WORK_TAG", "work_dir_name", "make_owned_dir", "owner_record",
            "remove_stale_partials", "InterruptShield", "SHIELD", "fault_point"]
 
@@ -136,9 +139,9 @@ def _read_marker(d: Path) -> dict | None:
         return None
     finally:
         os.close(fd)
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    try:  # the guarded loader: a marker nested 2000 deep or holding a 5000-digit number is no marker
+        doc = loads_json(raw, MARKER_JSON)
+    except Exl2Error:
         return None
     return doc if isinstance(doc, dict) else None
 
