@@ -40,9 +40,9 @@ from .gguf_map import HF_ARCHITECTURES, hf_name_map, qk_heads, unpermute_qk
 
 __all__ = ["convert_from_gguf"]
 
-#: elements decoded at a time (16 MB of float32): a tensor is streamed from the file in row chunks of about this
+#: elements decoded at a time (4 MB of float32): a tensor is streamed from the file in row chunks of about this
 #: size, so the peak is the output tensor plus a few chunk-sized temporaries whatever the tensor's size
-_CHUNK_ELEMS = 1 << 22
+_CHUNK_ELEMS = 1 << 20
 
 
 def _field(reader, key):

@@ -269,3 +269,39 @@ def test_gguf_to_gguf_and_missing_gguf_messages(tmp_path):
     r = run_bounded("convert", tmp_path / "nope.gguf", tmp_path / "o", "--to", "fp16")
     text = r.stdout + r.stderr
     assert r.rc == 3 and "GGUF" in text and "nope.gguf" in text and ".safetensors" not in text
+
+
+def test_peak_memory_follows_the_output_not_the_float32_decode(tmp_path):
+    """A 65536 x 512 Q8_0 embedding (34 MB of GGUF, 64 MiB of F16 output): the converter streams it in row
+    chunks, so the peak RSS above a tiny conversion's stays under 1.5x the output (decoding it whole to
+    float32 with its temporaries took about 8x)."""
+    import numpy as np
+
+    vocab, width = 65536, 512
+    blocks = np.zeros((vocab, width // 32, 34), np.uint8)
+    blocks[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    blocks[:, :, 2:] = (np.arange(32, dtype=np.int8) - 16).view(np.uint8)
+    kv = GEN.base_kvs()
+    kv["llama.embedding_length"] = (width, "UINT32", None)
+    kv["llama.feed_forward_length"] = (64, "UINT32", None)
+    kv["llama.attention.head_count"] = (8, "UINT32", None)
+    kv["llama.attention.head_count_kv"] = (8, "UINT32", None)
+    tokens = GEN.TOKENS + [f"[PAD{i}]" for i in range(len(GEN.TOKENS), vocab)]
+    kv["tokenizer.ggml.tokens"] = (tokens, "ARRAY", "STRING")
+    kv["tokenizer.ggml.token_type"] = (GEN.TYPES + [5] * (vocab - len(GEN.TYPES)), "ARRAY", "INT32")
+    t = [("token_embd.weight", blocks.reshape(vocab, -1), "Q8_0"), ("output_norm.weight", np.ones(width, np.float32), "F32"),
+         ("blk.0.attn_norm.weight", np.ones(width, np.float32), "F32"), ("blk.0.ffn_norm.weight", np.ones(width, np.float32), "F32")]
+    for n, shape in (("attn_q", (width, width)), ("attn_k", (width, width)), ("attn_v", (width, width)),
+                     ("attn_output", (width, width)), ("ffn_gate", (64, width)), ("ffn_up", (64, width)),
+                     ("ffn_down", (width, 64))):
+        t.append((f"blk.0.{n}.weight", np.full(shape, 0.01, np.float16), "F16"))
+    big = tmp_path / "big.gguf"
+    GEN.write_gguf(big, kv, t)
+    small = run_bounded("convert", CAT / "ok_base.gguf", tmp_path / "small", "--to", "fp16", timeout=120)
+    assert small.rc == 0, small.stderr[-2000:]
+    r = run_bounded("convert", big, tmp_path / "big", "--to", "fp16", timeout=120)
+    assert r.rc == 0, r.stderr[-2000:]
+    out_bytes = sum(p.stat().st_size for p in (tmp_path / "big").rglob("*") if p.is_file())
+    assert out_bytes > 64 << 20
+    extra = r.peak_rss_bytes - small.peak_rss_bytes
+    assert extra <= 1.5 * out_bytes, (extra / 2**20, out_bytes / 2**20)
