@@ -2,7 +2,7 @@
 checks before, NaN/Inf refused after) and ``exl2fmt dequantize`` (the CLI) against ``numpy.copyto`` of the
 same output, side by side in one run (issue 41: target <= 1.5x copyto).
 
-    .venv/bin/python bench/bench_dequantize_api.py [--repeats N] [--cli-repeats M]
+    .venv/bin/python bench/bench_dequantize_api.py [--repeats N] [--cli-repeats M] [--quiet-wait S]
 
 Layers (written once into a temporary directory, read back through the page cache): K = 11008 inputs, N = 4096
 outputs, each the only layer of its ``.safetensors`` file:
@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import bench_codec  # noqa: E402
 from bench_codec import load_average, time_side_by_side  # noqa: E402
 
 from exl2fmt import dequantize_layer  # noqa: E402
@@ -94,7 +95,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--cli-repeats", type=int, default=3)
+    ap.add_argument("--quiet-wait", type=float, default=0.2,
+                    help="seconds each run waits for no other runnable process (bench_codec's rule; 0 = never)")
     a = ap.parse_args()
+    bench_codec.QUIET_WAIT_S = a.quiet_wait
     with tempfile.TemporaryDirectory(prefix="exl2fmt-bench-deq-") as tmp:
         files = write_layers(Path(tmp))
         src = np.random.default_rng(1).standard_normal((N, K)).astype(np.float16)
