@@ -144,10 +144,14 @@ def _too_deep(kind: JsonKind, file: str | None) -> Exl2Error:
     return _fail(kind, file, f"expected objects/arrays nested at most {kind.max_depth} deep, found deeper nesting")
 
 
-def _deeper_than(root: Any, limit: int) -> bool:
+def _deeper_than(root: Any, limit: int, subclasses: bool = False) -> bool:
     """True when containers nest deeper than ``limit`` (the top-level container is depth 1); iterative, level by
-    level (json.loads builds only dict, list and scalars)."""
-    level = [root] if type(root) in _CONTAINERS else []
+    level.  json.loads builds plain dict and list (a type() test is enough, and fast); an object_pairs_hook may
+    build dict subclasses (``subclasses=True``: isinstance)."""
+    def is_container(v: Any) -> bool:
+        return type(v) in _CONTAINERS or (subclasses and isinstance(v, (dict, list)))
+
+    level = [root] if is_container(root) else []
     depth = 0
     while level:
         depth += 1
@@ -156,7 +160,11 @@ def _deeper_than(root: Any, limit: int) -> bool:
         nxt: list = []
         add = nxt.append
         for c in level:
-            for v in (c.values() if type(c) is dict else c):
+            vals = c.values() if isinstance(c, dict) else c
+            if subclasses:
+                nxt.extend([v for v in vals if isinstance(v, (dict, list))])
+                continue
+            for v in vals:
                 if type(v) in _CONTAINERS:
                     add(v)
         level = nxt
@@ -219,7 +227,7 @@ def loads_json(data: "bytes | bytearray | memoryview | str", kind: JsonKind, *, 
         raise _fail(kind, file, "out of memory while parsing the JSON") from None
     except (ValueError, OverflowError) as e:
         raise _fail(kind, file, f"not valid JSON: {shorten(str(e), 120)}") from None
-    if _deeper_than(value, kind.max_depth):
+    if _deeper_than(value, kind.max_depth, subclasses=object_pairs_hook is not None):
         raise _too_deep(kind, file)
     if surrogates and _lone_surrogate(value):
         raise _fail(kind, file, "expected text, found a string with an unpaired UTF-16 surrogate escape")
