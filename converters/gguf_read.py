@@ -257,6 +257,9 @@ class GgufToDense(Converter):
         output)."""
         gtype = t.tensor_type.name
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        if len(shape) >= 2 and 0 in shape:   # no weights: the head-sized chunking below would divide by zero
+            raise Exl2Error(ErrorCode.SLOT_SHAPE, f"a {len(shape)}-D weight of shape {list(shape)}: every dimension "
+                            "must be at least 1", tensor=t.name, file=self.src.path)
         st = self.st
         linear = len(shape) == 2 and hf.endswith("_proj.weight") or hf == "lm_head.weight"
         if linear:

@@ -467,6 +467,9 @@ def _inspect_gguf(p: str, reader, layers: bool) -> dict:
             issues.append(Issue(ErrorCode.NAME_CONTROL_CHARS, "tensor name contains control characters",
                                 tensor=t.name, file=p))
         shape = [int(x) for x in t.shape]
+        if len(shape) == 2 and 0 in shape:
+            issues.append(Issue(ErrorCode.SLOT_SHAPE, f"empty 2-D tensor of shape {shape}: a weight needs at least "
+                                "one row and one column", tensor=t.name, file=p))
         if len(shape) == 2 and t.name.split(".", 1)[0] not in _GGUF_EMBEDDINGS:  # lookup tables are no linears
             rows.append({
                 "key": t.name, "block": block_of(t.name) or ("head" if t.name.startswith("output.") else None),
