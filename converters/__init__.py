@@ -363,31 +363,39 @@ def _quantize(src, dst, target, bits, group_size, sym, size, force, progress, qu
 def _gguf_to_quantized(src, dst, target, bits, group_size, sym, size, force, progress, quant):
     """GGUF -> EXL2 / GPTQ: decode to a temporary FP16 directory next to DST (verified like any conversion),
     quantize that, remove it.  The quantizer's calibration needs the rebuilt tokenizer.json (byte-level BPE and,
-    with transformers 5, SentencePiece vocabularies) or ``--calibration`` token ids."""
-    import shutil
-    import tempfile
+    with transformers 5, SentencePiece vocabularies) or ``--calibration`` token ids.
 
-    from ..container.publish import check_paths
+    The staging directory is a marked working directory of DST (``make_partial_dir``): removed when the run ends
+    or is interrupted, and by a later run for the same DST once its process is gone (after a SIGKILL).  Its
+    publish is no end of the run: the interrupt shield it raises is lowered when the FP16 copy is in place
+    (``SHIELD.intermediate``), so Ctrl-C / SIGTERM stop the quantization that follows."""
+    import shutil
+
+    from ..container.partials import SHIELD
+    from ..container.publish import check_paths, make_partial_dir, stale_note
     from .gguf_read import convert_from_gguf
 
-    from ..quant.pipeline import QuantOptions
+    from ..quant.pipeline import QuantOptions, check_side_paths
 
     q0 = {k: v for k, v in dict(quant or {}).items() if v is not None and k in QuantOptions.__dataclass_fields__}
-    QuantOptions(target=target, bits=bits, shard_size=size, **q0).resolved()   # the options, before DST
+    o = QuantOptions(target=target, bits=bits, shard_size=size, **q0).resolved()   # the options, before DST
     d = _path(dst)
     check_paths(_path(src), d, force)
-    parent = d.parent if str(d.parent) else _path(".")
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = _path(tempfile.mkdtemp(prefix=f".{d.name[:100]}.exl2fmt-fp16-", dir=parent))
+    check_side_paths(_path(src), d, o, force)       # --work-dir, --save-measurement, a leftover job: before decoding
+    removed: list[str] = []
+    tmp = make_partial_dir(d, removed)
     try:
         mid = tmp / "fp16"
-        convert_from_gguf(src, mid, "fp16", shard_size=size, progress=progress)
+        with SHIELD.intermediate():
+            convert_from_gguf(src, mid, "fp16", shard_size=size, progress=progress)
         q = dict(quant or {})
         if q.get("calibration") is None and not (mid / "tokenizer.json").exists():
             raise Exl2Error(ErrorCode.CALIBRATION_INVALID, "the GGUF's tokenizer could not be rebuilt as "
                             "tokenizer.json, so the built-in calibration text cannot be tokenized: pass "
                             "--calibration with token ids (.npy, .json, .safetensors input_ids)", file=str(src))
-        return _quantize(mid, dst, target, bits, group_size, sym, size, force, progress, q)
+        rep = _quantize(mid, dst, target, bits, group_size, sym, size, force, progress, q)
+        rep.warnings.extend(stale_note(removed))
+        return rep
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

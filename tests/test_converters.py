@@ -680,10 +680,14 @@ def test_cli_convert(sample, tmp_path):
     assert [d["elapsed_s"] for d in status] == sorted(d["elapsed_s"] for d in status)
     r = CliRunner().invoke(app, ["convert", str(tmp_path / "o"), str(tmp_path / "x"), "--to", "exl2"])
     assert r.exit_code == 1 and "CALIBRATION_INVALID" in r.output
-    # --work-dir is where the quantizer keeps its state: a leftover job there needs --resume
+    # --work-dir is where the quantizer keeps its state (in its own marked .DST.exl2fmt-work there): a leftover
+    # job needs --resume
+    from exl2fmt.quant.workdir import make_work_dir
+
     fixture = Path(__file__).parent / "fixtures" / "tiny-llama"
     (tmp_path / "wd").mkdir()
-    (tmp_path / "wd" / "job.json").write_text("{}")
+    make_work_dir(tmp_path / "wd" / ".q.exl2fmt-work", tmp_path / "q")
+    (tmp_path / "wd" / ".q.exl2fmt-work" / "job.json").write_text("{}")
     r = CliRunner().invoke(app, ["convert", str(fixture), str(tmp_path / "q"), "--to", "exl2", "--rows", "2",
                                  "--length", "32", "--work-dir", str(tmp_path / "wd")])
     assert r.exit_code == 2 and "OUTPUT_EXISTS" in r.output and "wd" in r.output and "--resume" in r.output and "Traceback" not in r.output

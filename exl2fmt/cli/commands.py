@@ -268,9 +268,12 @@ def dequantize(
         if output is not None and os.path.isdir(output):
             raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "the output path is a directory; -o names the .npy file to "
                             "write (e.g. -o down.npy)", file=output)
-        if output is not None and os.path.lexists(output) and not force:
-            raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "the output file exists; pass --force to replace it",
-                            file=output)
+        if output is not None:     # --force replaces only a .npy file, never one in the model read (issue 41)
+            from ..outputs import file_output_error
+
+            err = file_output_error(output, force, "npy", "-o", no_replace_inside=((path, "the model being read"),))
+            if err is not None:
+                raise err
         try:
             w = dequantize_layer(path, key)
         except Exl2Error as e:
@@ -308,25 +311,23 @@ def _did_you_mean(path: str, key: str) -> str:
 
 
 def _save_npy(path: str, w) -> None:
+    from pathlib import Path
+
     import numpy as np
 
-    from ..errors import ErrorCode, Exl2Error
+    from ..container.publish import atomic_write
 
-    d = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, w, allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
+    def write(f):
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        hint = "" if e.errno is not None else " (is the disk full?)"  # numpy's short-write error has no errno
-        raise Exl2Error(ErrorCode.IO_ERROR, f"cannot write: {e.strerror or e}{hint}", file=path) from None
+            np.save(f, w, allow_pickle=False)
+        except OSError as e:
+            if e.errno is None:              # numpy's short-write error has no errno
+                raise OSError(f"{e} (is the disk full?)") from None
+            raise
+
+    # a fresh temp name (O_EXCL) next to the file, fsync, rename: never through a link at a guessable name;
+    # an OSError becomes IO_ERROR naming the file
+    atomic_write(Path(path), write)
 
 
 # ------------------------------------------------------------------------------------------------ demo

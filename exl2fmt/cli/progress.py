@@ -9,6 +9,8 @@ goes backwards.
 
 ``Eta`` gives an estimate only once it is stable: after ``min_elapsed`` seconds and ``min_gain`` of the run,
 and when the last estimates (one per ``sample_s`` seconds) agree within ``tolerance``; it is then smoothed.
+The rate is this run's: a resumed quantization reports the step it resumes at (item ``resumed at ...``), and
+the work before it, done by the interrupted run, is not counted.
 
 ``Bar`` draws one line on a terminal (stderr), at most 10 times a second, never wider than the terminal minus
 one column (so 80 columns fit: bar, percent, elapsed, ETA, then the item text shortened in the middle).
@@ -33,6 +35,11 @@ __all__ = ["PHASE_WEIGHTS", "phases_for", "Overall", "Eta", "Bar", "StatusLines"
 #: --measurement) the others are rescaled to fill the bar.
 PHASE_WEIGHTS = {"calibrate": 0.02, "measure": 0.56, "quantize": 0.38, "head": 0.02, "compile": 0.01,
                  "verify": 0.01, "done": 0.0}
+
+
+#: the item of the step a resumed quantization reports where it resumes ("quantize: resumed at block 3 of 8"):
+#: what came before it was an earlier run's work, so the ETA's rate is measured from there (issue 41)
+RESUMED = "resumed at "
 
 
 def phases_for(target: str, measuring: bool) -> list[str]:
@@ -105,6 +112,11 @@ class Eta:
         self.t_last = -1e9
         self.value: float | None = None     # the smoothed estimate, once stable
         self.stable = False
+
+    def rebase(self, fraction: float) -> None:
+        """The work up to ``fraction`` was done by an earlier run (a resume point): measure the rate from here."""
+        self.f0, self.t0 = fraction, self.clock()
+        self.samples, self.t_last, self.value, self.stable = [], -1e9, None, False
 
     def update(self, fraction: float) -> float | None:
         now = self.clock()
@@ -183,6 +195,8 @@ class Bar:
 
     def __call__(self, done: int, total: int, what: str) -> None:
         f, phase, item = self.overall.update(done, total, what)
+        if item.startswith(RESUMED):
+            self.eta.rebase(f)
         eta = self.eta.update(f)
         text = f"{phase}: {item}" if phase else item
         new_phase = self.last is None or phase != self.last[3]
@@ -212,7 +226,9 @@ class StatusLines:
 
     def __call__(self, done: int, total: int, what: str) -> None:
         now = time.monotonic()
-        f, phase, _ = self.overall.update(done, total, what)
+        f, phase, item = self.overall.update(done, total, what)
+        if item.startswith(RESUMED):
+            self.eta.rebase(f)
         eta = self.eta.update(f)
         ph = str(what).split(":", 1)[0]
         if now - self.t_last < self.min_interval and ph == self.phase and not (total and done >= total):

@@ -38,7 +38,7 @@ from pathlib import Path
 from ..errors import Exl2Error
 from .jsonload import MARKER_JSON, loads_json
 
-__all__ = ["MARKER", "PARTIAL_TAG", "WORK_TAG", "work_dir_name", "make_owned_dir", "owner_record",
+__all__ = ["MARKER", "PARTIAL_TAG", "WORK_TAG", "work_dir_name", "make_owned_dir", "owner_record", "read_marker",
            "remove_stale_partials", "InterruptShield", "SHIELD", "fault_point"]
 
 MARKER = ".exl2fmt-owner.json"
@@ -146,6 +146,12 @@ def _read_marker(d: Path) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
+def read_marker(d: Path) -> dict | None:
+    """The owner marker of directory ``d`` as a dict (None when it is missing, not a regular file, too large or
+    not a JSON object); never follows a symlink named like the marker."""
+    return _read_marker(d)
+
+
 def _owner_gone(doc: dict) -> bool:
     """True when the run that wrote ``doc`` (on this host) can no longer be running."""
     pid = doc.get("pid")
@@ -222,6 +228,7 @@ class InterruptShield:
     def __init__(self):
         self._saved: dict | None = None
         self._holds = 0
+        self._raised = 0
         self.received: list[int] = []
 
     @property
@@ -236,6 +243,7 @@ class InterruptShield:
             return
         if not self._holds:
             self.received = []
+        self._raised += 1
         self._saved = {}
         for s in self.SIGNALS:
             try:
@@ -253,6 +261,13 @@ class InterruptShield:
             except (OSError, ValueError):  # pragma: no cover
                 pass
 
+    def intermediate(self) -> "_Intermediate":
+        """A scope around a conversion whose published output is not the run's result (the FP16 staging of
+        GGUF -> EXL2/GPTQ, which the quantizer then reads): if that publish raised the shield, it is lowered at
+        the end of the scope even while the CLI holds it, and a SIGINT / SIGTERM noted meanwhile is delivered
+        again then (to the handler the shield had replaced), so the run stops instead of quantizing on."""
+        return _Intermediate(self)
+
     @contextlib.contextmanager
     def held(self):
         """Keep the shield up (once raised) until this scope ends; clears ``received`` on entry."""
@@ -263,6 +278,32 @@ class InterruptShield:
         finally:
             self._holds -= 1
             self.lower()
+
+
+class _Intermediate:
+    def __init__(self, shield: InterruptShield):
+        self.shield = shield
+
+    def __enter__(self):
+        s = self.shield
+        self.was_up, self.n0 = s.up, s._raised
+        if not self.was_up:
+            s.received = []
+        return self
+
+    def __exit__(self, et, ev, tb) -> bool:
+        s = self.shield
+        if self.was_up or s._raised == self.n0:      # nothing was published in here, or the shield was up before
+            return False
+        got, s.received = list(s.received), []
+        holds, s._holds = s._holds, 0
+        try:
+            s.lower()
+        finally:
+            s._holds = holds
+        if got and et is None and threading.current_thread() is threading.main_thread():
+            signal.raise_signal(got[0])               # the restored handler runs now: KeyboardInterrupt, or exit
+        return False
 
 
 SHIELD = InterruptShield()

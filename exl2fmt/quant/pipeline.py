@@ -376,10 +376,13 @@ def _check_job_shape(job, path: str) -> None:
 class _Work:
     """The work directory: job.json, hidden-state snapshot, per-layer outputs."""
 
-    def __init__(self, root: Path, fingerprint: dict, resume: bool):
+    def __init__(self, root: Path, fingerprint: dict, resume: bool, dst: Path | None = None):
+        from .workdir import make_work_dir
+
         self.root = root
         self.out = root / "out"
         self.job_path = root / "job.json"
+        self.resumed = False          # a job of an earlier run was loaded (progress reports say where it resumed)
         if root.exists() and (root / "job.json").exists():
             if not resume:
                 raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "an interrupted quantization left this work directory; "
@@ -390,8 +393,14 @@ class _Work:
             if self.job.get("version") != WORK_VERSION or self.job.get("fingerprint") != fingerprint:
                 raise Exl2Error(ErrorCode.CHECKPOINT_INVALID, "the work directory belongs to a run with other "
                                 "inputs or options; delete it or repeat the original options", file=str(root))
+            self.resumed = True
         else:
-            root.mkdir(parents=True, exist_ok=True)
+            if not root.exists():     # made here, with the work marker: the only kind removed after the run
+                try:
+                    make_work_dir(root, dst if dst is not None else root)
+                except OSError as e:
+                    raise Exl2Error(ErrorCode.IO_ERROR, f"cannot create the work directory: {e.strerror or e}",
+                                    file=str(root)) from None
             self.job = {"version": WORK_VERSION, "fingerprint": fingerprint, "measured": {}, "strategy": None,
                         "quantized": [], "snapshot": None}
             self.save()
@@ -727,6 +736,10 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
     device = torch.device(o.device)
     blocks = _blocks(spec)
     start, states = work.restore("measure", (*ids_shape, spec.hidden_size), blocks=len(blocks))
+    if progress and work.resumed:     # the earlier run's blocks are not this run's work (the ETA's rate)
+        done = sum(spec.block_key(i, kind) in work.job["measured"] for i, kind in blocks)
+        progress("measure", done * 1000, len(blocks) * 1000, f"resumed at block {done + 1} of {len(blocks)}")
+        work.resumed = False
     h = ids_h() if states is None else states["h"]
     rows, T = h.shape[0], h.shape[1]
     order, batches, n_score = _score_plan(rows, T, o.batch_tokens, o.measure_rows)
@@ -1038,6 +1051,9 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
     # (a snapshot names the reference state "h_ref_final" when it is the trajectory's end already)
     start, states = work.restore("quant", (*ids.shape, spec.hidden_size), need=(("h",), ("h_ref", "h_ref_final")),
                                  blocks=len(blocks))
+    if progress and work.resumed:     # (the measurement, if any, and these blocks were an earlier run's work)
+        progress("quantize", start * 10, len(blocks) * 10, f"resumed at block {start + 1} of {len(blocks)}")
+        work.resumed = False
     h = ids_h() if states is None else states["h"]
     h_ref = h_ref_final if h_ref_final is not None or states is None else states.get("h_ref_final")
     final = h_ref is not None                # the trajectory's end already: nothing to advance
@@ -1612,6 +1628,24 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
 # ------------------------------------------------------------------------------------------------ entry point
 
 
+def check_side_paths(src: Path, dst: Path, o: "QuantOptions", force: bool) -> Path:
+    """The quantizer's paths besides SRC and DST, checked before any work (``Exl2Error``; issue 41): the work
+    directory (``workdir.check_work_dir``: outside SRC and DST, one exl2fmt made, a leftover job only with
+    ``--resume``) and ``--save-measurement FILE`` (never in SRC, DST or the work directory; an existing file
+    only with ``--force`` and only a measurement.json).  Returns the work directory."""
+    from ..outputs import file_output_error
+    from .workdir import check_work_dir
+
+    root = check_work_dir(src, dst, o.work_dir, bool(o.resume))
+    if o.save_measurement:
+        err = file_output_error(o.save_measurement, force, "measurement", "--save-measurement",
+                                never_inside=((src, "the source"), (dst, "the destination"),
+                                              (root, "the work directory")))
+        if err is not None:
+            raise err
+    return root
+
+
 def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: QuantOptions, *, force: bool = False,
                    progress: Progress | None = None) -> QuantReport:
     """Quantize the dense Hugging Face model at ``src`` into a new EXL2 or GPTQ model directory ``dst``."""
@@ -1628,6 +1662,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
     o = options.resolved()
     src_p, dst_p = Path(os.fspath(src)), Path(os.fspath(dst))
     check_paths(src_p, dst_p, force)
+    work_root = check_side_paths(src_p, dst_p, o, force)     # before any work (issue 41)
     if o.device.startswith("cuda") and not torch.cuda.is_available():
         raise Exl2Error(ErrorCode.USAGE, f"--device {o.device}: torch {torch.__version__} sees no CUDA device")
     model = open_model(src_p)
@@ -1667,14 +1702,11 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         if ids.max() >= spec.vocab_size:
             raise Exl2Error(ErrorCode.CALIBRATION_INVALID, f"token id {int(ids.max())} is outside the model's "
                             f"vocabulary ({spec.vocab_size})", file=o.calibration)
-        from .workdir import work_root as _work_root
-
-        work_root = _work_root(dst_p, o.work_dir)
         _check_disk(dst_p.parent, work_root,
                     _disk_needed(spec, srcw, o, measuring=o.target == "exl2" and not o.measurement))
         tok_hash = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
         fp = dict(o.fingerprint(), calibration_sha256=tok_hash, source_config=config)
-        work = _Work(work_root, fp, o.resume)
+        work = _Work(work_root, fp, o.resume, dst_p)
         report = QuantReport(source=str(src_p), destination=str(dst_p), target=o.target, options=o.fingerprint())
         if o.target == "exl2" and spec.arch not in EXL2_ARCHS:
             report.warnings.append(f"model type {spec.arch!r} is calibrated through transformers, but ExLlamaV2 may "
@@ -1738,7 +1770,10 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
             lower_shield()
             raise name_unnamed_os_error(e, tmp)
         report.seconds["compile+verify"] = time.monotonic() - t
-        shutil.rmtree(work.root, ignore_errors=True)
+        from .workdir import remove_work_dir
+
+        if not remove_work_dir(work.root):   # only a work directory exl2fmt made (its marker) is ever removed
+            report.warnings.append(f"left {work.root} in place: it is not a work directory exl2fmt made")
         report.seconds["total"] = time.monotonic() - t0
         report.warnings.extend(lower_shield())
         return report

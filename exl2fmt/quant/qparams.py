@@ -18,6 +18,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..container import jsonload
 from ..errors import ErrorCode, Exl2Error
@@ -301,12 +302,11 @@ def write_measurement(path: str | os.PathLike, measured: dict[str, list[tuple[Op
                 d[name] = qp.to_json()
             opts.append(d)
         doc["measurement"][key] = opts
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=4)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    from ..container.publish import atomic_write
+
+    data = json.dumps(doc, indent=4).encode("utf-8")
+    # a new temp name (O_EXCL) next to the file, fsync, rename: never through a link planted at a guessable name
+    atomic_write(Path(os.fspath(path)), lambda f: f.write(data))
 
 
 _BLOCK_KEY = re.compile(r"^(.*)\.(\d+)\.(self_attn|mlp|block_sparse_moe)$")
