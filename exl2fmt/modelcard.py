@@ -12,6 +12,11 @@ dropped (a card has exactly one), never as the output's own card.
 template, license and notice files, custom code), not whatever else lies in the source directory (a training
 log, notebooks, images); what was left out is returned so the report can say so.
 
+Every file of the source used here (copied, or the source card read) passes ``container.sidefiles``: a regular
+file whose real path is inside the source, under its kind's size cap; anything else is skipped with a warning.
+A source card that exl2fmt itself generated (the source is an exl2fmt quantization) is not carried as the
+"original" card: the original card it kept is (``is_generated_card``, ``original_card``).
+
 ``layers_markdown`` is the per-layer table of ``exl2fmt inspect --markdown`` (the CLI renders it with this
 function, so the card and the command agree).
 """
