@@ -83,7 +83,9 @@ def convert_command(
     save_measurement: Annotated[Optional[str], typer.Option("--save-measurement", metavar="FILE",
                                                             show_default=False, help="FP16 -> exl2: also write "
                                                             "the measurement (ExLlamaV2's measurement.json "
-                                                            "layout) to FILE.")] = None,
+                                                            "layout) to FILE, outside SRC and DST; an existing "
+                                                            "measurement.json is replaced only with --force.")
+                          ] = None,
     batch_tokens: Annotated[Optional[int], typer.Option("--batch-tokens", metavar="N", show_default=False,
                                                         help="FP16 -> exl2/gptq: calibration tokens per forward "
                                                         "batch, in whole rows (at least one). Default: 8192 on "
@@ -118,9 +120,11 @@ def convert_command(
     resume: Annotated[bool, typer.Option("--resume", help="FP16 -> exl2/gptq: continue an interrupted run from "
                                          "its work directory (.DST.exl2fmt-work next to DST, or --work-dir).")] = False,
     work_dir: Annotated[Optional[str], typer.Option("--work-dir", metavar="DIR", show_default=False, help="FP16 -> exl2/gptq: "
-                                                     "where checkpoints, per-layer files and the measurement's "
-                                                     "candidates go (default: .DST.exl2fmt-work next to DST); "
-                                                     "removed after success.")] = None,
+                                                     "the directory in which the work directory "
+                                                     ".DST.exl2fmt-work (checkpoints, per-layer files, the "
+                                                     "measurement's candidates) is made (default: next to DST); "
+                                                     "outside SRC and DST. Only that work directory is removed "
+                                                     "after success, never DIR.")] = None,
     act_order: Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", show_default=False,
                                                       help="FP16 -> exl2/gptq: --act-order = --order act, "
                                                       "--no-act-order = --order natural.")] = None,

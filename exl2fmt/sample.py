@@ -147,6 +147,21 @@ def sample_config() -> dict:
     return cfg
 
 
+def _is_sample(d: Path) -> bool:
+    """True when ``d`` holds a sample this module wrote: a regular config.json and an output.safetensors whose
+    header metadata names ``exl2fmt sample`` as its producer (headers only; anything unreadable is no sample)."""
+    from .container.reader import read_header
+    from .errors import Exl2Error
+
+    cfg, out = d / "config.json", d / "output.safetensors"
+    if cfg.is_symlink() or not cfg.is_file() or out.is_symlink() or not out.is_file():
+        return False
+    try:
+        return read_header(out).metadata.get("producer") == "exl2fmt sample"
+    except Exl2Error:
+        return False
+
+
 def write_sample(directory: str | os.PathLike, *, overwrite: bool = False, seed: int = 0) -> Path:
     """Write the sample model (``config.json`` + ``output.safetensors``) into ``directory``."""
     from .container import write_sharded
@@ -164,9 +179,15 @@ def write_sample(directory: str | os.PathLike, *, overwrite: bool = False, seed:
     if cfg_path.exists() and not overwrite:
         raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "a model is already there (config.json exists); pass --force to "
                         "replace it", file=str(d))
+    if overwrite and (os.path.lexists(cfg_path) or os.path.lexists(d / "output.safetensors")) and not _is_sample(d):
+        # --force replaces the sample's own two files, never a config.json of another model (issue 41)
+        raise Exl2Error(ErrorCode.OUTPUT_EXISTS, "the directory holds a config.json or output.safetensors that "
+                        "is not the sample's (an output.safetensors written by exl2fmt sample, next to its "
+                        "config.json); --force replaces only a sample: choose another directory", file=str(d))
     write_sharded(d, sample_tensors(seed), max_shard_bytes=1 << 40, prefix="output", overwrite=overwrite,
                   metadata={"format": "pt", "producer": "exl2fmt sample"})
-    tmp = cfg_path.with_name(".config.json.tmp")
-    tmp.write_text(json.dumps(sample_config(), indent=2) + "\n")
-    os.replace(tmp, cfg_path)
+    from .container.publish import atomic_write
+
+    text = (json.dumps(sample_config(), indent=2) + "\n").encode("utf-8")
+    atomic_write(cfg_path, lambda f: f.write(text))     # a fresh temp name: never through a planted link
     return d

@@ -6,6 +6,7 @@ The cases are directory setups, built at test time (spec/malformed/hostile3_user
 * ``--work-dir`` pointed at the user's directory, the source, the destination or inside them;
 * ``--save-measurement`` pointed at a source file, an unrelated file, a directory, a link;
 * ``dequantize -o`` pointed at the source shard, a file of another kind, a directory, a link;
+* ``sample DIR --force`` / ``demo --dir DIR --force`` pointed at a model directory;
 * a rerun into a leftover job without ``--resume`` (refused before any work);
 * SIGINT / SIGTERM / SIGKILL during the quantization that follows a GGUF's FP16 staging.
 
@@ -272,6 +273,39 @@ def test_dequantize_force_replaces_a_npy(tiny, tmp_path):
     _ok(r)
     assert r.rc == 0 and np.load(out).shape != (3,), r.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.npy"]
+
+
+# --------------------------------------------------------------------------------- sample / demo --dir --force
+
+
+@pytest.mark.parametrize("case", ["model-dir", "own-output", "demo-model-dir"])
+def test_sample_force_replaces_only_a_sample(tiny, tmp_path, case):
+    """``sample DIR --force`` (and ``demo --dir DIR --force``) replaces only a sample exl2fmt wrote: a model
+    directory's config.json, or a user's output.safetensors, is refused (OUTPUT_EXISTS) and left byte-identical."""
+    import shutil
+
+    src0, _, _ = tiny
+    d = tmp_path / "d"
+    if case == "own-output":
+        d.mkdir()
+        (d / "output.safetensors").write_bytes(b"\x02" + b"\0" * 7 + b"{}")
+    else:
+        shutil.copytree(src0, d)
+    before = _tree(tmp_path)
+    args = ("demo", "--dir", d, "--force") if case.startswith("demo") else ("sample", d, "--force")
+    r = run_bounded(*args, timeout=60)
+    _ok(r)
+    assert r.rc == 2 and "[OUTPUT_EXISTS]" in r.stderr + r.stdout, (r.stdout[-1000:], r.stderr[-2000:])
+    assert _tree(tmp_path) == before
+
+
+def test_sample_force_replaces_a_sample(tmp_path):
+    r = run_bounded("sample", tmp_path / "s", timeout=60)
+    assert r.rc == 0, r.stderr
+    before = _tree(tmp_path / "s")
+    r = run_bounded("sample", tmp_path / "s", "--force", timeout=60)
+    _ok(r)
+    assert r.rc == 0 and _tree(tmp_path / "s") == before, r.stderr    # deterministic: the same bytes again
 
 
 # ------------------------------------------------------------------- class 11: interrupts around the GGUF staging
