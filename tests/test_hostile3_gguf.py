@@ -305,3 +305,22 @@ def test_peak_memory_follows_the_output_not_the_float32_decode(tmp_path):
     assert out_bytes > 64 << 20
     extra = r.peak_rss_bytes - small.peak_rss_bytes
     assert extra <= 1.5 * out_bytes, (extra / 2**20, out_bytes / 2**20)
+
+
+def test_tokenizer_check_accepts_sentencepiece_spelling_of_literal_spaces(tmp_path):
+    """Gemma 3's GGUF spells a whitespace token with literal spaces (id 138 is two spaces); the rebuilt
+    tokenizer.json holds it as SentencePiece does, U+2581 behind a Replace normalizer. The check must accept that
+    (the real gemma-3-270m GGUF was refused) and still refuse a token at the wrong id."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from exl2fmt.converters.gguf_vocab import check_tokenizer_file
+    from exl2fmt.errors import ErrorCode, Exl2Error
+
+    vocab = {"<unk>": 0, "a": 1, "\u2581\u2581": 2, "\u2581": 3}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[("\u2581", "\u2581")], unk_token="<unk>"))
+    tok.normalizer = tokenizers.normalizers.Replace(" ", "\u2581")
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    check_tokenizer_file(path, ["<unk>", "a", "  ", " "])
+    with pytest.raises(Exl2Error) as e:
+        check_tokenizer_file(path, ["<unk>", "a", " ", "  "])
+    assert e.value.code is ErrorCode.REFERENCE_MISMATCH
