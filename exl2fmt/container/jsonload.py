@@ -62,6 +62,9 @@ class JsonKind:
     max_bytes: int
     max_items: int     # values (scalars and containers) in the whole document
     max_depth: int = 64
+    #: NaN / Infinity / -Infinity (and an overflowing 1e400) read as the float values Python's own json writes and
+    #: reads, for a later check that names the key (config.json: CONFIG_VALUE_INVALID, as before this loader)
+    nonfinite: bool = False
 
     def with_code(self, code: ErrorCode) -> "JsonKind":
         return replace(self, code=code)
@@ -74,7 +77,7 @@ class JsonKind:
 _MB = 1 << 20
 # Real files, for scale: config.json of large models ~10 KB; a 1M-tensor index ~100 MB; Gemma 3's tokenizer.json
 # 33 MB / ~2M values; a 70B measurement.json ~3 MB.  Worst-case parse memory = max_items x ~70 bytes + 3 x bytes.
-CONFIG = JsonKind("config.json", ErrorCode.CONFIG_INVALID, 16 * _MB, 1_000_000)
+CONFIG = JsonKind("config.json", ErrorCode.CONFIG_INVALID, 16 * _MB, 1_000_000, nonfinite=True)
 INDEX = JsonKind("the index", ErrorCode.INDEX_INVALID, 100_000_000, 3_000_000)
 TOKENIZER = JsonKind("tokenizer.json", ErrorCode.CALIBRATION_INVALID, 100 * _MB, 6_000_000)
 TOKENIZER_CONFIG = JsonKind("tokenizer_config.json", ErrorCode.CONFIG_INVALID, 32 * _MB, 1_000_000)
@@ -217,8 +220,11 @@ def loads_json(data: "bytes | bytearray | memoryview | str", kind: JsonKind, *, 
     exponent = b"e" in raw.translate(_LOWER_E)  # only then can a float overflow (the digit cap bounds the rest)
     del raw
     try:
-        value = json.loads(text, object_pairs_hook=object_pairs_hook, parse_constant=_parse_constant,
-                           parse_float=_parse_float if exponent else None)
+        if kind.nonfinite:
+            value = json.loads(text, object_pairs_hook=object_pairs_hook)
+        else:
+            value = json.loads(text, object_pairs_hook=object_pairs_hook, parse_constant=_parse_constant,
+                               parse_float=_parse_float if exponent else None)
     except json.JSONDecodeError as e:
         raise _fail(kind, file, f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except RecursionError:
