@@ -543,6 +543,25 @@ README_TAIL = """
 Not in the catalogue: `TOO_MANY_TENSORS` (needs a header of over a million entries, tens of MB) and
 `IO_ERROR` / `PATH_NOT_FOUND` (properties of the file system, not of a file's bytes); the container tests
 cover them.
+
+## Hostile catalogues
+
+Each has its own README (what every case breaks and the code it must give), generator or test-time builder,
+and test file; every case runs through the bounded harness (`tests/hostile_harness.py`: a fresh CLI process,
+a wall-clock limit, an address-space cap, a measured peak RSS, no traceback), and
+`tests/test_hostile3_ci.py` fails if any catalogued case is run by no non-slow test.
+
+| folder | what it holds | tests |
+|---|---|---|
+| `hostile/` | huge counts, odd numbers, 100k-entry indexes, config and GGUF metadata values (round 2) | `test_hostile.py` |
+| `hostile_io/` | control/bidi characters in names, FIFOs, devices, dangling links, full disks, signals | `test_hostile_io.py` |
+| `hostile3_userdata/` | `--work-dir`, `--save-measurement`, `dequantize -o`, `sample --force` pointed at the user's files; interrupts of GGUF quantization (built at test time) | `test_hostile3_userdata.py` |
+| `hostile3_sidefiles/` | side files linked out of SRC (a secret file, `/proc/self/environ`), FIFOs, sparse multi-GB cards; quantization artefacts carried into dense outputs | `test_hostile3_sidefiles.py` |
+| `hostile3_ci/` | GitHub Actions workflow commands (`::` / `##[`) in every file-derived string; layers with 0 rows or columns | `test_hostile3_ci.py` |
+| `hostile3_hub/` | Hub servers that trickle headers, list hostile names, serve huge headers or bad GGUF preambles | `test_hostile3_hub.py` |
+| `hostile3_json/` | JSON side inputs: deep nesting, huge numbers, NaN, FIFOs, `/dev/zero`, 99 MB documents, `.npy` headers declaring 10^7 rows, wrong types | `test_hostile3_json.py` |
+| `hostile3_gguf/` | GGUF -> HF: tokenizer metadata of the wrong type or unloadable, non-finite weights, lying expert counts | `test_hostile3_gguf.py` |
+| `hostile3_moe/` | MoE configs whose expert counts or top-k disagree with the tensors (built at test time) | `test_hostile3_moe.py` |
 """
 
 
