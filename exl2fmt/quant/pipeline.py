@@ -51,8 +51,17 @@ from ..layout import pad32, stays_16bit
 __all__ = ["QuantOptions", "QuantReport", "quantize_model", "plan_from_measurement", "WORK_VERSION"]
 
 WORK_VERSION = 2        # 2: the quantization pass snapshots the FP16 hidden state too
-#: Warn when the quantized model's calibration perplexity exceeds the FP16 model's by this factor.
-_PPL_WARN_RATIO = 2.0
+#: The report warns when the quantized model's calibration perplexity exceeds the FP16 model's by more than
+#: ``ppl_rise_bound(bpw)``: this fraction at 4 bits per weight, halved with each further bit (quantization noise
+#: power falls 4x a bit; the rise of a log-perplexity roughly with its amplitude), never more than doubling.
+_PPL_RISE_AT_4BPW = 0.15
+
+
+def ppl_rise_bound(bpw: float) -> float:
+    """The largest relative rise of the calibration perplexity (quantized / FP16 - 1) that a quantization at ``bpw``
+    average bits per weight passes without a warning: 0.15 at 4.0, 0.30 at 3.0, 0.075 at 5.0, capped at 1.0 (2x)."""
+    return min(1.0, _PPL_RISE_AT_4BPW * 2.0 ** (4.0 - float(bpw)))
+
 _SNAPSHOT_SECONDS = 180.0
 
 Progress = Callable[[str, int, int, str], None]   # (phase, done, total, what)
@@ -1233,10 +1242,14 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
                                    "padded with the all-token Hessian (gate/up) or the identity (down)")
     report.calibration_ppl = _calibration_ppl(spec, src, h, ids, head)
     a, q = report.calibration_ppl_fp16, report.calibration_ppl
-    if not (math.isfinite(q) and q <= _PPL_WARN_RATIO * a):
-        report.warnings.append(f"the calibration perplexity rose from {a:.3f} (FP16) to {q:.3f} (quantized): the "
-                               "quantization has probably failed; try more --bits or --head-bits, or calibration "
-                               "text closer to the model's use")
+    bpw = report.decoder_bpw if report.decoder_bpw is not None else o.bits
+    bound = ppl_rise_bound(bpw)
+    if not (math.isfinite(q) and q <= (1.0 + bound) * a):
+        rise = f" (+{100 * (q / a - 1):.0f} %" if math.isfinite(q) else " ("
+        report.warnings.append(f"the calibration perplexity rose from {a:.3f} (FP16) to {q:.3f} (quantized){rise}, "
+                               f"more than the +{100 * bound:.0f} % expected at {bpw:.2f} bpw): the quantization "
+                               "lost more than it should; try more --bits or --head-bits, or calibration text closer "
+                               "to the model's use")
 
 
 #: The quantize pass parks each Hessian of at least _SPILL_MIN_BYTES in the work directory while it is factored
