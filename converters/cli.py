@@ -303,8 +303,9 @@ def _given(ctx) -> set[str]:
 
 def _progress(out, status_lines: bool, target: str, *, measuring: bool, resume: bool, dst: str, work_dir,
               warn: str | None = None):
-    """The progress callback: one overall bar on a terminal, JSON lines with --status-lines, else nothing drawn
-    (but a --resume still says where it resumes, once the quantizer starts)."""
+    """The progress callback: one overall bar on a terminal, JSON lines with --status-lines, plain heartbeat lines
+    (``plain_progress``) in a log or a pipe, nothing with --json (but a --resume still says where it resumes, once
+    the quantizer starts)."""
     import sys
 
     from exl2fmt.cli.progress import Bar, Overall, StatusLines, phases_for
@@ -315,6 +316,14 @@ def _progress(out, status_lines: bool, target: str, *, measuring: bool, resume: 
         draw = StatusLines(f"convert -> {target}", overall)
     elif out.mode != "json" and sys.stderr.isatty():
         draw = Bar(overall, first=f"convert -> {target}: reading the source")
+    elif out.mode != "json":                  # a log or a pipe: plain heartbeat lines of the overall fraction
+        from exl2fmt.cli.output import plain_progress
+
+        beat = plain_progress(f"convert -> {target}")
+
+        def draw(done: int, total: int, what: str) -> None:
+            f, phase, item = overall.update(done, total, what)
+            beat(round(f * 1000), 1000, f"{phase}: {item}" if phase else item)
     else:
         draw = None
     said = {"resume": not (resume and quantizing), "warn": warn is None}

@@ -755,3 +755,40 @@ def test_the_cli_sets_its_runtime_environment_unless_the_user_chose():
     out = subprocess.run([sys.executable, "-c", code, "--version"], capture_output=True, text=True,
                          env=dict(clean, OMP_WAIT_POLICY="PASSIVE", THP_MEM_ALLOC_ENABLE="0")).stdout
     assert "ENV None 0" in out
+
+
+def test_progress_in_a_log_is_plain_heartbeat_lines(tmp_path, monkeypatch):
+    """stderr that is no terminal (a CI log, a pipe) gets plain lines: at the start, at most one per interval, at the
+    end (issue 41: `validate --run` ran 13.5 minutes in a log without a line); file-derived items are escaped."""
+    import io
+
+    from exl2fmt.cli import output
+
+    clock = iter([0.0, 0.0, 5.0, 31.0, 32.0, 70.0, 71.0, 72.0])
+    monkeypatch.setattr("time.monotonic", lambda: next(clock))
+    buf = io.StringIO()
+    cb = output.plain_progress("validate --run", stream=buf, interval=30.0)
+    for done, what in [(0, ""), (1, "model.layers.0"), (2, "model.layers.1"), (3, "::error::x"), (4, "a"),
+                       (10, "lm_head"), (10, "lm_head")]:
+        cb(done, 10, what)
+    lines = buf.getvalue().splitlines()
+    assert lines == ["validate --run: 0 %, 0:00 elapsed", "validate --run: 20 % (model.layers.1), 0:31 elapsed",
+                     "validate --run: 40 % (a), 1:10 elapsed", "validate --run: 100 % (lm_head), 1:11 elapsed"], lines
+    # an item from a file never starts a workflow command (the line starts with the description)
+    clock = iter([0.0, 1.0])
+    buf = io.StringIO()
+    output.plain_progress("x", stream=buf, interval=0.0)(1, 2, "::error title=t::m")
+    assert buf.getvalue().startswith("x: 50 % (\\u003a\\u003aerror"), buf.getvalue()
+
+
+def test_validate_deep_in_a_pipe_says_it_runs(tmp_path):
+    write_sample(tmp_path / "s")
+    p = subprocess.run([sys.executable, "-m", "exl2fmt.cli.app", "validate", str(tmp_path / "s"), "--deep"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lines = [l for l in p.stderr.splitlines() if l.startswith("validate --deep: ")]
+    assert lines[0].startswith("validate --deep: 0 %") and lines[-1].startswith("validate --deep: 100 %"), p.stderr
+    # plain validation does no long work and prints no progress; --json keeps stderr clean
+    p = subprocess.run([sys.executable, "-m", "exl2fmt.cli.app", "validate", str(tmp_path / "s"), "--deep", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert "elapsed" not in p.stderr
