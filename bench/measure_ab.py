@@ -1,0 +1,50 @@
+"""A/B of the measurement's block error on the trained fixture (issue 40): the per-token relative error
+(``pipeline._rel_err_tokens``, the default since 2026-12-07) against the former per-calibration-row error, in one
+process and one session, through ``bench/quality.py``'s run (the same calibration, evaluation and bitrates; only the
+error function differs). GPTQ and round-to-nearest use no measurement and are left out.
+
+    python bench/measure_ab.py [--bits 4.0,3.0,2.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def rows_error(y, y_ref) -> float:
+    """The former block error: mean over calibration rows of ||y_row - y_ref_row||_F / ||y_ref_row||_F."""
+    d = (y - y_ref).flatten(1).norm(dim=1)
+    r = y_ref.flatten(1).norm(dim=1).clamp_min(1e-30)
+    return float((d / r).mean())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bits", default="4.0,3.0,2.5")
+    a = ap.parse_args()
+    bits = tuple(float(b) for b in a.bits.split(","))
+    import exl2fmt.quant.pipeline as P
+    from quality import run
+
+    per_token = P._rel_err_tokens
+    out = {}
+    for name, fn in (("rows", rows_error), ("tokens", per_token)):
+        P._rel_err_tokens = fn
+        with tempfile.TemporaryDirectory() as d:
+            out[name] = run(Path(d), exl2_bits=bits, gptq=False, rtn=False, fp16_head=False, log=lambda *x: None)
+    P._rel_err_tokens = per_token
+    print("| model | KL rows (before) | KL tokens (after) | top-1 before | top-1 after | ppl before | ppl after |")
+    print("|---|---|---|---|---|---|---|")
+    for k in out["tokens"]:
+        b, t = out["rows"][k], out["tokens"][k]
+        print(f"| {k} | {b['kl_mean']:.3e} | {t['kl_mean']:.3e} | {b['top1_agree']:.3f} | {t['top1_agree']:.3f} | "
+              f"{b['ppl_test']:.3f} | {t['ppl_test']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
