@@ -230,6 +230,10 @@ class ConversionReport:
             "linear_layers": len(self.layers) if self.linear_layers is None else self.linear_layers,
             "worst_layer": None if worst is None else worst.key,
             "worst_rel_error": None if worst is None else _finite(worst.rel_error),
+            # every layer's relative error (an exact one counts 0), averaged: with the worst, the one-line
+            # summary of what a lossy conversion cost (issue 40)
+            "mean_rel_error": (_finite(sum(float(l.rel_error) for l in self.layers) / len(self.layers))
+                               if self.layers else None),
             "tensors": len(self.tensors), "cast_tensors": sum(t.source_dtype != t.target_dtype for t in self.tensors),
             "shards": len(self.shards), "bytes_written": self.bytes_written,
         }
@@ -246,8 +250,10 @@ class ConversionReport:
                      f"({s['cast_tensors']} cast), {s['shards']} shard(s), {s['bytes_written']} bytes"]
         if s["lossy_layers"]:
             rel = s["worst_rel_error"]
+            mean = s["mean_rel_error"]
             lines.append(f"worst layer: {s['worst_layer']} relative error "
-                         f"{'not finite' if rel is None else format(rel, '.3e')}")
+                         f"{'not finite' if rel is None else format(rel, '.3e')}; mean over the "
+                         f"{s['layers']} layers {'not finite' if mean is None else format(mean, '.3e')}")
         lines.append(f"verified ({self.verify_mode})" if self.verified else "not verified")
         return lines
 

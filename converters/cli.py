@@ -29,6 +29,9 @@ class GgufType(str, enum.Enum):
     f16 = "f16"
     bf16 = "bf16"
     q8_0 = "q8_0"
+    q5_1 = "q5_1"
+    q5_0 = "q5_0"
+    q4_1 = "q4_1"
     q4_0 = "q4_0"
 
 
@@ -165,8 +168,11 @@ def convert_command(
                                                "dequantized layer again from SRC and compare element by "
                                                "element.")] = VerifyMode.auto,
     gguf_type: Annotated[GgufType, typer.Option("--gguf-type", case_sensitive=False, help="--to gguf: tensor type "
-                                                "of the weights. auto: exact where possible (GPTQ sym <= 4-bit -> "
-                                                "q4_0, 8-bit -> q8_0, otherwise f16; dense keeps its dtype).")
+                                                "of the weights. auto: dense keeps its dtype; GPTQ sym <= 4-bit -> "
+                                                "q4_0, 8-bit -> q8_0 (exact); EXL2 and other GPTQ: near the source's "
+                                                "size, each layer the cheapest of q4_0/q4_1/q5_0/q5_1/q8_0 with bits "
+                                                "per weight >= its own (f16 above), the error per layer reported. "
+                                                "f16: exact (about 3-4x an EXL2 4.0's size).")
                          ] = GgufType.auto,
     json_: Annotated[bool, typer.Option("--json", help="Print the conversion report as JSON on stdout.")] = False,
     status_lines: Annotated[bool, typer.Option("--status-lines", help="Report progress as JSON lines on stderr "

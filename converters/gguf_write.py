@@ -4,12 +4,15 @@
 
 1. Plan: every source tensor gets its GGUF name from the ``gguf`` package's table (``converters.gguf_map``)
    and a GGUF type: 1-D tensors (norms, biases) F32; 2-D weights the chosen type (``f32``, ``f16``, ``bf16``,
-   ``q8_0``, ``q4_0``; a quantized type falls back to F16 for a row length that is not a multiple of 32, as
-   llama.cpp's converter does).  ``auto`` (the default) keeps a dense model's dtype (BF16 stays BF16, the rest
-   F16); for a quantized model it picks Q4_0 when every quantized layer's integers fit Q4_0 (GPTQ symmetric
-   <= 4 bits, groups a multiple of 32 rows, no act-order), Q8_0 when they fit Q8_0, and F16 otherwise (F16
-   holds any EXL2/GPTQ reconstruction exactly).  Unquantized tensors of a quantized model stay F16/BF16 under
-   ``auto``.
+   ``q8_0``, ``q5_1``, ``q5_0``, ``q4_1``, ``q4_0``; a quantized type falls back to F16 for a row length that is
+   not a multiple of 32, as llama.cpp's converter does).  ``auto`` (the default) keeps a dense model's dtype
+   (BF16 stays BF16, the rest F16); for a GPTQ model it picks Q4_0 when every quantized layer's integers fit
+   Q4_0 (GPTQ symmetric <= 4 bits, groups a multiple of 32 rows, no act-order), Q8_0 when they fit Q8_0.  Any
+   other quantized model (EXL2, other GPTQ) is written near its own size (issue 40): each quantized layer gets
+   ``sized_type`` of its stored bits per weight, the cheapest of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (the types
+   ``gguf.quants`` can write) whose bits per weight are >= the layer's, F16 above 8.5 or for a row length no
+   block divides.  ``f16`` is the exact path (F16 holds any EXL2/GPTQ reconstruction exactly).  Unquantized
+   tensors of a quantized model stay F16/BF16 under ``auto``.
 2. Write, tensor by tensor (memory: about one layer): the header, metadata and tensor table are written first
    (``GGUFWriter.add_tensor_info``: every shape and type is known), then each tensor's data as soon as it is
    produced.  Q/K rows are permuted for the ``llama`` arch (``gguf_map.permute_qk``).
@@ -61,10 +64,18 @@ from .gguf_map import DROPPED_SUFFIXES, arch_of, gguf_name_map, permute_qk, qk_h
 from .gguf_io import decode, ggml_type
 from .slots import G_IDX, Q_INVPERM, Q_SCALE_MAX, QWEIGHT, QZEROS, SCALES
 
-__all__ = ["convert_to_gguf", "GGUF_TYPES", "repack_blocks", "layer_integers"]
+__all__ = ["convert_to_gguf", "GGUF_TYPES", "SIZED_LADDER", "repack_blocks", "layer_integers", "sized_type",
+           "type_bpw"]
 
 #: --gguf-type values
-GGUF_TYPES = ("auto", "f32", "f16", "bf16", "q8_0", "q4_0")
+GGUF_TYPES = ("auto", "f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+#: the block types the ``gguf`` package can write (a numpy ``quants.quantize``; gguf 0.19 has none for the
+#: K-quants, IQ types or Q8_1, and TQ1_0/TQ2_0 are ternary), cheapest first, then F16, which holds any source:
+#: Q4_0 4.5 bits per weight, Q4_1 5.0, Q5_0 5.5, Q5_1 6.0, Q8_0 8.5 (block scale(s) included), F16 16
+SIZED_LADDER = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16")
+#: the plan's marker for "each quantized layer gets ``sized_type`` of its own bpw" (``--gguf-type auto`` on an
+#: EXL2 source, or a GPTQ source whose integers fit no block type)
+_SIZED = "SIZED"
 _QRANGE = {"Q8_0": (-128, 127), "Q4_0": (-8, 7)}
 
 
@@ -120,6 +131,28 @@ def layer_integers(layer, out_features: int) -> tuple[np.ndarray, np.ndarray] | 
         del K
         return np.ascontiguousarray(q.T[:out_features]), np.ascontiguousarray(dd.T[:out_features])
     return None
+
+
+def type_bpw(gtype: str) -> float:
+    """Bits per weight of a GGUF type, its block scales included (Q4_0: 18 bytes per 32 weights = 4.5)."""
+    import gguf
+
+    bs, ts = gguf.GGML_QUANT_SIZES[ggml_type(gtype)]
+    return ts * 8 / bs
+
+
+def sized_type(bpw: float | None, cols: int) -> str:
+    """The first type of ``SIZED_LADDER`` whose bits per weight are >= ``bpw`` (the source layer's, overhead
+    included) and whose block divides the row length ``cols`` (llama.cpp's rule); F16 when none does.  So the
+    GGUF lands at or just above the source's size, never below it (a smaller type would lose more than the
+    source's own quantization did)."""
+    import gguf
+
+    for t in SIZED_LADDER:
+        bs = gguf.GGML_QUANT_SIZES[ggml_type(t)][0]
+        if cols % bs == 0 and (bpw is None or type_bpw(t) >= bpw - 1e-9):
+            return t
+    return "F16"
 
 
 def _block_dtype(qname: str) -> np.dtype:
@@ -235,7 +268,9 @@ def _auto_type(det, cfg: dict, model, reader: SourceReader) -> tuple[str, str]:
                 return "Q4_0", "F16"
             if gc.bits <= 8:
                 return "Q8_0", "F16"
-    return "F16", "F16"
+    # EXL2, or GPTQ integers that fit no block exactly: each layer near its own size (issue 40; --gguf-type
+    # f16 is the exact path)
+    return _SIZED, "F16"
 
 
 def convert_to_gguf(src, dst, *, gguf_type: str = "auto", force: bool = False, progress=None,
@@ -287,6 +322,8 @@ def convert_to_gguf(src, dst, *, gguf_type: str = "auto", force: bool = False, p
             layer_t = plain_t = gt.upper()
         report.options["layer_type"], report.options["plain_type"] = layer_t, plain_t
         items = _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report)
+        if layer_t == _SIZED:
+            layer_t = _sized_summary(items, report)
         report.seconds["plan"] = time.perf_counter() - t_start
         _write_and_publish(items, model, src_p, dst_p, arch, hp, layer_t, report, force, progress, verify,
                            _fail_after)
@@ -308,8 +345,10 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
     shard: dict[str, str] = {}  # source name -> its shard file (llama.cpp's tensor order: shard, then name)
     experts: dict[tuple[str, str], dict[int, tuple[str, object]]] = {}  # (prefix, proj) -> expert -> source
 
-    def gtype_2d(want: str, cols: int, what: str) -> str:
-        if want in ("Q8_0", "Q4_0") and cols % 32:
+    def gtype_2d(want: str, cols: int, what: str, bpw: float | None = None) -> str:
+        if want == _SIZED:
+            return sized_type(bpw, cols)
+        if want not in ("F32", "F16", "BF16") and cols % 32:
             report.warnings.append(f"{what}: row length {cols} is not a multiple of 32; written as F16")
             return "F16"
         return want
@@ -336,7 +375,8 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
         n = expected_features(cfg, key)[1] or info.out_features
         k = info.in_features
         heads = qk_heads(wname, hp["n_head"], hp["n_kv"]) if permute else None
-        items.append(_layer_item(reader, info, cfg, g, wname, (n, k), gtype_2d(layer_t, k, wname), heads, report))
+        items.append(_layer_item(reader, info, cfg, g, wname, (n, k), gtype_2d(layer_t, k, wname, _info_bpw(info)),
+                                 heads, report))
         if info.has_bias:
             bname = f"{key}.bias"
             items.append(_layer_bias_item(reader, info, cfg, name_of(bname) or g[:-7] + ".bias", bname, n, heads,
@@ -399,6 +439,31 @@ def _plan(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, report) 
 
     items.sort(key=order)  # llama.cpp's order: shards by file name, tensors of a shard by Hugging Face name
     return items
+
+
+def _numel(info) -> int:
+    return max(1, int(info.in_features or 0) * int(info.out_features or 0))
+
+
+def _info_bpw(info) -> float:
+    """A quantized layer's stored bits per weight from its header (every slot, as ``inspect``'s bpw)."""
+    return info.stored_bytes * 8 / _numel(info)
+
+
+def _sized_summary(items: list[_Item], report) -> str:
+    """After a sized plan: the types the quantized layers got (``options["layer_types"]``: type -> layers) and
+    the file type, the type that holds the most of their weights."""
+    per: dict[str, list[int]] = {}
+    for it in items:
+        n_layers = len(it.parts) if it.parts else (1 if isinstance(it.report, LayerReport) else 0)
+        if n_layers:
+            c = per.setdefault(it.gtype, [0, 0])
+            c[0] += n_layers
+            c[1] += int(np.prod(it.shape, dtype=np.int64))
+    report.options["layer_types"] = {t: c[0] for t, c in sorted(per.items(), key=lambda kv: -kv[1][1])}
+    main = max(per, key=lambda t: per[t][1]) if per else "F16"
+    report.options["layer_type"] = "sized" if len(per) > 1 else main
+    return main
 
 
 def _rope_factor_items(cfg: dict, root: str, report) -> list[_Item]:
@@ -473,7 +538,9 @@ def _stacked_item(model, reader, cfg, det, pre, wid, parts, name_of, plain_t, la
         raise Exl2Error(ErrorCode.CONFIG_MISMATCH, f"the experts of {merged} have different shapes {sorted(shapes)}",
                         tensor=merged)
     N, K = shapes.pop()
-    gtype = gtype_2d(layer_t if quantized else plain_t, K, merged)
+    q_infos = [x for kind, x in parts.values() if kind == "layer"]
+    bpw = (sum(x.stored_bytes for x in q_infos) * 8 / sum(_numel(x) for x in q_infos)) if q_infos else None
+    gtype = gtype_2d(layer_t if quantized else plain_t, K, merged, bpw)
     rep = TensorReport(merged, "experts", gtype)
     report.tensors.append(rep)
     # a quantized expert is a linear layer of its own in the report (exact or not, as _layer_item scores one)
@@ -678,7 +745,7 @@ def _layer_bias_item(reader, info, cfg, g, bname, N, heads, report) -> _Item:
 
 
 _FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
-               "Q4_0": "MOSTLY_Q4_0"}
+               "Q5_1": "MOSTLY_Q5_1", "Q5_0": "MOSTLY_Q5_0", "Q4_1": "MOSTLY_Q4_1", "Q4_0": "MOSTLY_Q4_0"}
 
 
 #: the source's files that the GGUF's metadata is derived from (gguf.Metadata.load, SpecialVocab, gguf_vocab)

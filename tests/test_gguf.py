@@ -169,7 +169,7 @@ def test_gguf_layout_names_types_and_metadata(dense_gguf):
 
 
 def test_exl2_to_gguf_to_fp16_equals_exl2_to_fp16(sample, tmp_path):
-    rep = convert(sample, tmp_path / "s.gguf", "gguf")          # auto -> F16 holds EXL2 exactly
+    rep = convert(sample, tmp_path / "s.gguf", "gguf", gguf_type="f16")   # F16 holds EXL2 exactly
     assert rep.options["layer_type"] == "F16" and rep.exact and len(rep.layers) == 15
     convert(tmp_path / "s.gguf", tmp_path / "via", "fp16")
     convert(sample, tmp_path / "direct", "fp16")
@@ -315,6 +315,50 @@ def test_lossy_requantization_is_reported(sample, tmp_path):
     ref = dequantize_layer(sample, l.key).astype(np.float32)
     rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     assert rel == pytest.approx(l.rel_error, rel=1e-4)
+
+
+def test_sized_type_ladder_follows_the_layer_bpw_and_the_block_rule():
+    from exl2fmt.converters.gguf_write import SIZED_LADDER, sized_type, type_bpw
+
+    assert [type_bpw(t) for t in SIZED_LADDER] == [4.5, 5.0, 5.5, 6.0, 8.5, 16.0]
+    rng = np.random.default_rng(0)
+    for t in SIZED_LADDER[:-1]:  # every type of the ladder really has a numpy quantizer in the gguf package
+        x = rng.standard_normal((2, 64)).astype(np.float32)
+        q = gguf.quants.quantize(x, gguf.GGMLQuantizationType[t])
+        assert np.isfinite(gguf.quants.dequantize(q, gguf.GGMLQuantizationType[t])).all()
+    assert sized_type(2.3, 64) == "Q4_0" and sized_type(4.5, 64) == "Q4_0" and sized_type(4.51, 64) == "Q4_1"
+    assert sized_type(5.3, 64) == "Q5_0" and sized_type(6.0, 64) == "Q5_1" and sized_type(6.2, 64) == "Q8_0"
+    assert sized_type(8.6, 64) == "F16" and sized_type(3.0, 48) == "F16"   # 48 is no multiple of the block
+
+
+def test_exl2_auto_lands_near_the_source_size_with_every_error_finite(sample, tmp_path):
+    """Issue 40: --gguf-type auto on an EXL2 source writes each layer near its own bpw (never below it), the
+    file near the EXL2's size instead of F16's; every layer's error is finite, and the GGUF decodes back."""
+    from exl2fmt.container import open_model
+    from exl2fmt.converters.gguf_write import type_bpw
+
+    rep = convert(sample, tmp_path / "a.gguf", "gguf")
+    assert rep.verified and rep.options["gguf_type"] == "auto" and set(rep.options["layer_types"]) >= {"Q4_0", "Q8_0"}
+    m = open_model(sample)
+    src_bytes = sum(int(m.info(n).nbytes) for n in m.tensors)
+    gguf_bytes = (tmp_path / "a.gguf").stat().st_size
+    f16 = convert(sample, tmp_path / "f.gguf", "gguf", gguf_type="f16")
+    assert f16.exact
+    # the sample is tiny (its tokenizer-less metadata and F16 embeddings weigh a lot): 1.14x here, F16 2.5x
+    assert gguf_bytes <= 1.25 * src_bytes < (tmp_path / "f.gguf").stat().st_size
+    det_bpw = {k: v for k, v in ((l.key, l) for l in rep.layers)}
+    for l in rep.layers:
+        assert np.isfinite(l.rel_error) and 0 < l.rel_error < 0.15, l.key
+        assert l.target_plan in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16")
+    assert det_bpw["lm_head"].target_plan == "Q8_0"                       # 8b/6b rows: 6.x bpw
+    assert det_bpw["model.layers.0.self_attn.o_proj"].target_plan == "Q4_0"   # 1:4b_32g
+    s = rep.summary()
+    assert 0 < s["mean_rel_error"] <= s["worst_rel_error"] and "mean over the 15 layers" in rep.summary_lines()[1]
+    ts, r = reader_tensors(tmp_path / "a.gguf")
+    assert r.get_field("general.file_type").contents() == int(gguf.LlamaFileType.MOSTLY_Q4_0)
+    assert type_bpw(ts["blk.1.attn_v.weight"].tensor_type.name) >= 5.0          # 1:5b_64g
+    convert(tmp_path / "a.gguf", tmp_path / "back", "fp16")                     # loads back through our reader
+    assert open_model(tmp_path / "back").config["num_hidden_layers"] == 2
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer
