@@ -42,7 +42,7 @@ from .base import (Converter, LayerReport, OutSpec, Unit, build_layer, error_sta
 from .gptq_quant import fit_group, gptq_layer_tensors
 from .slots import BIAS, G_IDX, GPTQ_BIAS, Q_GROUPS, Q_INVPERM, Q_SCALE, Q_SCALE_MAX, Q_WEIGHT, QWEIGHT, QZEROS, SCALES, WEIGHT
 
-__all__ = ["Exl2ToGptq", "exl2_layer_to_gptq", "auto_group_size"]
+__all__ = ["Exl2ToGptq", "exl2_layer_to_gptq", "auto_group_size", "sized_bits_group", "gptq_stored_bits"]
 
 GPTQ_TARGET_BITS = (2, 3, 4, 8)
 _AUTO_SIZES = (128, 64, 32)
@@ -69,6 +69,25 @@ def auto_group_size(layers_rows: list[list[int]]) -> int:
         if all(b % gs == 0 for rows in layers_rows for b in _boundaries(rows)):
             return gs
     return 32
+
+
+def gptq_stored_bits(K: int, N: int, bits: int, group_size: int) -> int:
+    """Stored bits of one GPTQ layer: qweight, qzeros, fp16 scales and the int32 g_idx (no bias)."""
+    G = 1 if group_size == -1 else -(-K // group_size)
+    return K * N * bits + G * N * (bits + 16) + K * 32
+
+
+def sized_bits_group(shapes: list[tuple[int, int]], source_bits: int) -> tuple[int, int]:
+    """The default (bits, group size) of EXL2 -> GPTQ (issue 40): of 2/3/4/8 bits x groups of 128/64/32 rows,
+    the cheapest whose stored bits over ``shapes`` ([(N, K)], the layers written as GPTQ) are >= the EXL2
+    layers' own ``source_bits``, so the output lands at or just above the source's size and never quantizes
+    coarser than the source on average; the largest (8-bit, 32 rows) when none reaches it."""
+    cands = sorted((sum(gptq_stored_bits(k, n, b, gs) for n, k in shapes), b, gs)
+                   for b in GPTQ_TARGET_BITS for gs in _AUTO_SIZES)
+    for total, b, gs in cands:
+        if total >= source_bits:
+            return b, gs
+    return cands[-1][1], cands[-1][2]
 
 
 def exl2_layer_to_gptq(layer, N: int, bits: int, group_size: int, sym: bool = True):
@@ -127,6 +146,7 @@ class Exl2ToGptq(Converter):
         from ..inspect import block_of
 
         o = self.options
+        sized = o.bits is None and o.group_size is None
         bits = 4 if o.bits is None else o.bits
         if bits not in GPTQ_TARGET_BITS:
             raise Exl2Error(ErrorCode.USAGE, f"GPTQ bits must be one of {GPTQ_TARGET_BITS}, got {bits}")
@@ -147,7 +167,21 @@ class Exl2ToGptq(Converter):
             elif info.format is not Format.DENSE:
                 raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layer in an EXL2 model",
                                 tensor=key)
-        if o.group_size is None:
+        if sized and gptq_infos:  # neither flag: near the source's size (issue 40)
+            src_bits = sum(info.stored_bytes * 8 for info, _ in gptq_infos)
+            shapes = [(n, info.in_features) for info, n in gptq_infos]
+            bits, self.group_size = sized_bits_group(shapes, src_bits)
+            self.bits = bits
+            numel = sum(n * k for n, k in shapes)
+            got = sum(gptq_stored_bits(k, n, bits, self.group_size) for n, k in shapes)
+            self.report.options["sized"] = {"source_bpw": round(src_bits / numel, 4),
+                                            "gptq_bpw": round(got / numel, 4), "bits": bits,
+                                            "group_size": self.group_size}
+            self.report.warnings.append(
+                f"bits and group size chosen near the source's size: the EXL2 layers hold {src_bits / numel:.3f} "
+                f"bpw, GPTQ {bits}-bit with {self.group_size}-row groups {got / numel:.3f} bpw (--bits 4 gives the "
+                "previous default: 4-bit, the widest group that splits every EXL2 group, exact for <= 4-bit groups)")
+        elif o.group_size is None:
             rows = []
             for info, _ in gptq_infos:
                 from ..groups import decode_q_groups
@@ -295,6 +329,10 @@ class Exl2ToGptq(Converter):
 
     def finish(self) -> None:
         self.report.quantization_config = self.quant_config()
+        if self.act_order and self.group_size != -1:
+            self.report.warnings.append(
+                "needs activation order: desc_act true (g_idx follows EXL2's input permutation, so groups are not "
+                "consecutive input rows); runtimes or kernels that reject desc_act cannot load it")
         self.report.compatibility = gptq_compatibility(self.bits, self.group_size, self.sym, self.act_order,
                                                        [l.shape for l in self.report.layers
                                                         if l.target_format == "gptq"])

@@ -356,7 +356,7 @@ def test_gptq_without_g_idx_and_to_bf16(tmp_path):
 @pytest.fixture(scope="module")
 def lowbit_gptq(lowbit, tmp_path_factory):
     out = tmp_path_factory.mktemp("conv") / "lowbit-gptq"
-    return out, convert(lowbit, out, "gptq")
+    return out, convert(lowbit, out, "gptq", bits=4)   # the 4-bit path; the default is sized (issue 40)
 
 
 def test_exl2_low_bit_to_gptq4_is_exact_and_round_trips_to_the_same_fp16(lowbit, lowbit_gptq, tmp_path):
@@ -372,6 +372,41 @@ def test_exl2_low_bit_to_gptq4_is_exact_and_round_trips_to_the_same_fp16(lowbit,
     assert set(a.names()) == set(b.names())
     for n in b.names():
         assert np.array_equal(a.get(n).view(np.uint8), b.get(n).view(np.uint8)), n
+
+
+def test_exl2_to_gptq_default_is_sized_and_flags_keep_the_old_path(sample, lowbit, lowbit_gptq, tmp_path):
+    """Issue 40: without --bits/--group-size the GPTQ output lands at or just above the EXL2's size (the
+    cheapest 2/3/4/8-bit x 128/64/32-row choice whose bits reach the source's), every layer's error finite;
+    --bits 4 stays the previous default, byte for byte."""
+    from exl2fmt.converters.exl2_to_gptq import gptq_stored_bits, sized_bits_group
+
+    assert sized_bits_group([(4096, 4096)], int(4.0 * 4096 * 4096)) == (4, 128)    # an EXL2 4.0 at real size
+    assert sized_bits_group([(4096, 4096)], int(3.2 * 4096 * 4096)) == (3, 64)
+    assert sized_bits_group([(4096, 4096)], int(5.0 * 4096 * 4096)) == (8, 128)    # no 5/6-bit GPTQ: above
+    assert sized_bits_group([(64, 64)], 10 ** 9) == (8, 32)
+    assert gptq_stored_bits(128, 64, 4, 128) == 128 * 64 * 4 + 64 * 20 + 128 * 32
+
+    def size(d):
+        return sum(f.stat().st_size for f in d.glob("*.safetensors"))
+
+    for src in (sample, lowbit):
+        out = tmp_path / f"{src.name}-sized"
+        rep = convert(src, out, "gptq")
+        sz = rep.options["sized"]
+        assert rep.verified and sz["gptq_bpw"] >= sz["source_bpw"]
+        # the decoder layers at or just above the source's bpw (tiny K: g_idx and fp16 scales weigh more); the
+        # file also holds the lm_head as dense fp16 (EXL2 -> GPTQ's rule for layers outside the blocks)
+        assert sz["gptq_bpw"] <= 1.1 * sz["source_bpw"], sz
+        assert size(out) <= 1.35 * size(src)
+        assert all(np.isfinite(l.rel_error) and l.rel_error < 0.5 for l in rep.layers), [l.rel_error for l in rep.layers]
+        assert rep.quantization_config["bits"] == sz["bits"] and rep.quantization_config["group_size"] == sz["group_size"]
+        assert any("needs activation order" in w for w in rep.warnings) == rep.quantization_config["desc_act"]
+        assert rep.summary()["mean_rel_error"] is not None
+    old = tmp_path / "lowbit-4"
+    convert(lowbit, old, "gptq", bits=4)
+    ref = lowbit_gptq[0]
+    assert {p.name: p.read_bytes() for p in old.glob("*.safetensors")} == {
+        p.name: p.read_bytes() for p in ref.glob("*.safetensors")}
 
 
 def test_exl2_to_gptq_layout_and_config(lowbit, lowbit_gptq):
