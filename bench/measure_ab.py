@@ -3,7 +3,7 @@
 process and one session, through ``bench/quality.py``'s run (the same calibration, evaluation and bitrates; only the
 error function differs). GPTQ and round-to-nearest use no measurement and are left out.
 
-    python bench/measure_ab.py [--bits 4.0,3.0,2.5]
+    python bench/measure_ab.py [--bits 4.0,3.0,2.5] [--before rows|rms_tokens]
 """
 
 from __future__ import annotations
@@ -23,9 +23,20 @@ def rows_error(y, y_ref) -> float:
     return float((d / r).mean())
 
 
+def rms_tokens_error(y, y_ref) -> float:
+    """A variant: the root mean square over tokens of ||y_t - y_ref_t|| / ||y_ref_t||."""
+    d = (y - y_ref).norm(dim=-1)
+    r = y_ref.norm(dim=-1).clamp_min(1e-30)
+    return float(((d / r) ** 2).mean().sqrt())
+
+
+VARIANTS = {"rows": rows_error, "rms_tokens": rms_tokens_error}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bits", default="4.0,3.0,2.5")
+    ap.add_argument("--before", default="rows", choices=sorted(VARIANTS), help="the error the default is compared with")
     a = ap.parse_args()
     bits = tuple(float(b) for b in a.bits.split(","))
     import exl2fmt.quant.pipeline as P
@@ -33,12 +44,12 @@ def main() -> None:
 
     per_token = P._rel_err_tokens
     out = {}
-    for name, fn in (("rows", rows_error), ("tokens", per_token)):
+    for name, fn in (("rows", VARIANTS[a.before]), ("tokens", per_token)):
         P._rel_err_tokens = fn
         with tempfile.TemporaryDirectory() as d:
             out[name] = run(Path(d), exl2_bits=bits, gptq=False, rtn=False, fp16_head=False, log=lambda *x: None)
     P._rel_err_tokens = per_token
-    print("| model | KL rows (before) | KL tokens (after) | top-1 before | top-1 after | ppl before | ppl after |")
+    print(f"| model | KL {a.before} | KL tokens (default) | top-1 {a.before} | top-1 tokens | ppl {a.before} | ppl tokens |")
     print("|---|---|---|---|---|---|---|")
     for k in out["tokens"]:
         b, t = out["rows"][k], out["tokens"][k]

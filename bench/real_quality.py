@@ -16,7 +16,7 @@ Rows: round-to-nearest 4-bit g128 asymmetric (the floor), exl2fmt EXL2 at each `
 reused), exl2fmt GPTQ 4-bit g128 and 8-bit g128; each tool run's wall time and peak RSS (``wait4`` of its own
 process) beside its row.
 
-    python bench/real_quality.py --model smollm2 [--bits 3.0,4.0,5.0] [--cache DIR] [--out DIR] [--no-gptq]
+    python bench/real_quality.py --model smollm2 [--bits 3.0,4.0,5.0] [--cache DIR] [--out DIR] [--gptq-bits 4,8]
 
 Writes ``OUT/results.json`` and prints a markdown table; ``--plot FILE`` draws KL against bpw (needs matplotlib).
 """
@@ -44,6 +44,15 @@ MODELS = {
                "gguf": "gemma-3-270m-q4_k_m.gguf", "parts": "gemma-3-270m-q4_k_m.gguf.part"},
 }
 DEFAULT_BITS = (2.5, 3.0, 3.5, 4.0, 4.25, 4.65, 5.0, 6.0, 8.0)
+
+
+def timed(cmd: list[str], log: Path, out_dir: Path) -> dict:
+    """``run_tool`` unless ``out_dir`` exists; either way the run's time and peak RSS, kept beside it in
+    ``<out_dir>.run.json`` so that a re-run of the bench keeps them for the rows it does not redo."""
+    side = out_dir.with_name(out_dir.name + ".run.json")
+    if not out_dir.exists():
+        side.write_text(json.dumps(run_tool(cmd, log)))
+    return json.loads(side.read_text()) if side.exists() else {}
 
 
 def run_tool(cmd: list[str], log: Path) -> dict:
@@ -120,7 +129,7 @@ def main() -> None:
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/exl2fmt-bench"))
     ap.add_argument("--out", default=None)
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--no-gptq", action="store_true")
+    ap.add_argument("--gptq-bits", default="4,8", help="exl2fmt GPTQ rows (g128); empty: none")
     ap.add_argument("--plot", default=None)
     a = ap.parse_args()
     cache = Path(a.cache)
@@ -146,19 +155,15 @@ def main() -> None:
     meas = out / "measurement.json"
     for b in [float(x) for x in a.bits.split(",") if x]:
         q = out / f"exl2-{b}"
-        how = {}
-        if not q.exists():
-            args = ["--measurement", str(meas)] if meas.exists() else ["--save-measurement", str(meas)]
-            how = run_tool(EXL2FMT + ["convert", str(fp16), str(q), "--to", "exl2", "--bits", str(b)] + args,
-                           out / f"exl2-{b}.log")
+        args = ["--measurement", str(meas)] if meas.exists() else ["--save-measurement", str(meas)]
+        how = timed(EXL2FMT + ["convert", str(fp16), str(q), "--to", "exl2", "--bits", str(b)] + args,
+                    out / f"exl2-{b}.log", q)
         dense(f"exl2fmt EXL2 {b}", q, how)
-    if not a.no_gptq:
-        for bits in (4, 8):
+    if a.gptq_bits:
+        for bits in [int(x) for x in a.gptq_bits.split(",") if x]:
             q = out / f"gptq-{bits}"
-            how = {}
-            if not q.exists():
-                how = run_tool(EXL2FMT + ["convert", str(fp16), str(q), "--to", "gptq", "--bits", str(bits),
-                                          "--group-size", "128"], out / f"gptq-{bits}.log")
+            how = timed(EXL2FMT + ["convert", str(fp16), str(q), "--to", "gptq", "--bits", str(bits),
+                                   "--group-size", "128"], out / f"gptq-{bits}.log", q)
             dense(f"exl2fmt GPTQ {bits}-bit g128", q, how)
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -176,8 +181,8 @@ def main() -> None:
     for r in rows:
         e = r["eval"]
         cells = " | ".join(f"{e[k]['kl']:.4f} | {e[k]['ppl']:.2f} | {e[k]['top1']:.3f}" for k in kinds)
-        t = f"{r['seconds']} s" if "seconds" in r else ""
-        m = f"{r['peak_rss_mb']} MB" if "peak_rss_mb" in r else ""
+        t = f"{r['seconds']} s" if r.get("seconds") else ""
+        m = f"{r['peak_rss_mb']} MB" if r.get("peak_rss_mb") else ""
         print(f"| {r['row']} | {r['bpw']:.3f} | {cells} | {t} | {m} |")
     if a.plot:
         plot(res, Path(a.plot))
