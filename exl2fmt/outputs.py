@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .container.regular import is_within, real_path
 from .errors import ErrorCode, Exl2Error
 
 __all__ = ["replaceable", "existing_output_error", "kind_of", "name_warning", "infer_target", "file_output_error",
@@ -113,15 +114,6 @@ def _starts_like_measurement(head: bytes) -> bool:
     return re.match(rb'\A\s*\{\s*"(measurement|last_module_idx)"\s*:', head) is not None
 
 
-def _inside(child: Path, parent: Path) -> bool:
-    return child == parent or parent in child.parents
-
-
-def _resolved(p: str | os.PathLike) -> Path:
-    try:
-        return Path(os.path.realpath(os.fspath(p)))
-    except (OSError, ValueError):
-        return Path(os.path.abspath(os.fspath(p)))
 
 
 def file_output_error(path: str | os.PathLike, force: bool, kind: str, flag: str, *,
@@ -134,12 +126,12 @@ def file_output_error(path: str | os.PathLike, force: bool, kind: str, flag: str
     only with ``force``, and only when it is a regular file of ``kind`` (``FILE_KINDS``): never a directory, a
     symbolic link, a FIFO or a file of another kind (``OUTPUT_EXISTS``)."""
     p = Path(os.fspath(path))
-    rp = _resolved(p)
+    rp = real_path(p)
     for where, what in never_inside:
         if where is None:
             continue
-        rw = _resolved(where)
-        if _inside(rp, rw):
+        rw = real_path(where)
+        if is_within(rp, rw):
             return Exl2Error(ErrorCode.USAGE, f"{flag} {os.fspath(path)} lies in {what} {os.fspath(where)}: "
                              f"{flag} must name a file outside it (nothing is ever written into {what})",
                              file=os.fspath(path))
@@ -147,7 +139,7 @@ def file_output_error(path: str | os.PathLike, force: bool, kind: str, flag: str
         return None
     label, matches = FILE_KINDS[kind]
     for where, what in no_replace_inside:
-        if where is not None and _inside(rp, _resolved(where)):
+        if where is not None and is_within(rp, real_path(where)):
             return Exl2Error(ErrorCode.OUTPUT_EXISTS, f"{flag}: the file exists and is part of {what} "
                              f"{os.fspath(where)}; it is never replaced, even with --force: choose another path",
                              file=os.fspath(path))

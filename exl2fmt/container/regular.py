@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 from ..errors import ErrorCode, Exl2Error
 
-__all__ = ["file_kind", "stat_regular", "open_regular"]
+__all__ = ["file_kind", "stat_regular", "open_regular", "real_path", "is_within"]
 
 
 def _err(code: ErrorCode, msg: str, path: str) -> Exl2Error:
@@ -61,3 +62,16 @@ def open_regular(path: str):
     except BaseException:
         os.close(fd)
         raise
+
+
+def real_path(p: "str | os.PathLike") -> Path:
+    """The path with every link resolved (``os.path.realpath``); the absolute path where that fails."""
+    try:
+        return Path(os.path.realpath(os.fspath(p)))
+    except (OSError, ValueError):
+        return Path(os.path.abspath(os.fspath(p)))
+
+
+def is_within(child: Path, parent: Path) -> bool:
+    """``child`` is ``parent`` or lies below it (plain path comparison: resolve both first)."""
+    return child == parent or parent in child.parents

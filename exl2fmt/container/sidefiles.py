@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..errors import ErrorCode, Exl2Error
+from .regular import is_within
 
 __all__ = ["CARD_CAP", "TEXT_CAP", "TOKENIZER_CAP", "OTHER_CAP", "cap_for", "side_file_problem", "copy_side_file",
            "read_side_text", "stage_side_files", "skip_message"]
@@ -70,16 +71,15 @@ def skip_message(rel: str, why: str) -> str:
     return f"{rel}: not copied or read ({why})"
 
 
+
+
 def _kind(mode: int) -> str:
+    """Short words for the skip warning (``regular.file_kind`` is the longer form of error messages)."""
     for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
         if test(mode):
             return what
     return "not a regular file"
-
-
-def _inside(p: str, root: str) -> bool:
-    return p == root or p.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def _allowed_roots(src_root: Path) -> list[str]:
@@ -105,7 +105,7 @@ def _open_checked(src_root: Path, path: Path, cap: int | None) -> tuple[int | No
         real = os.path.realpath(path, strict=True)
     except (OSError, RuntimeError, ValueError):
         return None, "a broken or looping symbolic link"
-    if not any(_inside(real, r) for r in _allowed_roots(src_root)):
+    if not any(is_within(Path(real), Path(r)) for r in _allowed_roots(src_root)):
         what = f"a symbolic link to {real}" if link else f"its real path {real}"
         return None, f"{what} lies outside the source directory"
     try:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..container import jsonload
 from ..container.partials import MARKER, owner_record, read_marker, work_dir_name
+from ..container.regular import is_within, real_path
 from ..errors import ErrorCode, Exl2Error
 
 __all__ = ["work_root", "progress_of", "describe", "check_work_dir", "make_work_dir", "is_our_work_dir",
@@ -38,15 +39,6 @@ def work_root(dst: str | os.PathLike, work_dir: str | os.PathLike | None = None)
     return base / work_dir_name(d)
 
 
-def _real(p: Path) -> Path:
-    try:
-        return Path(os.path.realpath(p))
-    except (OSError, ValueError):
-        return Path(os.path.abspath(p))
-
-
-def _within(child: Path, parent: Path) -> bool:
-    return child == parent or parent in child.parents
 
 
 def is_our_work_dir(root: Path) -> bool:
@@ -71,25 +63,25 @@ def check_work_dir(src: str | os.PathLike, dst: str | os.PathLike, work_dir: str
       if it exists it must be one exl2fmt made (a real directory with its work marker: ``OUTPUT_EXISTS``
       otherwise, since it would be removed after the run), and a job in it needs ``--resume``
       (``OUTPUT_EXISTS``), refused here rather than after the calibration set is loaded."""
-    rs, rd = _real(Path(os.fspath(src))), _real(Path(os.fspath(dst)))
+    rs, rd = real_path(Path(os.fspath(src))), real_path(Path(os.fspath(dst)))
     if work_dir is not None:
         w = Path(os.fspath(work_dir))
-        rw = _real(w)
+        rw = real_path(w)
         if os.path.exists(w) and not os.path.isdir(w):
             raise Exl2Error(ErrorCode.USAGE, f"--work-dir {os.fspath(w)} is not a directory: it names the "
                             "directory the quantizer's work directory is made in", file=os.fspath(w))
-        if _within(rw, rs):
+        if is_within(rw, rs):
             raise Exl2Error(ErrorCode.USAGE, f"--work-dir {os.fspath(w)} is or lies inside the source "
                             f"{os.fspath(src)}: the work directory must lie outside the source (a conversion "
                             "never writes into its source)", file=os.fspath(w))
-        if _within(rw, rd):
+        if is_within(rw, rd):
             raise Exl2Error(ErrorCode.USAGE, f"--work-dir {os.fspath(w)} is or lies inside the destination "
                             f"{os.fspath(dst)}: the work directory must lie outside it (DST is replaced when "
                             "the output is published)", file=os.fspath(w))
     root = work_root(dst, work_dir)
-    rr = _real(root)
+    rr = real_path(root)
     for p, what in ((rs, "source"), (rd, "destination")):
-        if _within(rr, p) or _within(p, rr):
+        if is_within(rr, p) or is_within(p, rr):
             raise Exl2Error(ErrorCode.USAGE, f"the work directory {root} would be, lie in or hold the {what}: "
                             "choose another --work-dir", file=str(root))
     if not os.path.lexists(root):
