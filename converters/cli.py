@@ -314,7 +314,7 @@ def _progress(out, status_lines: bool, target: str, *, measuring: bool, resume: 
     the quantizer starts)."""
     import sys
 
-    from exl2fmt.cli.progress import Bar, Overall, StatusLines, phases_for
+    from exl2fmt.cli.progress import Bar, Overall, StatusLines, phases_for, plain_progress
 
     quantizing = target in ("exl2", "gptq")
     overall = Overall(phases_for(target, measuring) if quantizing else [])
@@ -323,8 +323,6 @@ def _progress(out, status_lines: bool, target: str, *, measuring: bool, resume: 
     elif out.mode != "json" and sys.stderr.isatty():
         draw = Bar(overall, first=f"convert -> {target}: reading the source")
     elif out.mode != "json":                  # a log or a pipe: plain heartbeat lines of the overall fraction
-        from exl2fmt.cli.output import plain_progress
-
         beat = plain_progress(f"convert -> {target}")
 
         def draw(done: int, total: int, what: str) -> None:

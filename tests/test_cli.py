@@ -762,12 +762,12 @@ def test_progress_in_a_log_is_plain_heartbeat_lines(tmp_path, monkeypatch):
     end (issue 41: `validate --run` ran 13.5 minutes in a log without a line); file-derived items are escaped."""
     import io
 
-    from exl2fmt.cli import output
+    from exl2fmt.cli import progress
 
     clock = iter([0.0, 0.0, 5.0, 31.0, 32.0, 70.0, 71.0, 72.0])
     monkeypatch.setattr("time.monotonic", lambda: next(clock))
     buf = io.StringIO()
-    cb = output.plain_progress("validate --run", stream=buf, interval=30.0)
+    cb = progress.plain_progress("validate --run", stream=buf, interval=30.0)
     for done, what in [(0, ""), (1, "model.layers.0"), (2, "model.layers.1"), (3, "::error::x"), (4, "a"),
                        (10, "lm_head"), (10, "lm_head")]:
         cb(done, 10, what)
@@ -777,7 +777,7 @@ def test_progress_in_a_log_is_plain_heartbeat_lines(tmp_path, monkeypatch):
     # an item from a file never starts a workflow command (the line starts with the description)
     clock = iter([0.0, 1.0])
     buf = io.StringIO()
-    output.plain_progress("x", stream=buf, interval=0.0)(1, 2, "::error title=t::m")
+    progress.plain_progress("x", stream=buf, interval=0.0)(1, 2, "::error title=t::m")
     assert buf.getvalue().startswith("x: 50 % (\\u003a\\u003aerror"), buf.getvalue()
 
 

@@ -219,6 +219,8 @@ class Output:
             yield None
             return
         if not sys.stderr.isatty():
+            from .progress import plain_progress
+
             yield plain_progress(description)
             return
         from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, \
@@ -598,33 +600,3 @@ def _json_default(o):
         return o.item()
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
-
-#: seconds between two heartbeat lines of ``plain_progress``
-PLAIN_PROGRESS_INTERVAL = 30.0
-
-
-def plain_progress(description: str, stream=None, interval: float = PLAIN_PROGRESS_INTERVAL):
-    """A ``progress(done, total, what)`` callback for a stderr that is no terminal (a CI log, a pipe): one plain
-    line when the work starts, then at most one per ``interval`` seconds, and one when it ends, e.g.
-    ``validate --run: 19 % (model.layers.5), 1:27 elapsed``, so that minutes of CPU work never look like a hang
-    (issue 41: ``validate --run`` ran 13.5 minutes in a log without a line). ``what`` comes from files: escaped."""
-    import time
-
-    t0 = time.monotonic()
-    state = {"t": None, "ended": False}
-
-    def update(done: int, total: int, what: str) -> None:
-        now = time.monotonic()
-        end = bool(total) and done >= total
-        if state["ended"] or (state["t"] is not None and now - state["t"] < interval and not end):
-            return
-        state["t"], state["ended"] = now, end
-        pct = f"{100 * done / total:.0f} %" if total else f"{done}"
-        item = escape_name(str(what))
-        item = item if len(item) <= 60 else "..." + item[-57:]
-        e = int(now - t0)
-        out = stream if stream is not None else sys.stderr
-        out.write(f"{description}: {pct}{f' ({item})' if item else ''}, {e // 60}:{e % 60:02d} elapsed\n")
-        out.flush()
-
-    return update

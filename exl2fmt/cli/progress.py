@@ -14,6 +14,7 @@ the work before it, done by the interrupted run, is not counted.
 
 ``Bar`` draws one line on a terminal (stderr), at most 10 times a second, never wider than the terminal minus
 one column (so 80 columns fit: bar, percent, elapsed, ETA, then the item text shortened in the middle).
+``plain_progress`` writes plain heartbeat lines for a stderr that is no terminal (a CI log, a pipe).
 ``StatusLines`` writes the machine form, one JSON object per line (``status``, ``done``, ``total``, ``what``,
 ``elapsed_s``, plus ``phase``, ``fraction`` and ``eta_s``); the first update is written at once.
 """
@@ -27,7 +28,8 @@ import time
 
 from ..errors import escape_name, json_ci_defuse
 
-__all__ = ["PHASE_WEIGHTS", "phases_for", "Overall", "Eta", "Bar", "StatusLines", "fmt_duration", "fit"]
+__all__ = ["PHASE_WEIGHTS", "phases_for", "Overall", "Eta", "Bar", "StatusLines", "plain_progress", "fmt_duration",
+           "fit"]
 
 #: Share of a quantization's time per phase, from the timings in bench/RESULTS.md (FP16 -> EXL2 on the CPU at the
 #: default 32 x 512 calibration, since the measurement scores on a quarter of the rows: a 1B-shaped layer 75 s
@@ -239,3 +241,32 @@ class StatusLines:
                            "fraction": round(f, 4), "eta_s": None if eta is None else round(eta, 1)})
         self.stream.write(json_ci_defuse(line) + "\n")  # same value; no "##[" for a CI runner
         self.stream.flush()
+
+
+#: seconds between two heartbeat lines of ``plain_progress``
+PLAIN_PROGRESS_INTERVAL = 30.0
+
+
+def plain_progress(description: str, stream=None, interval: float = PLAIN_PROGRESS_INTERVAL):
+    """A ``progress(done, total, what)`` callback for a stderr that is no terminal (a CI log, a pipe): one plain
+    line when the work starts, then at most one per ``interval`` seconds, and one when it ends, e.g.
+    ``validate --run: 19 % (model.layers.5), 1:27 elapsed``, so that minutes of CPU work never look like a hang
+    (issue 41: ``validate --run`` ran 13.5 minutes in a log without a line). ``what`` comes from files: escaped."""
+    t0 = time.monotonic()
+    state = {"t": None, "ended": False}
+
+    def update(done: int, total: int, what: str) -> None:
+        now = time.monotonic()
+        end = bool(total) and done >= total
+        if state["ended"] or (state["t"] is not None and now - state["t"] < interval and not end):
+            return
+        state["t"], state["ended"] = now, end
+        pct = f"{100 * done / total:.0f} %" if total else f"{done}"
+        item = escape_name(str(what))
+        item = item if len(item) <= 60 else "..." + item[-57:]
+        e = int(now - t0)
+        out = stream if stream is not None else sys.stderr
+        out.write(f"{description}: {pct}{f' ({item})' if item else ''}, {e // 60}:{e % 60:02d} elapsed\n")
+        out.flush()
+
+    return update
