@@ -32,7 +32,7 @@ EXL2_BITS = (8.0, 6.0, 5.0, 4.15, 4.0, 3.0, 2.5)
 
 def rtn_source(model_dir, bits=4, group_size=128):
     """The dense model with every decoder linear replaced by its round-to-nearest GPTQ reconstruction."""
-    from exl2fmt.converters.gptq_quant import reconstruct, rtn_quantize
+    from exl2fmt.codec.gptq_fit import reconstruct, rtn_quantize
     from exl2fmt.quant.hf_engine import HFModel
     from exl2fmt.quant.weights import WeightSource
 

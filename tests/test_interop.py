@@ -283,7 +283,7 @@ def _textbook_fixed_groups(W, H, gs, bits, sym, damp):
     """GPTQ as first published (float64, explicit inverse-Hessian downdates, no Cholesky, no lazy blocks), rows
     in full act-order, groups of ``gs`` consecutive input features, each group fitted (best fp16 scale,
     ``fit_group``) on the current values of its rows when its first row comes up."""
-    from exl2fmt.converters.gptq_quant import fit_group
+    from exl2fmt.codec.gptq_fit import fit_group
 
     K = W.shape[1]
     perm = torch.argsort(torch.diag(H), descending=True, stable=True)
