@@ -86,7 +86,7 @@ def test_pareto_rows_are_ascending_and_drop_exactly_the_dominated_rows():
 
 
 def test_written_measurement_has_exllamav2s_order_counts_and_costs(tiny, exl2_out):
-    from exl2fmt.quant.hf_engine import HFModel
+    from exl2fmt.runner.model import HFModel
 
     src, _ = tiny
     out, saved = exl2_out
