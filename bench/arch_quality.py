@@ -85,10 +85,10 @@ def kl(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> float:
 def rtn_model(d: Path, bits: int = 4, group_size: int = 128, sym: bool = False):
     """The FP16 model at ``d`` with every decoder linear (and every expert of the fused 3-D MoE parameters)
     replaced by its round-to-nearest reconstruction: ``bits``-bit codes in groups of ``group_size`` input rows,
-    the best fp16 scale per column from a grid search (``converters.gptq_quant.fit_group``), symmetric (the
+    the best fp16 scale per column from a grid search (``codec.gptq_fit.fit_group``), symmetric (the
     convention of our default GPTQ output) or asymmetric (a zero point per group and column).  Routers and
     other modules that stay 16-bit by convention are left alone (``layout.stays_16bit``)."""
-    from exl2fmt.converters.gptq_quant import reconstruct, rtn_quantize
+    from exl2fmt.codec.gptq_fit import reconstruct, rtn_quantize
     from exl2fmt.layout import stays_16bit
 
     def rtn(w: np.ndarray) -> np.ndarray:          # w float32 [N, K] -> its RTN reconstruction

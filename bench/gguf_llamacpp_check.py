@@ -173,7 +173,8 @@ def make_gptq(dense: Path, dst: Path, bits: int = 4, group: int = 32) -> Path:
     embeddings, lm_head, norms, biases, MoE routers and widths that are not a multiple of 32 stay as they are."""
     from safetensors.numpy import load_file, save_file
 
-    from exl2fmt.converters.gptq_quant import gptq_layer_tensors, rtn_quantize
+    from exl2fmt.codec.gptq_fit import rtn_quantize
+    from exl2fmt.formats.gptq import gptq_layer_tensors
 
     shutil.copytree(dense, dst)
     t = load_file(str(dense / "model.safetensors"))
@@ -246,7 +247,8 @@ def arch_sources(root: Path, arch: str, sources: list[str], log) -> dict[str, Pa
 def sample_sources(root: Path) -> dict[str, Path]:
     """The embedded EXL2 sample with a 1000-token byte-level BPE trained here, and its GPTQ 4-bit twin."""
     from exl2fmt.container import write_sharded
-    from exl2fmt.converters.gptq_quant import gptq_layer_tensors, rtn_quantize
+    from exl2fmt.codec.gptq_fit import rtn_quantize
+    from exl2fmt.formats.gptq import gptq_layer_tensors
     from exl2fmt.sample import SAMPLE_CONFIG, sample_dense_tensors, write_sample
 
     d = root / "sample" / "exl2"

@@ -6,7 +6,7 @@ For every layer, the relative weight error ||W_hat - W||_F / ||W||_F of:
 * EXL2 single-width settings 1 x {2,3,4,5,6,8} bits in groups of 128 and 4-bit in groups of 32 (the scale search
   of ``exl2fmt.formats.exl2.find_scales``: 4-bit quadratic scale codes per column + one fp16 maximum per group), each
   with ExLlamaV2's search alone and with exl2fmt's per-column refinement of the codes ("refined");
-* GPTQ 4-bit g128 round-to-nearest with a per-column fp16 scale (``converters.gptq_quant.rtn_quantize``).
+* GPTQ 4-bit g128 round-to-nearest with a per-column fp16 scale (``codec.gptq_fit.rtn_quantize``).
 
 No calibration data exists for a sentence encoder here, so this is the weight-space error (identity Hessian).
 ``--record`` appends the summary to bench/RESULTS.md; ``tests/test_minilm_real_weights.py`` checks the ordering on
@@ -41,7 +41,7 @@ def linear_layers(m) -> list[str]:
 
 def errors(w: np.ndarray) -> dict[str, float]:
     """w float32 [N, K] -> {setting: relative error}."""
-    from exl2fmt.converters.gptq_quant import reconstruct, rtn_quantize
+    from exl2fmt.codec.gptq_fit import reconstruct, rtn_quantize
     from exl2fmt.formats import layer_from_tensors
     from exl2fmt.layout import Tier
     from exl2fmt.formats.exl2 import quantize_rtn

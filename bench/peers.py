@@ -365,7 +365,7 @@ def _renamed_copy(d: Path, renames) -> Path:
 def gptq_check(scratch: Path, work: Path, src: Path, calibration: str | None, ids: torch.Tensor, rows: int,
                length: int, log) -> dict:
     from exl2fmt.quant.evaluate import dequantized_source
-    from exl2fmt.quant.hf_engine import HFModel
+    from exl2fmt.runner.model import HFModel
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
 
     np.save(work / "ids.npy", ids.numpy())

@@ -32,9 +32,9 @@ EXL2_BITS = (8.0, 6.0, 5.0, 4.15, 4.0, 3.0, 2.5)
 
 def rtn_source(model_dir, bits=4, group_size=128):
     """The dense model with every decoder linear replaced by its round-to-nearest GPTQ reconstruction."""
-    from exl2fmt.converters.gptq_quant import reconstruct, rtn_quantize
-    from exl2fmt.quant.hf_engine import HFModel
-    from exl2fmt.quant.weights import WeightSource
+    from exl2fmt.codec.gptq_fit import reconstruct, rtn_quantize
+    from exl2fmt.runner.model import HFModel
+    from exl2fmt.runner.weights import WeightSource
 
     eng = HFModel.open(model_dir)
     src = eng.src
@@ -60,9 +60,9 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
     ``measure_rows``: calibration rows that score the EXL2 measurement's candidates (None = every row);
     ``batch_tokens``: ``QuantOptions.batch_tokens`` of every quantization (None = the default for the model)."""
     from exl2fmt.quant.evaluate import compare_many, dequantized_source, eval_ids
-    from exl2fmt.quant.hf_engine import HFModel
+    from exl2fmt.runner.model import HFModel
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
-    from exl2fmt.quant.weights import WeightSource
+    from exl2fmt.runner.weights import WeightSource
 
     model = HFModel.open(FIXTURE)
     ref = model.src
@@ -125,7 +125,7 @@ def gptq_orders(work: Path, orders=GPTQ_ORDERS, bits=4, group_size=128, sym=True
     calibration; KL etc. vs FP16 on held-out text.  Returns {"GPTQ {bits}b g{gs} {order}": metrics + bpw + seconds + monotone (g_idx sorted)}."""
     from exl2fmt.container import open_model
     from exl2fmt.quant.evaluate import compare_many, dequantized_source, eval_ids
-    from exl2fmt.quant.hf_engine import HFModel
+    from exl2fmt.runner.model import HFModel
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
 
     model = HFModel.open(FIXTURE)

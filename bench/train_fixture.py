@@ -13,7 +13,7 @@ carry structure, not random matrices.  This script trains one on CPU in a few mi
   gradient clipping at 1.0, batches of random 256-token windows of the token stream drawn by a seeded
   generator; float32, 2 threads, deterministic for a given torch build;
 * evaluation: mean next-token loss on the ``eval`` part (non-overlapping 256-token windows), computed by the
-  project's model runner (exl2fmt.quant.hf_engine) from the saved float16 files, and the add-one-smoothed
+  project's model runner (exl2fmt.runner.model) from the saved float16 files, and the add-one-smoothed
   unigram baseline estimated on the training tokens.
 
 Output: config.json, model.safetensors (float16), tokenizer.json, tokenizer_config.json,
@@ -116,7 +116,7 @@ def main() -> None:
     import transformers
 
     from exl2fmt.container import write_safetensors
-    from exl2fmt.quant.hf_engine import HFModel
+    from exl2fmt.runner.model import HFModel
     from exl2fmt.quant.calib import corpus_documents
 
     torch.set_num_threads(args.threads)

@@ -16,7 +16,7 @@ column): EXL2 with ``s = fp16(fp16((c+1)^2) * fp16(q_scale_max / 256))`` and the
 The default group size is the largest of 128, 64, 32 that divides every EXL2 group boundary (and K) of every
 converted layer, so the default conversion is exact except for groups wider than the target bits.  Those (and
 any GPTQ group that straddles EXL2 groups because of a forced ``--group-size``) are re-quantized from the EXL2
-reconstruction with the best fp16 scale per (group, column) (``gptq_quant.fit_group``), and the layer's error
+reconstruction with the best fp16 scale per (group, column) (``codec.gptq_fit.fit_group``), and the layer's error
 against the EXL2 reconstruction is reported.
 
 Layers outside the decoder blocks (``lm_head``) and layers whose N is not a multiple of 32 are written as
@@ -39,7 +39,8 @@ from .registry import register
 from ..container import SourceReader
 from .base import (Converter, LayerReport, OutSpec, Unit, build_layer, error_stats, layer_issues_or_raise,
                    natural_key)
-from .gptq_quant import fit_group, gptq_layer_tensors
+from ..codec.gptq_fit import fit_group
+from ..formats.gptq import gptq_layer_tensors
 from .slots import BIAS, G_IDX, GPTQ_BIAS, Q_GROUPS, Q_INVPERM, Q_SCALE, Q_SCALE_MAX, Q_WEIGHT, QWEIGHT, QZEROS, SCALES, WEIGHT
 
 __all__ = ["Exl2ToGptq", "exl2_layer_to_gptq", "auto_group_size", "sized_bits_group", "gptq_stored_bits"]

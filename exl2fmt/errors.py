@@ -134,7 +134,7 @@ class ErrorCode(str, enum.Enum):
                           "validate --kernel needs torch and triton (pip install 'exl2fmt[kernels]') and the "
                           "requested device")
 
-    # --- quantizer inputs (appended; see exl2fmt/quant/hf_engine.py and calib.py) ----------------------
+    # --- quantizer inputs (appended; see exl2fmt/runner/model.py and quant/calib.py) -------------------
     ARCH_UNSUPPORTED = ("ARCH_UNSUPPORTED", Category.UNREADABLE,
                         "the model runner drives decoder-only causal LMs that transformers implements (no remote "
                         "code) with nn.Linear layers")

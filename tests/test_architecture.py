@@ -1,7 +1,7 @@
 """The house rules of the package, checked on the source (no import is executed): no import cycle, no private name
 crossing a module boundary, and arrows that point one way (spec/architecture.md):
 
-    core  <-  formats  <-  checks (inspect, validate, ...)  <-  converters / quant  <-  CLI
+    core  <-  formats  <-  runner  <-  checks (inspect, validate, ...)  <-  converters / quant  <-  CLI
     kernels import the layout only
 
 The graph is built from the AST of every module of ``exl2fmt/``, ``converters/`` (importable as
@@ -36,11 +36,11 @@ TIERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("exl2fmt", "exl2fmt.errors", "exl2fmt.layout", "exl2fmt.groups", "exl2fmt.codec", "exl2fmt.container",
               "exl2fmt.config_values", "exl2fmt.arch", "exl2fmt.detect", "exl2fmt.gguf_scan", "exl2fmt._stats",
               "exl2fmt.extras", "exl2fmt.jitnote", "exl2fmt.outputs")),
-    # one module per storage format, the layer loader, the kernels, and the model runner that the quantizer's
-    # calibration, validate --run and the perplexity report all drive (transformers' modeling code over weights
-    # read through the core: hf_engine, its MoE driver, the weight source, the measurement names)
-    ("formats", ("exl2fmt.formats", "exl2fmt.model", "exl2fmt.kernels", "exl2fmt.quant.weights",
-                 "exl2fmt.quant.hf_engine", "exl2fmt.quant.moe", "exl2fmt.quant.qparams")),
+    # one module per storage format, the layer loader, the kernels
+    ("formats", ("exl2fmt.formats", "exl2fmt.model", "exl2fmt.kernels")),
+    # the model runner that the quantizer's calibration, validate --run and the perplexity report all drive
+    # (transformers' modeling code over weights read through the core: the model, its layers, MoE, weight source)
+    ("runner", ("exl2fmt.runner",)),
     ("checks", ("exl2fmt.inspect", "exl2fmt.validate", "exl2fmt.hub", "exl2fmt.modelcard", "exl2fmt.sample")),
     ("converters/quant", ("exl2fmt.converters", "exl2fmt.quant")),
     ("cli", ("exl2fmt.cli", "exl2fmt.converters.cli")),

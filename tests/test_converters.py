@@ -67,7 +67,8 @@ def build_exl2(d: Path, plans=LOW_BIT_PLANS, head=T((1.0, 4, 128)), head_bias: b
 
 
 def build_gptq(d: Path, bits=4, gs=128, sym=True, v2=False, act=False, g_idx=True, seed=0) -> Path:
-    from exl2fmt.converters.gptq_quant import gptq_layer_tensors, rtn_quantize
+    from exl2fmt.codec.gptq_fit import rtn_quantize
+    from exl2fmt.formats.gptq import gptq_layer_tensors
 
     dense = sample_dense_tensors(seed)
     rng = np.random.default_rng(seed + 3)

@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from exl2fmt.quant import evaluate as ev  # noqa: E402
-from exl2fmt.quant.hf_engine import HFModel  # noqa: E402
-from exl2fmt.quant.weights import WeightSource, dense_linear  # noqa: E402
+from exl2fmt.runner.model import HFModel  # noqa: E402
+from exl2fmt.runner.weights import WeightSource, dense_linear  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-llama"
 CFG = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

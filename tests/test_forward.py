@@ -1,4 +1,4 @@
-"""The project's one forward (the model runner, ``exl2fmt.quant.hf_engine.HFModel``) against transformers' full model.
+"""The project's one forward (the model runner, ``exl2fmt.runner.model.HFModel``) against transformers' full model.
 
 The quantizer's calibration, ``validate --run`` and the perplexity report all run models through the runner:
 transformers' modeling code on a meta skeleton, one decoder layer materialized from the safetensors files at a
@@ -29,8 +29,8 @@ transformers = pytest.importorskip("transformers")
 from tiny_models import make_tiny  # noqa: E402
 
 from exl2fmt.errors import ErrorCode, Exl2Error  # noqa: E402
-from exl2fmt.quant.hf_engine import HFModel  # noqa: E402
-from exl2fmt.quant.weights import WeightSource  # noqa: E402
+from exl2fmt.runner.model import HFModel  # noqa: E402
+from exl2fmt.runner.weights import WeightSource  # noqa: E402
 
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=160, max_position_embeddings=256, rms_norm_eps=1e-5)

@@ -71,7 +71,8 @@ def build_dense(d: Path, model_type="llama", bias=False, bf16=False, qk_scale=1.
 
 
 def build_gptq(d: Path, bits: int, gs: int = 32, seed: int = 0) -> Path:
-    from exl2fmt.converters.gptq_quant import gptq_layer_tensors, rtn_quantize
+    from exl2fmt.codec.gptq_fit import rtn_quantize
+    from exl2fmt.formats.gptq import gptq_layer_tensors
 
     out = {}
     for n, a in sample_dense_tensors(seed).items():

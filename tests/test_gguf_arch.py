@@ -325,7 +325,8 @@ def test_gptq_source_equals_its_fp16_reconstruction(arch, tiny, tmp_path):
 
     from safetensors.numpy import load_file, save_file
 
-    from exl2fmt.converters.gptq_quant import gptq_layer_tensors, rtn_quantize
+    from exl2fmt.codec.gptq_fit import rtn_quantize
+    from exl2fmt.formats.gptq import gptq_layer_tensors
 
     src = tiny(arch)
     q = tmp_path / f"tiny-{arch}"  # same directory name: general.name is derived from it
@@ -371,7 +372,8 @@ def test_gptq_experts_are_repacked_exactly(bits, want, tiny, tmp_path):
 
     from safetensors.numpy import load_file, save_file
 
-    from exl2fmt.converters.gptq_quant import gptq_layer_tensors, rtn_quantize
+    from exl2fmt.codec.gptq_fit import rtn_quantize
+    from exl2fmt.formats.gptq import gptq_layer_tensors
 
     src = tiny("mixtral")
     q = tmp_path / "tiny-mixtral"

@@ -1,4 +1,4 @@
-"""The GPTQ group fit (``converters.gptq_quant.fit_group``) and ``rtn_quantize`` against NumPy twins.
+"""The GPTQ group fit (``codec.gptq_fit.fit_group``) and ``rtn_quantize`` against NumPy twins.
 
 Oracle: the textbook NumPy evaluation of every candidate scale (``_fit_group_numpy``: one pass of NumPy ops per
 candidate, the sum of squared errors by ``np.sum(axis=0)``, the first smallest wins), which is what exl2fmt
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from exl2fmt.converters.gptq_quant import _GRID, fit_group, rtn_quantize
+from exl2fmt.codec.gptq_fit import _GRID, fit_group, rtn_quantize
 
 
 def _quant(x, s, z, maxq):

@@ -1,4 +1,4 @@
-"""The quantizer's transformers-driven engine (exl2fmt.quant.hf_engine) against transformers as the oracle.
+"""The quantizer's transformers-driven engine (exl2fmt.runner.model) against transformers as the oracle.
 
 Per architecture (tests/tiny_models.py): the engine's layer-by-layer forward over the saved shards gives the
 logits of transformers' own full model loaded with ``from_pretrained``; the inputs the engine captures for the
@@ -19,8 +19,8 @@ transformers = pytest.importorskip("transformers")
 from tiny_models import DENSE, OTHER, make_tiny  # noqa: E402
 
 from exl2fmt.errors import ErrorCode, Exl2Error  # noqa: E402
-from exl2fmt.quant.weights import WeightSource  # noqa: E402
-from exl2fmt.quant.hf_engine import HFModel  # noqa: E402
+from exl2fmt.runner.weights import WeightSource  # noqa: E402
+from exl2fmt.runner.model import HFModel  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_a_block_finished_from_its_kept_tail_is_the_full_sweep_bit_for_bit(tiny,
     is kept and finish() runs the block, honouring the change."""
     from exl2fmt.quant.gptq import HessianAccumulator
     from exl2fmt.quant.pipeline import _batches
-    from exl2fmt.quant.weights import dense_linear
+    from exl2fmt.runner.weights import dense_linear
 
     eng, h = _embedded(tiny(arch), 4, 3, 16)
     for kind in ("attn", "mlp"):
@@ -152,13 +152,13 @@ def test_a_block_finished_from_its_kept_tail_is_the_full_sweep_bit_for_bit(tiny,
         W = blk.weights()
         subs = {n: dense_linear(w * (1 + 2 ** -4 * (j + 1)), b) for j, (n, (w, b)) in enumerate(W.items())}
         want = blk.sweep(h, subs, record=True)
-        want_rec = blk.r.attn_cache
+        want_rec = blk.runner.attn_cache
         owner = eng.groups(kind)[-1][0]
         K = W[owner][0].shape[1]
         stopped, tailed = HessianAccumulator(K), HessianAccumulator(K)
         blk.sweep(h, subs, {owner: stopped}, stop_at=owner)
         if kind == "mlp":
-            blk.r.attn_cache = want_rec
+            blk.runner.attn_cache = want_rec
         assert blk.sweep(h, subs, {owner: tailed}, tail=owner) is None
         assert blk.tail is not None and len(blk.tail.inputs) == len(blk.batches)
         assert torch.equal(stopped.result(), tailed.result())
@@ -167,9 +167,9 @@ def test_a_block_finished_from_its_kept_tail_is_the_full_sweep_bit_for_bit(tiny,
         assert torch.equal(got, want)
         if kind == "attn":
             assert all(torch.equal(a[0] if isinstance(a, tuple) else a, b[0] if isinstance(b, tuple) else b)
-                       for a, b in zip(blk.r.attn_cache, want_rec))
+                       for a, b in zip(blk.runner.attn_cache, want_rec))
         # a module whose result is not its last linear's output as it came: the full sweep instead
-        hk = blk.r.module(owner).register_forward_hook(lambda m, a, o: o * 2)
+        hk = blk.runner.module(owner).register_forward_hook(lambda m, a, o: o * 2)
         try:
             doubled = blk.sweep(h, subs, record=True)
             assert not torch.equal(doubled, want)
@@ -199,13 +199,13 @@ def test_the_mlp_half_runs_without_the_attention_weights_and_a_full_forward_relo
     mlp = eng.block(0, "mlp", _batches(2, 16, 16))
     want = mlp.sweep(h, None)
     whole = mlp.advance_reference(h)
-    child = mlp.r.layer.get_submodule(eng.structure.attn_child)
-    mlp.r.drop_attention()
-    assert mlp.r.attn_dropped and all(p.is_meta for p in child.parameters())
+    child = mlp.runner.layer.get_submodule(eng.structure.attn_child)
+    mlp.drop_attention()
+    assert mlp.runner.attn_dropped and all(p.is_meta for p in child.parameters())
     assert torch.equal(mlp.sweep(h, None), want)
     assert all(p.is_meta for p in child.parameters())
     assert torch.equal(mlp.advance_reference(h), whole)     # runs attention: reloaded
-    assert not mlp.r.attn_dropped and not any(p.is_meta for p in child.parameters())
+    assert not mlp.runner.attn_dropped and not any(p.is_meta for p in child.parameters())
     eng.release()
 
 
@@ -215,19 +215,19 @@ def test_a_quantized_linears_original_weight_can_be_freed(tiny, arch):
     the FP16 trajectory handed over): sweeps with substitutes are bit-identical without it, the parameter is meta,
     and rows of a fused module (phi3's qkv_proj / gate_up_proj) are kept."""
     from exl2fmt.quant.pipeline import _batches
-    from exl2fmt.quant.weights import dense_linear
+    from exl2fmt.runner.weights import dense_linear
 
     eng, h = _embedded(tiny(arch), 6, 2, 16)
     blk = eng.block(0, "attn", _batches(2, 16, 16))
     W = blk.weights()
     subs = {n: dense_linear(w.clone(), b) for n, (w, b) in W.items()}
     want = blk.sweep(h, subs, record=True)
-    dropped = [n for n in blk.names if blk.r.drop_linear(n)]
+    dropped = [n for n in blk.names if blk.drop_linear(n)]
     assert dropped == [n for n in blk.names if n not in eng.part_of]
     for n in dropped:
-        assert blk.r.module(n).weight.is_meta
+        assert blk.runner.module(n).weight.is_meta
     for n in set(blk.names) - set(dropped):
-        assert not blk.r.module(n).weight.is_meta
+        assert not blk.runner.module(n).weight.is_meta
     assert torch.equal(blk.sweep(h, subs, record=True), want)
     eng.release()
 

@@ -86,7 +86,7 @@ def test_pareto_rows_are_ascending_and_drop_exactly_the_dominated_rows():
 
 
 def test_written_measurement_has_exllamav2s_order_counts_and_costs(tiny, exl2_out):
-    from exl2fmt.quant.hf_engine import HFModel
+    from exl2fmt.runner.model import HFModel
 
     src, _ = tiny
     out, saved = exl2_out
@@ -283,7 +283,7 @@ def _textbook_fixed_groups(W, H, gs, bits, sym, damp):
     """GPTQ as first published (float64, explicit inverse-Hessian downdates, no Cholesky, no lazy blocks), rows
     in full act-order, groups of ``gs`` consecutive input features, each group fitted (best fp16 scale,
     ``fit_group``) on the current values of its rows when its first row comes up."""
-    from exl2fmt.converters.gptq_quant import fit_group
+    from exl2fmt.codec.gptq_fit import fit_group
 
     K = W.shape[1]
     perm = torch.argsort(torch.diag(H), descending=True, stable=True)

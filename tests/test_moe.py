@@ -1,4 +1,4 @@
-"""Mixture-of-experts blocks in the quantizer's transformers-driven engine (exl2fmt.quant.moe, hf_engine).
+"""Mixture-of-experts blocks in the quantizer's transformers-driven engine (exl2fmt.runner.moe, exl2fmt.runner.model).
 
 Oracles: transformers' own full model (``from_pretrained``, which merges the per-expert checkpoint tensors with
 its conversion mapping), forward hooks on its experts module (the routing its router computed), and NumPy for
@@ -18,8 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 from tiny_models import MOE, MOE_EXTRA, make_tiny  # noqa: E402
 
-from exl2fmt.quant.weights import WeightSource  # noqa: E402
-from exl2fmt.quant.hf_engine import HFModel  # noqa: E402
+from exl2fmt.runner.weights import WeightSource  # noqa: E402
+from exl2fmt.runner.model import HFModel  # noqa: E402
 
 #: (checkpoint block, gate leaf, up leaf, down leaf) as the two families store experts
 CKPT = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"), "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
@@ -166,7 +166,7 @@ def test_shared_experts_and_dense_layers_of_moe_models_are_driven(tiny, name):
 
 def test_few_token_hessians_are_padded_to_k_tokens_with_the_prior():
     from exl2fmt.quant.gptq import HessianAccumulator
-    from exl2fmt.quant.moe import pad_expert_hessian
+    from exl2fmt.runner.moe import pad_expert_hessian
 
     rng = np.random.default_rng(0)
     K = 8
@@ -325,7 +325,7 @@ def test_calibrated_gptq_of_a_moe_model_with_a_shared_expert_and_a_dense_layer(t
 
 
 def test_hessian_chunks_fit_the_budget_and_keep_the_order():
-    from exl2fmt.quant.moe import hessian_bytes, hessian_chunks
+    from exl2fmt.runner.moe import hessian_bytes, hessian_chunks
 
     owners = ["a", "b", "c", "d", "e"]
     K = {"a": 64, "b": 96, "c": 64, "d": 300, "e": 64}
@@ -344,7 +344,8 @@ def test_exl2_measurement_in_hessian_chunks_is_byte_identical_and_bounded(tiny, 
     their sums plus every factor still referenced), against more in one sweep, and the output is byte-identical."""
     import weakref
 
-    from exl2fmt.quant import gptq, moe
+    from exl2fmt.quant import gptq
+    from exl2fmt.runner import moe
     from exl2fmt.quant.pipeline import QuantOptions, quantize_model
 
     d = tiny("mixtral")

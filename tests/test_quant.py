@@ -463,14 +463,14 @@ def test_the_quantize_pass_takes_the_fp16_trajectory_from_the_measurement(tiny_l
     """A run that measures hands its FP16 reference trajectory's end to the quantize pass, which then runs no
     reference forwards of its own; a run from a saved measurement advances the trajectory itself. Both report
     the same FP16 perplexity (the measured run's is checked against a whole-model forward above)."""
-    from exl2fmt.quant import hf_engine
+    from exl2fmt.runner import layer
     from exl2fmt.quant.pipeline import quantize_model
 
     src, ids = tiny_llama
     r, _, m, _ = exl2_default
     calls = []
-    real = hf_engine.LayerBlock.advance_reference
-    monkeypatch.setattr(hf_engine.LayerBlock, "advance_reference", lambda self, h: (calls.append(1), real(self, h))[1])
+    real = layer.LayerBlock.advance_reference
+    monkeypatch.setattr(layer.LayerBlock, "advance_reference", lambda self, h: (calls.append(1), real(self, h))[1])
     r2 = quantize_model(src, tmp_path / "m", _opts(ids, measurement=str(m)))
     assert len(calls) == 2 * 2                       # both blocks of both decoder layers
     assert r2.calibration_ppl_fp16 == r.calibration_ppl_fp16
@@ -945,7 +945,7 @@ def test_shared_outputs_reuse_only_the_same_candidate_on_the_same_input():
     input gets the same values without a product; another input, another candidate, or a candidate no later
     option needs is computed; outputs are dropped after their last use; the kept copy is immune to the caller."""
     from exl2fmt.quant.pipeline import _SharedOutputs
-    from exl2fmt.quant.weights import dense_linear
+    from exl2fmt.runner.weights import dense_linear
 
     g = torch.Generator().manual_seed(0)
     cands = {c: torch.randn(8, 16, generator=g) for c in "abc"}
@@ -1002,8 +1002,8 @@ def test_shared_outputs_reuse_only_the_same_candidate_on_the_same_input():
 def test_calibration_perplexity_in_chunks_equals_the_whole_logit_computation(tiny_llama):
     """Oracle: transformers' own model over the whole rows at once (fp32), log-softmax, gather."""
     transformers = pytest.importorskip("transformers")
-    from exl2fmt.quant.weights import WeightSource
-    from exl2fmt.quant.hf_engine import HFModel
+    from exl2fmt.runner.weights import WeightSource
+    from exl2fmt.runner.model import HFModel
     from exl2fmt.quant.pipeline import _calibration_ppl
 
     src_dir, ids_path = tiny_llama
@@ -1032,7 +1032,7 @@ def test_plain_tensors_are_converted_in_chunks_to_the_whole_tensor_bytes(tmp_pat
     rows, so every chunk boundary is exercised; inf, nan and values above 65504 are present."""
     from safetensors.torch import save_file
     from exl2fmt.quant.pipeline import QuantReport, _plain_tensor
-    from exl2fmt.quant.weights import WeightSource
+    from exl2fmt.runner.weights import WeightSource
 
     g = torch.Generator().manual_seed(7)
     tensors = {}
@@ -1161,9 +1161,9 @@ def test_too_little_disk_space_is_refused_before_any_work(tiny_llama, exl2_defau
     candidates): the shared default run's output (saving its measurement elsewhere changes no output byte)."""
     import shutil as sh
 
-    from exl2fmt.quant.weights import WeightSource
+    from exl2fmt.runner.weights import WeightSource
     from exl2fmt.quant import pipeline as P
-    from exl2fmt.quant.hf_engine import HFModel
+    from exl2fmt.runner.model import HFModel
 
     src, ids = tiny_llama
     srcw = WeightSource(src)

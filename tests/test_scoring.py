@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from exl2fmt.errors import ErrorCode, Exl2Error  # noqa: E402
 from exl2fmt.quant import scoring  # noqa: E402
-from exl2fmt.quant.weights import dense_linear  # noqa: E402
+from exl2fmt.runner.weights import dense_linear  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-llama"
 
@@ -256,7 +256,7 @@ def test_exact_16bit_narrows_only_what_it_holds_exactly():
 
 
 def test_a_widened_16bit_linear_is_the_float32_linear_bit_for_bit():
-    from exl2fmt.quant.weights import dense_linear, widened_linear
+    from exl2fmt.runner.weights import dense_linear, widened_linear
 
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(96, 64, generator=gen).half().float()

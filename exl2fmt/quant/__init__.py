@@ -2,12 +2,10 @@
 
 Needs the ``quant`` extra (torch, tokenizers).  Nothing here is imported by ``inspect`` / ``validate``.
 
+The forward it calibrates with is the model runner, ``exl2fmt.runner`` (shared with ``validate --run``).
+
 Modules:
 
-* ``weights``   ``WeightSource`` (tensors by name, read lazily) and ``dense_linear``
-* ``hf_engine``  the model runner: transformers' modeling code, one decoder layer materialized at a time, with
-                substitute linears and captured linear inputs; the one forward of the project (calibration,
-                ``validate --run``, ``evaluate``)
 * ``calib``     calibration data: text / jsonl / token-id files, tokenized with the model's tokenizer.json,
                 and the built-in default set
 * ``gptq``      Hessians, act-order, the GPTQ sweep with EXL2's per-group 4-bit scale search, GPTQ-format output

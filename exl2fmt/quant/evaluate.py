@@ -1,6 +1,6 @@
 """Quality of a quantized model against its reference: perplexity, KL divergence, top-1 agreement.
 
-Both models run through the model runner (``hf_engine.HFModel``: transformers' own modeling code, one decoder
+Both models run through the model runner (``runner.model.HFModel``: transformers' own modeling code, one decoder
 layer materialized at a time), a few rows at a time, so memory holds one layer's weights and one row batch of
 logits per model.  The test model is either another set of weights of the same architecture (a ``WeightSource`` or
 a model directory: e.g. a dequantized FP16 copy) or the reference's weights with some linears replaced (a
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ErrorCode, Exl2Error
-from .hf_engine import HFModel
-from .weights import Linear, WeightSource
+from ..runner.model import HFModel
+from ..runner.weights import Linear, WeightSource
 
 __all__ = ["perplexity_kl", "compare_many", "eval_ids", "dequantized_source"]
 

@@ -607,9 +607,9 @@ def quantize_gptq(weight: torch.Tensor, prep: Prepared, bits: int, group_size: i
     to the group size) each group is a run of consecutive input features processed together, so
     ``g_idx[k] = k // group_size`` (monotone) and ``scales[g]`` / ``zeros[g]`` belong to features
     g*group_size.. as without reordering.  Each group's scale (and zero point when asymmetric) is the best fp16
-    fit of the compensated rows (``converters.gptq_quant.fit_group``); asymmetric zero points stay >= 1 so the
+    fit of the compensated rows (``codec.gptq_fit.fit_group``); asymmetric zero points stay >= 1 so the
     v1 zero field is never negative.  ``error=False``: no ``proxy_error`` (None; ``prep.H`` may be None)."""
-    from ..converters.gptq_quant import fit_group
+    from ..codec.gptq_fit import fit_group
 
     if bits not in (2, 3, 4, 8):
         raise Exl2Error(ErrorCode.USAGE, f"GPTQ bits must be 2, 3, 4 or 8, got {bits}")

@@ -746,9 +746,9 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
     trajectory this pass runs anyway, which the quantize pass then need not run again).  ``ids_shape``: the
     calibration ids' (rows, T), which a resumed snapshot's states must match."""
     from . import scoring
-    from . import weights as F
+    from ..runner import weights as F
     from .gptq import HessianAccumulator
-    from .moe import hessian_chunks
+    from ..runner.moe import hessian_chunks
 
     device = torch.device(o.device)
     blocks = _blocks(spec)
@@ -770,8 +770,8 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
         key = spec.block_key(i, kind)
         blk = spec.block(i, kind, batches, device)
         if kind == "mlp":                    # its sweeps replay the recorded attention result
-            blk.r.drop_attention()
-        W = blk.weights(device)
+            blk.drop_attention()
+        W = blk.weights()
         dense = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         owners = sorted({blk.owner(n) for n in blk.names})
         # MoE blocks: Hessians in chunks that fit moe.LIVE_HESSIAN_BYTES, one sweep each (one chunk if all fit)
@@ -794,7 +794,7 @@ def _measure(spec, src, ids_h, options_of, work: _Work, o: QuantOptions, progres
                 # float32 copy is freed (a 1B MLP: -66 MB, -44 MB of them while down_proj's candidates are made)
                 w, b = W[n]
                 w16 = scoring.exact_16bit(w)
-                if w16 is not w and blk.r.drop_linear(n):
+                if w16 is not w and blk.drop_linear(n):
                     W[n] = (w16, b)
                     dense[n] = F.widened_linear(w16, b)
             made = _variants(blk, W, hess, options, vdir, bool(o.refine_scales), scale_search=o.measure_search,
@@ -933,8 +933,8 @@ def plan_from_measurement(src: str | os.PathLike, measurement: str | os.PathLike
     quantizing: {"options": {block key: option index}, "overrides": {linear key: QParams dict}, "decoder_bpw"}.
     The same optimization ``quantize_model`` runs; compare two measurements by the plans they give."""
     from ..container import open_model
-    from . import weights as F
-    from .hf_engine import HFModel
+    from ..runner import weights as F
+    from ..runner.model import HFModel
     from .qparams import block_options
 
     o = QuantOptions(target="exl2", bits=bits, extended=extended, device="cpu").resolved()
@@ -1056,7 +1056,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
     calibration perplexities.  ``h_ref_final``: the FP16 model's last hidden state when the measurement of
     this run computed it (``_measure``); otherwise the FP16 trajectory is advanced here, one block forward
     more per block."""
-    from . import weights as F
+    from ..runner import weights as F
     from .gptq import (EXL2_PERCDAMP, GPTQ_PERCDAMP, HessianAccumulator, prepare, proxy_error_of_rows, proxy_rows,
                        quantize_exl2, quantize_gptq)
     from .qparams import QParams
@@ -1103,8 +1103,8 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
         i, kind = blocks[bi]
         blk = spec.block(i, kind, batches, device)
         if kind == "mlp" and final:          # only replays of the attention result run (advance_reference would
-            blk.r.drop_attention()           # run it: it would load the weights again)
-        W = blk.weights(device)
+            blk.drop_attention()             # run it: it would load the weights again)
+        W = blk.weights()
         lin = {n: F.dense_linear(w, b) for n, (w, b) in W.items()}
         y_d = None
         groups = spec.groups(kind, i)        # linears sharing an input, in the order the forward runs them
@@ -1145,7 +1145,7 @@ def _quantize(spec, src, ids, ids_h, strategy, options_of, work: _Work, o: Quant
                 # sweep below counts the routed tokens): the float32 original is not needed again (a 1B gate and
                 # up: 92 MB while down_proj is factored)
                 w = None
-                if final and not spec.is_moe(i) and blk.r.drop_linear(n):
+                if final and not spec.is_moe(i) and blk.drop_linear(n):
                     W[n] = (None, b)
                 done.append((spec.linear_key(i, n), _plan_of(r), _bpw_of(packed, N), probe))
                 if progress:
@@ -1534,7 +1534,7 @@ def _weight_only(model, src_p: Path, dst_p: Path, o: QuantOptions, force: bool, 
     from ..container.partials import fault_point
     from ..container.publish import (check_paths, lower_shield, make_partial_dir, name_unnamed_os_error, publish,
                                      remove_path, stale_note)
-    from . import weights as F
+    from ..runner import weights as F
     from .gptq import prepare, quantize_exl2, quantize_gptq
     from .qparams import QParams, block_options
     from .solver import solve
@@ -1674,9 +1674,9 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
     from ..container.partials import fault_point
     from ..container.publish import (check_paths, lower_shield, make_partial_dir, name_unnamed_os_error, publish,
                                      remove_path, stale_note)
-    from . import weights as F
+    from ..runner import weights as F
     from .calib import load_calibration
-    from .hf_engine import EXL2_ARCHS, HFModel
+    from ..runner.model import EXL2_ARCHS, HFModel
     from .qparams import block_options
 
     t0 = time.monotonic()

@@ -25,8 +25,7 @@ from ..errors import ErrorCode, Exl2Error
 from ..layout import BIT_WIDTHS, Tier, exl2_total_bits, pad32, plan_rows
 
 __all__ = ["QParams", "Option", "ATTN_OPTIONS", "MLP_OPTIONS", "HEAD_OPTIONS", "block_options", "head_qparams",
-           "read_measurement", "write_measurement", "measurement_key", "promote", "pareto_rows",
-           "exllamav2_last_module_idx"]
+           "read_measurement", "write_measurement", "promote", "pareto_rows", "exllamav2_last_module_idx"]
 
 
 @dataclass(frozen=True)
@@ -252,11 +251,6 @@ def head_qparams(head_bits: int) -> QParams:
 
 
 # ------------------------------------------------------------------------------------------------ measurement.json
-
-
-def measurement_key(layer_prefix: str, kind: str) -> str:
-    """``model.layers.3`` + ``attn`` -> ExLlamaV2's key ``model.layers.3.self_attn`` (``mlp`` -> ``.mlp``)."""
-    return f"{layer_prefix}.{'self_attn' if kind == 'attn' else 'mlp'}"
 
 
 def exllamav2_last_module_idx(num_layers: int) -> int:

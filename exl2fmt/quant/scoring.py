@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ErrorCode, Exl2Error
-from .weights import Linear
+from ..runner.weights import Linear
 
 #: --measure-precision values: "auto" resolves to "bf16" where bf16 products are fast, else "fp32"
 PRECISIONS = ("auto", "fp32", "bf16")

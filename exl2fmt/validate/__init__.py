@@ -41,7 +41,7 @@ per layer (BLOCK_N = N_pad rounded up to a power of two, the interpreter's cost 
 with the kernels' own launch heuristics.  torch and triton are imported only when ``kernel`` or ``run`` is set.
 
 ``run=True`` (``exl2fmt validate --run``; every decoder-only architecture transformers implements, through the
-model runner ``exl2fmt.quant.hf_engine``) runs one sequence of token ids (``prompt_ids``, default
+model runner ``exl2fmt.runner.model``) runs one sequence of token ids (``prompt_ids``, default
 ``exl2fmt.validate.run.default_ids``) through the whole model three times, layer by layer side by side: every EXL2 linear (decoder and ``lm_head``) through the Triton kernel; as the reference, over its
 dequantized float16 weights in float32; and a float16-I/O replay of the reference (``run``): every kernel call
 within the fp32-accumulation bound on the forward's own activations (else ``KERNEL_MISMATCH``), and the logits

@@ -1,13 +1,13 @@
 """``exl2fmt validate --run``: a whole forward pass through the Triton kernel against the dequantized weights.
 
-Importing this module imports torch; building the model imports transformers (``exl2fmt.quant.hf_engine``).
+Importing this module imports torch; building the model imports transformers (``exl2fmt.runner.model``).
 ``exl2fmt.validate`` imports it only when ``run`` is set, after ``load_kernels`` has chosen Triton's mode.  The
 kernel module itself is handed in.
 
 What runs
 ---------
 One sequence of token ids (``default_ids``: ``RUN_DEFAULT_LENGTH`` ids drawn from ``RUN_SEED`` over the vocabulary,
-or the caller's) goes through the model runner (``hf_engine.HFModel``: transformers' own modeling code for the
+or the caller's) goes through the model runner (``runner.model.HFModel``: transformers' own modeling code for the
 config's ``model_type``, one decoder layer materialized at a time; every decoder-only architecture transformers
 implements with ``nn.Linear`` layers) three times, layer by layer side by side, so each layer is read and
 dequantized once.  Every quantized linear is swapped for a substitute through the runner's ``subs``; the
@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ErrorCode, Exl2Error, Severity
-from ..quant.weights import Linear, WeightSource, dense_linear
+from ..runner.weights import Linear, WeightSource, dense_linear
 from .kernel import KernelSetup
 from .report import CheckId, PassCode, Report, Status
 
@@ -166,14 +166,14 @@ def _check_sizes(config: Mapping[str, Any], model) -> None:
 
 
 def run_model(model, device: "str | torch.device" = "cpu"):
-    """The runner (``hf_engine.HFModel``) over an open model (``ModelFiles``) with quantized layers: their keys
+    """The runner (``runner.model.HFModel``) over an open model (``ModelFiles``) with quantized layers: their keys
     (EXL2 / GPTQ, from the tensor names) count as present weights; ``run_forward`` swaps substitutes in for
     them.  Fused projections (Phi-3 ``qkv_proj``) stay fused when the model stores them fused.  Reads no tensor
     data.  Raises ``Exl2Error`` ``ARCH_UNSUPPORTED`` (no causal-LM class or no linear layers transformers can
     drive), ``CONFIG_INVALID``, or ``CONFIG_MISMATCH`` for sizes the checkpoint cannot hold (``_check_sizes``)."""
     from ..detect import detect_layers
     from ..layout import Format
-    from ..quant.hf_engine import HFModel
+    from ..runner.model import HFModel
 
     _check_sizes(model.config, model)
     quant = {k for k, info in detect_layers(model.tensors).items() if info.format in (Format.EXL2, Format.GPTQ)}
@@ -325,7 +325,7 @@ def run_forward(eng, layers: Mapping[str, Any], ids: Sequence[int], kernels=None
                 kernel_hook: Callable[[str, Any], Any] | None = None) -> RunResult:
     """The three passes of the module docstring over one sequence.
 
-    eng      the model runner (``run_model``; any ``hf_engine.HFModel`` whose source holds every dense tensor)
+    eng      the model runner (``run_model``; any ``runner.model.HFModel`` whose source holds every dense tensor)
     layers   layer key -> layer object for the quantized linears (``Exl2Linear``, ``GptqLinear``); other keys
              (and other layer types) run over the dense weights the runner reads from its source
     ids      token ids (checked with ``check_ids``)

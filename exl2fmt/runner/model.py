@@ -40,24 +40,21 @@ three more linears of the block, ``shared_expert.gate_proj`` ..., which take the
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..errors import ErrorCode, Exl2Error
 from ..layout import stays_16bit
-from .weights import WeightSource, dense_linear
-from .moe import EXL2_FILE_NAMES, ROLES, find_experts, pad_expert_hessian, routed_forward
-from .qparams import measurement_key
+from .hooks import Stop, first, params_on_meta, to_device
+from .layer import LayerBlock, LayerRunner
+from .moe import EXL2_FILE_NAMES, ROLES, find_experts
+from .weights import Linear, WeightSource, dense_linear
 
-__all__ = ["HFModel", "LayerBlock", "EXL2_ARCHS"]
-
-Linear = Callable[[torch.Tensor], torch.Tensor]
+__all__ = ["HFModel", "EXL2_ARCHS"]
 
 #: model_type values whose EXL2 output ExLlamaV2 loads (others are calibrated too, with a warning).
 EXL2_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite", "starcoder2", "phi3",
@@ -70,54 +67,6 @@ _ROLE = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "
 _ATTN_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj")
 _FUSED = ("qkv_proj", "gate_up_proj")      # kept fused (GPTQ output: the layout transformers loads)
 _MLP_ROLES = ("gate_proj", "up_proj", "down_proj")
-
-
-class _Stop(Exception):
-    """Raised inside a forward to end it once what was wanted has been recorded."""
-
-
-@contextlib.contextmanager
-def _params_on_meta():
-    """Every parameter registered inside the block lives on the meta device (no memory); buffers are real."""
-    orig = nn.Module.register_parameter
-
-    def register(self, name, param):
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=False)
-        orig(self, name, param)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = orig
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, tuple):
-        return tuple(_to_device(o, device) for o in obj)
-    if isinstance(obj, list):
-        return [_to_device(o, device) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
-
-
-def _first(out: Any) -> torch.Tensor:
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def _without_first(out: Any) -> Any:
-    """A module's result (a tensor, or a tuple / list led by one) with the leading tensor dropped (kept: the rest,
-    such as attention weights); ``_with_first`` puts another tensor in its place."""
-    return (type(out), tuple(out[1:])) if isinstance(out, (tuple, list)) else (None, ())
-
-
-def _with_first(kept: Any, y: torch.Tensor) -> Any:
-    kind, rest = kept
-    return y if kind is None else kind((y, *rest))
 
 
 def _cfg_error(msg: str, code: ErrorCode = ErrorCode.ARCH_UNSUPPORTED) -> Exl2Error:
@@ -171,7 +120,7 @@ class HFModel:
         hf_cfg.use_cache = False
         self.hf_config = hf_cfg
         try:
-            with _params_on_meta(), warnings.catch_warnings():
+            with params_on_meta(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 try:
                     model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa",
@@ -211,7 +160,7 @@ class HFModel:
         self.head_name = self.embed_name if self.tied else "lm_head.weight"
         self._discover()
         self._kw_cache: dict = {}
-        self._runner: _LayerRunner | None = None
+        self._runner: LayerRunner | None = None
         self._v_structure: list[_Structure | None] = [None] * len(self._v_first)
 
     @property
@@ -381,7 +330,7 @@ class HFModel:
         mixture-of-experts block ``.block_sparse_moe`` (ExLlamaV2's key for every MoE architecture)."""
         if kind == "mlp" and self.is_moe(i):
             return f"{self.layer_prefix(i)}.block_sparse_moe"
-        return measurement_key(self.layer_prefix(i), kind)
+        return f"{self.layer_prefix(i)}.{'self_attn' if kind == 'attn' else 'mlp'}"
 
     def measurement_names(self, kind: str, i: int = 0) -> tuple[tuple[str, str], ...]:
         """(name in measurement.json, EXL2 setting name) of layer ``i``'s block's options: the linears' own
@@ -464,8 +413,8 @@ class HFModel:
                 raise Exl2Error(ErrorCode.CONFIG_MISMATCH, f"config.json implies shape {list(shape)}, found "
                                 f"{list(found)}", file=self.src.where, tensor=name)
 
-    def _materialize(self, module: nn.Module, prefix: str, device: torch.device) -> list:
-        """Load ``module``'s parameters from the checkpoint (float32 on ``device``); returns what ``_free``
+    def materialize(self, module: nn.Module, prefix: str, device: torch.device) -> list:
+        """Load ``module``'s parameters from the checkpoint (float32 on ``device``); returns what ``unmaterialize``
         needs to put the meta parameters back."""
         saved = []
         lay = self.experts if any(module is m for m in self.layers) else None
@@ -483,12 +432,12 @@ class HFModel:
         return saved
 
     @staticmethod
-    def _free(saved: list) -> None:
+    def unmaterialize(saved: list) -> None:
         for sub, leaf, meta, _ in saved:
             sub._parameters[leaf] = meta
 
     # --- inputs of the decoder layers -----------------------------------------------------------------
-    def _layer_kwargs(self, B: int, T: int, device: torch.device, cache: bool = True) -> list[tuple[tuple, dict]]:
+    def layer_kwargs(self, B: int, T: int, device: torch.device, cache: bool = True) -> list[tuple[tuple, dict]]:
         """Per decoder layer, the extra (args, kwargs) transformers passes it for a [B, T] batch (kept for the
         last two batch shapes unless ``cache`` is False)."""
         key = (B, T, str(device))
@@ -503,7 +452,7 @@ class HFModel:
                 kwargs.pop("hidden_states", None)
                 records.append((tuple(args[1:]), dict(kwargs)))
                 if i == n - 1:
-                    raise _Stop
+                    raise Stop
                 return args[0] if args else torch.zeros(B, T, self.hidden_size)
             return stub
 
@@ -512,7 +461,7 @@ class HFModel:
         try:
             with torch.no_grad():
                 self.base(inputs_embeds=torch.zeros(B, T, self.hidden_size, device=device), use_cache=False)
-        except _Stop:
+        except Stop:
             pass
         finally:
             for layer in self.layers:
@@ -521,7 +470,7 @@ class HFModel:
             raise _cfg_error(f"{self.arch}: the base model called {len(records)} of {n} decoder layers")
         out = [(a, {k: v for k, v in kw.items() if k not in ("past_key_values", "cache", "past_key_value")})
                for a, kw in records]
-        out = [( _to_device(a, device), _to_device(kw, device)) for a, kw in out]
+        out = [( to_device(a, device), to_device(kw, device)) for a, kw in out]
         if not cache:
             return out
         if len(self._kw_cache) >= 2:          # a full batch and the smaller last one
@@ -553,13 +502,13 @@ class HFModel:
 
         def stub(*args, **kwargs):
             got.append(args[0] if args else kwargs["hidden_states"])
-            raise _Stop
+            raise Stop
 
         first.forward = stub
         try:
             with torch.no_grad():
                 self.base(input_ids=inv.view_as(ids).to(dev), use_cache=False)
-        except _Stop:
+        except Stop:
             pass
         finally:
             del first.forward
@@ -567,7 +516,7 @@ class HFModel:
         return got[0].float()
 
     # --- layers ---------------------------------------------------------------------------------------
-    def runner(self, i: int, device: "torch.device | str | None" = None) -> "_LayerRunner":
+    def runner(self, i: int, device: "torch.device | str | None" = None) -> "LayerRunner":
         """Decoder layer ``i`` with its weights materialized (the previous layer's are freed)."""
         dev = torch.device(device) if device is not None else self.device
         if self._runner is not None and self._runner.i == i and self._runner.device == dev:
@@ -575,7 +524,7 @@ class HFModel:
         self.release()
         for first in self._v_first:     # probe each layer build (once) before a layer is materialized for a run
             self.structure_of(first)
-        self._runner = _LayerRunner(self, i, dev)
+        self._runner = LayerRunner(self, i, dev)
         return self._runner
 
     def release(self) -> None:
@@ -588,12 +537,12 @@ class HFModel:
 
     def _probe(self, i: int = 0) -> _Structure:
         """Run layer ``i`` on a few random tokens and record its structure."""
-        r = _LayerRunner(self, i, self.device)
+        r = LayerRunner(self, i, self.device)
         try:
             g = torch.Generator().manual_seed(0)
             T = 4
             h = torch.randn(1, T, self.hidden_size, generator=g).to(self.device)
-            args, kw = self._layer_kwargs(1, T, self.device, cache=False)[i]
+            args, kw = self.layer_kwargs(1, T, self.device, cache=False)[i]
             calls: list = []          # (name, input tensor) in call order
             child_out: dict = {}
             child_order: list = []
@@ -610,7 +559,7 @@ class HFModel:
 
                 def after(m, a, o, _c=cname):
                     child_order.append(("out", _c, None))
-                    child_out[_c] = _first(o)
+                    child_out[_c] = first(o)
                 hooks.append(child.register_forward_hook(after))
             try:
                 with torch.no_grad():
@@ -658,11 +607,11 @@ class HFModel:
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm: h float [..., hidden] -> float [..., hidden] (the head's input)."""
         if not hasattr(self, "_norm_saved"):
-            self._norm_saved = self._materialize(self.norm_module, self.norm_path, h.device)
+            self._norm_saved = self.materialize(self.norm_module, self.norm_path, h.device)
             self._norm_device = h.device
         elif self._norm_device != h.device:
-            self._free(self._norm_saved)
-            self._norm_saved = self._materialize(self.norm_module, self.norm_path, h.device)
+            self.unmaterialize(self._norm_saved)
+            self._norm_saved = self.materialize(self.norm_module, self.norm_path, h.device)
             self._norm_device = h.device
         with torch.no_grad():
             return self.norm_module(h)
@@ -701,325 +650,10 @@ class HFModel:
         dev = torch.device(device) if device is not None else self.device
         h = self.embed(ids, dev)
         get = linears_for_layer or (lambda key: None)
-        B, T = h.shape[:2]
         for i in range(self.num_layers):
             r = self.runner(i, dev)
             subs = {n: f for n in (*self.layer_linears(i), *self.layer_expert_names(i))
                     if (f := get(self.linear_key(i, n))) is not None}
-            h = r.forward(h, subs, B_T=(B, T))
+            h = r.forward(h, subs)
         self.release()
         return self.logits(h, get("lm_head"))
-
-
-class _LayerRunner:
-    """One decoder layer with real weights on ``device``."""
-
-    def __init__(self, eng: HFModel, i: int, device: torch.device):
-        self.eng, self.i, self.device = eng, i, device
-        self.layer = eng.layers[i]
-        self.saved = eng._materialize(self.layer, eng.layer_prefix(i), device)
-        self.attn_dropped = False       # drop_attention()
-        self.attn_cache: list | None = None
-        self.routed: list = []          # per forward with the experts driven: tokens routed to each expert
-
-    def free(self) -> None:
-        self.eng._free(self.saved)
-        self.saved = []
-        self.attn_cache = None
-        self.attn_dropped = False
-
-    def _attn_params(self) -> list:
-        """The ``saved`` entries of the attention module's parameters."""
-        child = self.layer.get_submodule(self.eng.structure_of(self.i).attn_child)
-        mods = {id(m) for m in child.modules()}
-        return [e for e in self.saved if id(e[0]) in mods]
-
-    def drop_attention(self) -> None:
-        """Free the attention module's float32 parameters (meta again) while only replays of its recorded result
-        run: the MLP half's sweeps (a 1B layer's q/k/v/o: 36 MB).  A later forward that runs the attention
-        module loads them again (``forward``)."""
-        entries = self._attn_params()
-        if self.eng.is_moe(self.i) or any(key is None for *_, key in entries):
-            return                       # (fused-expert parameters are not reloaded by key: kept)
-        self.eng._free(entries)
-        self.attn_dropped = True
-
-    def drop_linear(self, n: str) -> bool:
-        """Free linear ``n``'s float32 weight (meta again) for the rest of the layer's life: every later forward
-        must pass a substitute for it (one that runs the module's own weight fails on the meta tensor).  Not for
-        rows of a fused module or for MoE layers (False: kept)."""
-        if n in self.eng.part_of or n not in self.eng.path_of or self.eng.is_moe(self.i):
-            return False
-        mod = self.module(n)
-        entries = [e for e in self.saved if e[0] is mod and e[1] == "weight"]
-        self.eng._free(entries)
-        return bool(entries)
-
-    def _reload_attention(self) -> None:
-        for sub, leaf, _, key in self._attn_params():
-            sub._parameters[leaf] = nn.Parameter(self.eng.src.get(key, torch.float32, self.device),
-                                                 requires_grad=False)
-        self.attn_dropped = False
-
-    def module(self, name: str) -> nn.Linear:
-        return self.layer.get_submodule(self.eng.path_of[name])
-
-    def weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        out = {}
-        for n in self.eng.layer_linears(self.i):
-            m = self.module(n)
-            w, b = m.weight.data, None if m.bias is None else m.bias.data
-            if n in self.eng.part_of:
-                a, e = self.eng.part_of[n]
-                w, b = w[a:e].clone(), None if b is None else b[a:e].clone()
-            out[n] = (w, b)
-        lay = self.eng.experts
-        if self.eng.is_moe(self.i):
-            mod = self.layer.get_submodule(lay.path)
-            I = lay.inter
-            for e in range(lay.num_experts):      # views of the fused parameters (contiguous row blocks)
-                out[lay.name(e, "gate_proj")] = (mod.gate_up_proj.data[e, :I], None)
-                out[lay.name(e, "up_proj")] = (mod.gate_up_proj.data[e, I:], None)
-                out[lay.name(e, "down_proj")] = (mod.down_proj.data[e], None)
-        return out
-
-    def forward(self, h: torch.Tensor, subs: Mapping[str, Linear] | None = None, capture: dict | None = None,
-                stop_mid: bool = False, replay_attn: Any = None, record_attn: list | None = None,
-                B_T: tuple | None = None, stop_at: str | None = None, replay_mlp: Any = None,
-                tail: str | None = None, tail_out: list | None = None) -> torch.Tensor | None:
-        """Run the layer on h float [B, T, hidden] with ``subs`` (name -> Linear) swapped in; ``capture`` receives
-        the inputs of the linears (name -> float [B, T, K]); ``stop_mid`` returns the residual stream between
-        attention and MLP instead of the layer's output; ``replay_attn`` is a recorded result of the attention
-        module to use instead of running it; ``record_attn`` (a list) receives the attention module's result;
-        ``stop_at`` (a linear's name) ends the forward once that linear's input is captured, returning None;
-        ``replay_mlp`` is a result of the MLP module to use instead of running it.  ``tail`` (a linear's name, with
-        ``capture``): that linear is not computed, and the forward ends when the attention or MLP module that
-        called it returns; ``tail_out`` (a list) receives that module's result with the linear's output left out
-        (``_without_first``), or None when the module did not return the linear's output as it came (then its
-        result cannot be rebuilt from the captured input)."""
-        eng = self.eng
-        if self.attn_dropped and replay_attn is None:
-            self._reload_attention()
-        B, T = h.shape[:2]
-        args, kw = eng._layer_kwargs(B, T, h.device)[self.i]
-        patched: list = []
-        hooks: list = []
-        emitted: list = []       # the tail linear's stand-in output
-        by_module: dict = {}
-        for n in eng.layer_linears(self.i):
-            by_module.setdefault(eng.path_of[n], []).append(n)
-        for path, names in by_module.items():
-            mod = self.layer.get_submodule(path)
-            fns = [(subs or {}).get(n) for n in names]
-            if all(f is None for f in fns) and capture is None:
-                continue
-            parts = [eng.part_of.get(n) for n in names]
-
-            def fwd(x, _fns=fns, _names=names, _mod=mod, _parts=parts):
-                ys = []
-                for f, n, rows in zip(_fns, _names, _parts):
-                    if capture is not None:
-                        capture[n] = x
-                    if n == stop_at:
-                        raise _Stop
-                    if n == tail:            # a stand-in of the output's shape: the module's result is rebuilt
-                        N = _mod.weight.shape[0] if rows is None else rows[1] - rows[0]
-                        ys.append(x.new_empty((*x.shape[:-1], N)))
-                        emitted.append(ys[-1])
-                    elif f is not None:
-                        ys.append(f(x))
-                    elif rows is None:
-                        ys.append(F.linear(x, _mod.weight, _mod.bias))
-                    else:
-                        a, e = rows
-                        ys.append(F.linear(x, _mod.weight[a:e], None if _mod.bias is None else _mod.bias[a:e]))
-                return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
-            mod.forward = fwd
-            patched.append(mod)
-        lay = eng.experts
-        if eng.is_moe(self.i) and (capture is not None or any(n in (subs or {}) for n in eng.expert_names)):
-            experts = self.layer.get_submodule(lay.path)
-            experts.forward = routed_forward(experts, lay, subs, capture, self.routed)
-            patched.append(experts)
-        st = eng.structure_of(self.i)
-        attn = self.layer.get_submodule(st.attn_child)
-        if replay_mlp is not None:
-            mlp = self.layer.get_submodule(st.mlp_child)
-            mlp.forward = lambda *a, **k: replay_mlp
-            patched.append(mlp)
-        if tail is not None:
-            def ended(m, a, o):
-                tail_out.append(_without_first(o) if emitted and _first(o) is emitted[0] else None)
-                raise _Stop
-            child = st.attn_child if eng.kind_of[tail] == "attn" else st.mlp_child
-            hooks.append(self.layer.get_submodule(child).register_forward_hook(ended))
-        if replay_attn is not None:
-            attn.forward = lambda *a, **k: replay_attn
-            patched.append(attn)
-        elif record_attn is not None:
-            def rec(m, a, o):
-                record_attn.append(o)
-            hooks.append(attn.register_forward_hook(rec))
-        got: list = []
-        if stop_mid and st.mid_norm is not None:
-            def stop(m, a, kw_):
-                got.append(a[0] if a else kw_["hidden_states"])
-                raise _Stop
-            hooks.append(self.layer.get_submodule(st.mid_norm).register_forward_pre_hook(
-                stop, with_kwargs=True))
-        try:
-            with torch.no_grad():
-                out = _first(self.layer(h, *args, **kw))
-        except _Stop:
-            out = got[0] if got else None
-        finally:
-            for m in patched:
-                del m.forward
-            for hk in hooks:
-                hk.remove()
-        return out
-
-
-@dataclass
-class _Tail:
-    """What ``LayerBlock.sweep(tail=name)`` keeps per batch: the linear's input float [B, T, K] and its module's
-    result without the linear's output (``_without_first``)."""
-
-    name: str
-    inputs: list
-    results: list
-
-
-class LayerBlock:
-    """The attention or MLP half of a decoder layer over all calibration rows in batches.
-
-    ``sweep(h, linears, hessians, out)`` takes the *layer's* input h float [rows, T, hidden] for both halves: the
-    attention half returns the residual stream after attention (the whole layer's output for parallel-residual
-    layers); the MLP half returns the layer's output with the attention result replayed from what the last
-    ``sweep(..., record=True)`` of the attention half recorded."""
-
-    def __init__(self, runner: _LayerRunner, kind: str, batches: list[slice]):
-        self.r, self.kind, self.batches = runner, kind, batches
-        self.names = runner.eng.linear_names(kind, runner.i)
-        #: MoE blocks: tokens routed to each expert in the last sweep that drove the experts (None otherwise)
-        self.expert_tokens: list[int] | None = None
-        #: MoE blocks: expert linear -> prior tokens its Hessian was padded with (moe.pad_expert_hessian)
-        self.padded: dict[str, int] = {}
-        #: what the last sweep(tail=...) kept for finish() (None: finish runs the block)
-        self.tail: _Tail | None = None
-
-    def owner(self, name: str) -> str:
-        """The linear whose input Hessian ``name`` shares (the first of its group)."""
-        return self.r.eng.owner(name, self.r.i)
-
-    def tapeable(self) -> list[str]:
-        """The linears the forward calls once per batch with all of the batch's tokens (routed experts are not:
-        they see the tokens routed to them)."""
-        dense = set(self.r.eng.layer_linears(self.r.i))
-        return [n for n in self.names if n in dense]
-
-    def weights(self, device=None) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        w = self.r.weights()
-        return {n: w[n] for n in self.names}
-
-    def sweep(self, h: torch.Tensor, linears: Mapping[str, Linear] | None, hessians: dict | None = None,
-              out: torch.Tensor | None = None, record: bool = False, stop_at: str | None = None,
-              tail: str | None = None) -> torch.Tensor | None:
-        """One forward of the block over all batches (see the class docstring); ``stop_at`` (a dense linear of
-        the block whose input ``hessians`` collects) ends each batch's forward once that input is captured: the
-        sweep then returns None (a sweep that only gathers a later group's Hessian skips the rest of the block).
-
-        ``tail`` (such a linear, the last one its attention or MLP module calls) also returns None, and keeps
-        what ``finish`` needs to make the block's output once that linear is replaced, without running the block
-        again: per batch the linear's input (float [B, T, K]; the caller budgets rows x T x K x 4 bytes) and the
-        module's result without the linear's output.  The linear itself is not computed.  When the module does
-        not return that output as it came (so its result cannot be rebuilt), nothing is kept and ``finish``
-        runs the block."""
-        eng = self.r.eng
-        for name in (stop_at, tail):
-            if name is not None and (name not in eng.layer_linears(self.r.i) or record or not hessians
-                                     or name not in hessians or (stop_at and tail)):
-                raise ValueError(f"{name!r}: not a dense linear whose Hessian this sweep collects")
-        self.tail = None
-        if tail is not None:
-            st = eng.structure_of(self.r.i)
-            if eng.child_of[tail] != (st.attn_child if self.kind == "attn" else st.mlp_child):
-                stop_at, tail = tail, None       # its module is not the one finish() replays: nothing to keep
-        kept: _Tail | None = _Tail(tail, [], []) if tail is not None else None
-        y = None if stop_at is not None or tail is not None else out if out is not None else torch.empty_like(h)
-        if self.kind == "attn" and record:
-            self.r.attn_cache = []
-        lay = eng.experts
-        experts = [o for o in (hessians or {}) if o in eng.expert_names] if self.kind == "mlp" else []
-        prior = None
-        if any(eng.role(o) != "down_proj" for o in experts):
-            # all tokens entering the MoE block, in an accumulator of the caller's kind (gptq.HessianAccumulator)
-            prior = type(hessians[experts[0]])(lay.hidden, h.device)
-        self.r.routed = []
-        for bi, sl in enumerate(self.batches):
-            cap = {} if hessians else None
-            ended: list | None = [] if tail is not None else None
-            if self.kind == "attn":
-                o = self.r.forward(h[sl], linears, cap, stop_mid=True,
-                                   record_attn=self.r.attn_cache if record else None, stop_at=stop_at,
-                                   tail=tail, tail_out=ended)
-            else:
-                if self.r.attn_cache is None:
-                    raise RuntimeError("the MLP half needs a recorded attention sweep of the same layer first")
-                o = self.r.forward(h[sl], linears, cap, replay_attn=self.r.attn_cache[bi], stop_at=stop_at,
-                                   tail=tail, tail_out=ended)
-            if y is not None:
-                y[sl] = o
-            del o
-            if kept is not None:
-                if len(ended) == 1 and ended[0] is not None:
-                    kept.inputs.append(cap[tail])
-                    kept.results.append(ended[0])
-                else:
-                    kept = None
-            if hessians:
-                for owner, acc in hessians.items():
-                    acc.add(cap[owner])
-                if prior is not None:
-                    prior.add(cap[lay.path])
-        if self.r.routed:
-            self.expert_tokens = [sum(c[e] for c in self.r.routed) for e in range(lay.num_experts)]
-        for o in experts:                # experts with fewer routed tokens than input features: padded (moe.py)
-            self.padded[o] = pad_expert_hessian(hessians[o], None if eng.role(o) == "down_proj" else prior)
-        self.tail = kept
-        return y
-
-    def finish(self, h: torch.Tensor, linears: Mapping[str, Linear]) -> torch.Tensor:
-        """The block's output float [rows, T, hidden] with ``linears`` swapped in (the attention half records its
-        attention result for the MLP half, as ``sweep(record=True)``).  After a ``sweep(tail=name)`` that kept
-        its tail, only ``linears[name]`` runs on the kept inputs, and the layer around the rebuilt module result:
-        the same operations on the same values as a full sweep, so the same bits."""
-        kept, self.tail = self.tail, None
-        if kept is None:
-            return self.sweep(h, linears, record=True)
-        f = linears[kept.name]
-        y = torch.empty_like(h)
-        if self.kind == "attn":
-            self.r.attn_cache = []
-        for bi, sl in enumerate(self.batches):
-            result = _with_first(kept.results[bi], f(kept.inputs[bi]))
-            kept.inputs[bi] = kept.results[bi] = None
-            if self.kind == "attn":
-                self.r.attn_cache.append(result)
-                y[sl] = self.r.forward(h[sl], stop_mid=True, replay_attn=result)
-            else:
-                y[sl] = self.r.forward(h[sl], replay_attn=self.r.attn_cache[bi], replay_mlp=result)
-        return y
-
-    def next_input(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The input of the next block: the same layer input after the attention half, y after the MLP half."""
-        return h if self.kind == "attn" else y
-
-    def advance_reference(self, h: torch.Tensor) -> torch.Tensor:
-        """The FP16 model's hidden state through this block (whole dense layer at the MLP half)."""
-        if self.kind == "attn":
-            return h
-        y = torch.empty_like(h)
-        for sl in self.batches:
-            y[sl] = self.r.forward(h[sl])
-        return y

@@ -1,4 +1,4 @@
-"""The Numba kernel of ``converters.gptq_quant.fit_group`` (imported on first use: it imports numba).
+"""The Numba kernel of ``codec.gptq_fit.fit_group`` (imported on first use: it imports numba).
 
 Defined at module level so that Numba's on-disk cache (``cache=True``) finds it again in the next process (a
 function defined inside another one is compiled anew by every process).
@@ -10,7 +10,7 @@ ones (-1 if none), ``rec = fp16((clip(rint(x / s) + z, 0, maxq) - z) * s)`` (``z
 finite), every step in float32 as NumPy does it.  ``pairwise`` sums each column as NumPy's pairwise
 summation does (blocks of 128 with 8 accumulators), otherwise one row after the other; in that order a
 candidate whose partial sum already exceeds the best so far cannot win, and is left early (the result is
-the same as summing everything).  Candidates are tried in the order ``visit`` int64 [C] (``gptq_quant._visit_order``:
+the same as summing everything).  Candidates are tried in the order ``visit`` int64 [C] (``gptq_fit._visit_order``:
 the middle of the grid first, then outwards, so that the bound is tight early); the choice does not depend
 on that order.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..codec._f16 import f16_bits_to_f32, f32_to_f16_bits
+from ._f16 import f16_bits_to_f32, f32_to_f16_bits
 
 __all__ = ["fit"]
 

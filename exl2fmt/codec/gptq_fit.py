@@ -1,4 +1,5 @@
-"""GPTQ layer assembly and round-to-nearest fitting (gptq-gguf-formats A1-A5).
+"""GPTQ round-to-nearest fitting (gptq-gguf-formats A1-A5): the group fit that the GPTQ sweep and the converters
+share (the layer assembly is ``formats.gptq.gptq_layer_tensors``).
 
 Arrays (all C order):
 
@@ -15,9 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..formats.gptq import gptq_layer_tensors
-
-__all__ = ["gptq_layer_tensors", "fit_group", "rtn_quantize", "reconstruct", "trivial_g_idx"]
+__all__ = ["fit_group", "rtn_quantize", "reconstruct", "trivial_g_idx"]
 
 #: Multipliers of the range-derived scale tried by ``fit_group`` (the best fp16 scale per column wins).
 _GRID = np.linspace(0.55, 1.25, 57, dtype=np.float32)
@@ -49,7 +48,7 @@ def fit_group(x: np.ndarray, bits: int, sym: bool = True, extra_scales=(), want_
     The squared errors are summed in float64 over the rows in NumPy's order for ``x``'s layout (one row after
     the other when rows are the outer axis in memory, NumPy's pairwise summation when the columns are), so the
     choice is the one of ``np.sum(err ** 2, axis=0)``; the candidates' errors are evaluated by a Numba kernel
-    (``converters.gptq_fit_kernel.fit``).
+    (``codec.gptq_fit_kernel.fit``).
 
     Returns (codes uint8 [R, N], scales float16 [N], zeros int32 [N]); codes None with ``want_codes=False``
     (the GPTQ sweep rounds the rows itself, one at a time).

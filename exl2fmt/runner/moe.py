@@ -1,4 +1,4 @@
-"""Mixture-of-experts blocks for the transformers-driven engine (``hf_engine``).
+"""Mixture-of-experts blocks for the transformers-driven engine (``model.HFModel``).
 
 transformers 5 keeps a MoE block's experts in memory as two fused 3-D parameters of one module (Mixtral's
 ``MixtralExperts``, Qwen3-MoE's ``Qwen3MoeExperts``, ...):

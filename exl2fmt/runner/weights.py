@@ -5,7 +5,7 @@
 * ``Linear``: a linear layer as a callable x float [..., K] -> y float [..., N];
 * ``dense_linear``: the ``Linear`` of an ``nn.Linear``-style weight and bias.
 
-The runner (``hf_engine.HFModel``) materializes each decoder layer from a ``WeightSource`` and runs it with
+The runner (``model.HFModel``) materializes each decoder layer from a ``WeightSource`` and runs it with
 substitute ``Linear``s swapped in (quantized candidates in the quantizer; reference, kernel and float16-I/O
 linears in ``validate --run``).  This module imports torch but not transformers.
 """
