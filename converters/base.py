@@ -53,10 +53,11 @@ from ..container.partials import fault_point
 from ..container.publish import (copy_side_files, lower_shield, make_partial_dir, name_unnamed_os_error, publish,
                                  remove_path, stale_note, write_text)
 from ..errors import ErrorCode, Exl2Error, Severity
+from ..names import natural_key
 
 __all__ = [
     "TARGETS", "DEFAULT_SHARD_SIZE", "Options", "OutSpec", "Unit", "LayerReport", "TensorReport",
-    "ConversionReport", "Converter", "run_conversion", "parse_size", "error_stats", "natural_key", "Progress",
+    "ConversionReport", "Converter", "run_conversion", "parse_size", "error_stats", "Progress",
 ]
 
 #: Conversion targets (``--to``).
@@ -79,10 +80,6 @@ def error_stats(w: np.ndarray, ref: np.ndarray) -> dict:
     rel = 0.0 if num == 0 else (num / den if den > 0 else math.inf)
     return {"rel_error": rel, "max_abs_error": float(np.max(np.abs(d))) if d.size else 0.0,
             "mismatches": int(np.count_nonzero(d))}
-
-
-def natural_key(s: str):
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
 def parse_size(text: str | int) -> int:

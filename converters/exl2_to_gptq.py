@@ -37,8 +37,8 @@ from ..layout import Format
 from ..errors import ErrorCode, Exl2Error
 from .registry import register
 from ..container import SourceReader
-from .base import (Converter, LayerReport, OutSpec, Unit, build_layer, error_stats, layer_issues_or_raise,
-                   natural_key)
+from .base import (Converter, LayerReport, OutSpec, Unit, build_layer, error_stats, layer_issues_or_raise)
+from ..names import natural_key
 from .gptq_quant import fit_group, gptq_layer_tensors
 from .slots import BIAS, G_IDX, GPTQ_BIAS, Q_GROUPS, Q_INVPERM, Q_SCALE, Q_SCALE_MAX, Q_WEIGHT, QWEIGHT, QZEROS, SCALES, WEIGHT
 
@@ -143,7 +143,7 @@ class Exl2ToGptq(Converter):
     source, target = "exl2", "gptq"
 
     def plan(self) -> list[Unit]:
-        from ..inspect import block_of
+        from ..names import block_of
 
         o = self.options
         sized = o.bits is None and o.group_size is None

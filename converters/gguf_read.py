@@ -33,7 +33,8 @@ import numpy as np
 
 from ..errors import ErrorCode, Exl2Error
 from ..container import f32_to_bf16_bits
-from .base import Converter, LayerReport, OutSpec, TensorReport, Unit, natural_key
+from .base import Converter, LayerReport, OutSpec, TensorReport, Unit
+from ..names import natural_key
 from .gguf_arch import ROPE_FACTOR_TENSORS, phi3_longrope_back, spec_for_gguf_arch
 from .gguf_io import decode, open_gguf
 from .gguf_map import HF_ARCHITECTURES, hf_name_map, qk_heads, unpermute_qk

@@ -302,9 +302,3 @@ def json_ci_defuse(doc: str) -> str:
     a string, where ``\\u0023`` is ``#``), but no line a CI runner takes for a legacy workflow command.  (No line
     of indented or compact JSON starts with ``::``.)"""
     return doc.replace("##[", CI_HASH + "#[") if "##[" in doc else doc
-
-
-def has_control_chars(text: str) -> bool:
-    """True when ``escape_name`` would change ``text`` (a control, format, separator or other non-printable
-    character)."""
-    return not str(text).isprintable()

@@ -104,7 +104,7 @@ def kernel_pass(rep: Report, det, loaded: dict, deep: bool, ks: KernelSetup, pro
     """Every EXL2 layer, and every 2/4/8-bit GPTQ layer, that passed the structural checks through the kernels
     (``exl2fmt.validate``'s docstring)."""
     from ..layout import Format
-    from ..inspect import layer_order_key
+    from ..names import layer_order_key
 
     ms = tuple(rep.kernel["ms"])
     seed = rep.kernel["seed"]

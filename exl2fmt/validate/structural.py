@@ -35,7 +35,7 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
     from ..detect import Verdict, detect_model
     from ..layout import Format
     from ..formats import build_layer
-    from ..inspect import layer_order_key
+    from ..names import layer_order_key
     from ..layout import Exl2Slot, Exl3Slot, GptqSlot
 
     tensors = model.tensors
@@ -64,7 +64,7 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
         rep.ok(CheckId.INDEX, PassCode.INDEX_OK, "single file: no index needed", file=first_file)
 
     # --- names ------------------------------------------------------------------------------------------
-    from ..inspect import has_control_chars
+    from ..names import has_control_chars
 
     bad_names = [n for n in tensors if has_control_chars(n)]
     for n in bad_names:
@@ -182,7 +182,7 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
     # --- bits -------------------------------------------------------------------------------------------
     if det.format is Format.EXL2:
         target = det.variant.get("target_bits")
-        from ..inspect import block_of
+        from ..names import block_of
         from ..layout import counts_in_decoder_bpw
 
         # the decoder linears as inspect's bpw.decoder counts them (16-bit MoE routers left out: layout.STAYS_16BIT)
