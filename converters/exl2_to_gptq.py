@@ -135,7 +135,7 @@ def exl2_layer_to_gptq(layer, N: int, bits: int, group_size: int, sym: bool = Tr
         stats["rows_requantized"] += r1 - r0
         stats["sq_err"] += float(np.sum(d.astype(np.float64) ** 2))
         stats["max_abs"] = max(stats["max_abs"], float(np.max(np.abs(d))) if d.size else 0.0)
-    inv = layer._perm(Q_INVPERM)                                    # stored row of original row j
+    inv = layer.permutation(Q_INVPERM)                               # stored row of original row j
     return codes[inv], scales, zeros, (inv // gs).astype(np.int32), stats
 
 

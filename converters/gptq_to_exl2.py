@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit, prange
 
 from .. import __version__
-from ..codec._f16 import f16_bits_to_f32, f32_to_f16_bits
+from ..codec.f16 import f16_bits_to_f32, f32_to_f16_bits
 from ..layout import Format
 from ..errors import ErrorCode, Exl2Error
 from .registry import register
