@@ -49,6 +49,7 @@ import numpy as np
 from ..container import (BackgroundWriter, OutSpec, ShardWriter, SourceReader, bf16_bits_to_f32, f32_to_bf16_bits,
                          plan_shards)
 from ..container.checksums import checksum_of_file_range
+from ..container.dtypes import f32_to_f16
 from ..container.partials import fault_point
 from ..container.publish import (copy_side_files, lower_shield, make_partial_dir, name_unnamed_os_error, publish,
                                  remove_path, stale_note, write_text)
@@ -374,8 +375,7 @@ def cast_float(a: np.ndarray, src: str, dst: str) -> tuple[np.ndarray, bool, flo
         out = x.astype(np.float32)
         back = out
     elif dst == "F16":
-        with np.errstate(over="ignore", invalid="ignore"):
-            out = x.astype(np.float16)
+        out = f32_to_f16(x)
         back = out.astype(np.float32)
     elif dst == "BF16":
         out = f32_to_bf16_bits(x)
