@@ -392,12 +392,13 @@ def compile_only(arch: int) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from exl2fmt.kernels import exl2_jit as kj
     from exl2fmt.kernels import exl2_triton as kt
 
     target = GPUTarget("cuda", arch, 32)
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    L = dict(kt._LAYOUT_CONSTS)
-    slots = dict(kt._SLOTS)
+    L = dict(kj.LAYOUT_CONSTS)
+    slots = dict(kj.SLOT_WIDTHS)
     pk = {"qw_ptr": "*i32", "stride_qw": "i32", "qs_ptr": "*i32", "stride_qs": "i32", "qsm_ptr": "*fp16",
           "blk_qrow_ptr": "*i32", "blk_group_ptr": "*i32", "seg_ptr": "*i32"}
     variants = []
@@ -411,23 +412,23 @@ def compile_only(arch: int) -> str:
                "stride_om": "i32", "stride_on": "i32", "ws_ptr": "*fp32", "M": "i32", "N": "i32", "KB": "i32",
                "blocks_per_split": "i32"}
         variants.append((f"matmul {path} M={M}: BLOCK_M={bm} BLOCK_N={bn} warps={nw} "
-                         f"{'bf16' if bf16 else 'fp16'}", kt._matmul_kernel, sig,
-                         dict(**slots, BLOCK_M=bm, BLOCK_N=bn, ROWS=kt._ROWS, USE_DOT=use_dot, HAS_BIAS=True,
-                              ATOMIC=True, OUT_BF16=bf16, **L), nw, kt._ROWS * bn / (32 * nw)))
+                         f"{'bf16' if bf16 else 'fp16'}", kj.matmul_kernel, sig,
+                         dict(**slots, BLOCK_M=bm, BLOCK_N=bn, ROWS=kj.BLOCK_ROWS, USE_DOT=use_dot, HAS_BIAS=True,
+                              ATOMIC=True, OUT_BF16=bf16, **L), nw, kj.BLOCK_ROWS * bn / (32 * nw)))
     for name, unperm, transposed in [("dequant W^T (dense path)", False, True), ("dequant unpermuted [K, N]", True,
                                                                                  False)]:
         sig = {**pk, "perm_ptr": "*i32", "out_ptr": "*fp16", "stride_ok": "i32", "stride_on": "i32", "N_out": "i32",
                "KB": "i32"}
         unit = {"stride_ok": 1} if transposed else {"stride_on": 1}  # what Triton's specialisation on 1 gives
         _, bn, nw = kt.launch_config("dequant", 0)
-        variants.append((f"{name}: BLOCK_N={bn} warps={nw}", kt._dequant_kernel, sig,
-                         dict(**unit, **slots, BLOCKS_PER_PROG=4, BLOCK_N=bn, ROWS=kt._ROWS, LOG_ROWS=kt._LOG_ROWS,
-                              UNPERMUTE=unperm, OUT_BF16=False, **L), nw, kt._ROWS * bn / (32 * nw)))
-    variants.append(("prep", kt._prep_kernel, {"x_ptr": "*fp16", "stride_xm": "i32", "stride_xk": "i32",
+        variants.append((f"{name}: BLOCK_N={bn} warps={nw}", kj.dequant_kernel, sig,
+                         dict(**unit, **slots, BLOCKS_PER_PROG=4, BLOCK_N=bn, ROWS=kj.BLOCK_ROWS,
+                              LOG_ROWS=kj.LOG_BLOCK_ROWS, UNPERMUTE=unperm, OUT_BF16=False, **L), nw, kj.BLOCK_ROWS * bn / (32 * nw)))
+    variants.append(("prep", kj.prep_kernel, {"x_ptr": "*fp16", "stride_xm": "i32", "stride_xk": "i32",
                                                "perm_ptr": "*i32", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "K": "i32",
                                                "MK": "i32", "MN": "i32"},
                      dict(BLOCK=1024, HAS_PERM=True, ZERO_WS=True), 4, 0))
-    variants.append(("finalize", kt._finalize_kernel, {"ws_ptr": "*fp32", "bias_ptr": "*fp16", "out_ptr": "*bf16",
+    variants.append(("finalize", kj.finalize_kernel, {"ws_ptr": "*fp32", "bias_ptr": "*fp16", "out_ptr": "*bf16",
                                                        "stride_om": "i32", "stride_on": "i32", "N": "i32",
                                                        "MN": "i32"},
                      dict(BLOCK=1024, HAS_BIAS=True, OUT_BF16=True), 4, 0))

@@ -211,7 +211,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, force: b
         if fmt is Format.DENSE and target in ("exl2", "gptq"):
             require("quant", f"quantizing to {target.upper()}")
             model.close()
-            from ..inspect import layer_order_key   # model order, blocks 0, 1, 2, ... 10 (not string order)
+            from ..names import layer_order_key   # model order, blocks 0, 1, 2, ... 10 (not string order)
 
             return _quantize(src, dst, target, bits, group_size, sym, size, force, progress, quant,
                              linear_layers=sorted(det.layers, key=layer_order_key))

@@ -49,14 +49,16 @@ import numpy as np
 from ..container import (BackgroundWriter, OutSpec, ShardWriter, SourceReader, bf16_bits_to_f32, f32_to_bf16_bits,
                          plan_shards)
 from ..container.checksums import checksum_of_file_range
+from ..container.dtypes import f32_to_f16
 from ..container.partials import fault_point
 from ..container.publish import (copy_side_files, lower_shield, make_partial_dir, name_unnamed_os_error, publish,
                                  remove_path, stale_note, write_text)
 from ..errors import ErrorCode, Exl2Error, Severity
+from ..names import natural_key
 
 __all__ = [
     "TARGETS", "DEFAULT_SHARD_SIZE", "Options", "OutSpec", "Unit", "LayerReport", "TensorReport",
-    "ConversionReport", "Converter", "run_conversion", "parse_size", "error_stats", "natural_key", "Progress",
+    "ConversionReport", "Converter", "run_conversion", "parse_size", "error_stats", "Progress",
 ]
 
 #: Conversion targets (``--to``).
@@ -79,10 +81,6 @@ def error_stats(w: np.ndarray, ref: np.ndarray) -> dict:
     rel = 0.0 if num == 0 else (num / den if den > 0 else math.inf)
     return {"rel_error": rel, "max_abs_error": float(np.max(np.abs(d))) if d.size else 0.0,
             "mismatches": int(np.count_nonzero(d))}
-
-
-def natural_key(s: str):
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
 def parse_size(text: str | int) -> int:
@@ -377,8 +375,7 @@ def cast_float(a: np.ndarray, src: str, dst: str) -> tuple[np.ndarray, bool, flo
         out = x.astype(np.float32)
         back = out
     elif dst == "F16":
-        with np.errstate(over="ignore", invalid="ignore"):
-            out = x.astype(np.float16)
+        out = f32_to_f16(x)
         back = out.astype(np.float32)
     elif dst == "BF16":
         out = f32_to_bf16_bits(x)

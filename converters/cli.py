@@ -446,7 +446,7 @@ def _render(out, rep) -> None:
     if out.mode == "json":
         out.json(rep.as_dict())
         return
-    from exl2fmt.inspect import layer_order_key   # layer tables in model order: block 2 before block 10
+    from exl2fmt.names import layer_order_key   # layer tables in model order: block 2 before block 10
 
     if not hasattr(rep, "source_format"):  # the quantizer's report
         for w in rep.warnings:

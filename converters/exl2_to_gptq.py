@@ -37,8 +37,8 @@ from ..layout import Format
 from ..errors import ErrorCode, Exl2Error
 from .registry import register
 from ..container import SourceReader
-from .base import (Converter, LayerReport, OutSpec, Unit, build_layer, error_stats, layer_issues_or_raise,
-                   natural_key)
+from .base import (Converter, LayerReport, OutSpec, Unit, build_layer, error_stats, layer_issues_or_raise)
+from ..names import natural_key
 from ..codec.gptq_fit import fit_group
 from ..formats.gptq import gptq_layer_tensors
 from .slots import BIAS, G_IDX, GPTQ_BIAS, Q_GROUPS, Q_INVPERM, Q_SCALE, Q_SCALE_MAX, Q_WEIGHT, QWEIGHT, QZEROS, SCALES, WEIGHT
@@ -136,7 +136,7 @@ def exl2_layer_to_gptq(layer, N: int, bits: int, group_size: int, sym: bool = Tr
         stats["rows_requantized"] += r1 - r0
         stats["sq_err"] += float(np.sum(d.astype(np.float64) ** 2))
         stats["max_abs"] = max(stats["max_abs"], float(np.max(np.abs(d))) if d.size else 0.0)
-    inv = layer._perm(Q_INVPERM)                                    # stored row of original row j
+    inv = layer.permutation(Q_INVPERM)                               # stored row of original row j
     return codes[inv], scales, zeros, (inv // gs).astype(np.int32), stats
 
 
@@ -144,7 +144,7 @@ class Exl2ToGptq(Converter):
     source, target = "exl2", "gptq"
 
     def plan(self) -> list[Unit]:
-        from ..inspect import block_of
+        from ..names import block_of
 
         o = self.options
         sized = o.bits is None and o.group_size is None

@@ -33,7 +33,9 @@ import numpy as np
 
 from ..errors import ErrorCode, Exl2Error
 from ..container import f32_to_bf16_bits
-from .base import Converter, LayerReport, OutSpec, TensorReport, Unit, natural_key
+from ..container.dtypes import f32_to_f16
+from .base import Converter, LayerReport, OutSpec, TensorReport, Unit
+from ..names import natural_key
 from .gguf_arch import ROPE_FACTOR_TENSORS, phi3_longrope_back, spec_for_gguf_arch
 from .gguf_io import decode, open_gguf
 from .gguf_map import HF_ARCHITECTURES, hf_name_map, qk_heads, unpermute_qk
@@ -307,8 +309,7 @@ class GgufToDense(Converter):
 
         def cast(x):
             if st == "F16":
-                with np.errstate(over="ignore", invalid="ignore"):
-                    return x.astype(np.float16)
+                return f32_to_f16(x)
             return f32_to_bf16_bits(x)
 
         def build(stats: bool) -> np.ndarray:

@@ -58,8 +58,8 @@ from ..container.partials import fault_point
 from ..container.publish import (check_paths, lower_shield, make_partial_dir, name_unnamed_os_error, publish,
                                  remove_path, stale_note)
 from ..errors import ErrorCode, Exl2Error
-from .base import (ConversionReport, LayerReport, TensorReport, build_layer, error_stats, layer_issues_or_raise,
-                   natural_key)
+from .base import (ConversionReport, LayerReport, TensorReport, build_layer, error_stats, layer_issues_or_raise)
+from ..names import natural_key
 from .gguf_map import DROPPED_SUFFIXES, arch_of, gguf_name_map, permute_qk, qk_heads
 from .gguf_io import decode, ggml_type
 from .slots import G_IDX, Q_INVPERM, Q_SCALE_MAX, QWEIGHT, QZEROS, SCALES

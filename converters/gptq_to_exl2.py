@@ -29,13 +29,13 @@ import numpy as np
 from numba import njit, prange
 
 from .. import __version__
-from ..codec._f16 import f16_bits_to_f32, f32_to_f16_bits
+from ..codec.f16 import f16_bits_to_f32, f32_to_f16_bits
 from ..layout import Format
 from ..errors import ErrorCode, Exl2Error
 from .registry import register
 from ..container import SourceReader
-from .base import (Converter, LayerReport, OutSpec, Unit, build_layer, error_stats, layer_issues_or_raise,
-                   natural_key)
+from .base import (Converter, LayerReport, OutSpec, Unit, build_layer, error_stats, layer_issues_or_raise)
+from ..names import natural_key
 from .slots import EXL2_BIAS, G_IDX, Q_GROUPS, Q_INVPERM, Q_SCALE, Q_SCALE_MAX, Q_WEIGHT
 
 __all__ = ["GptqToExl2", "fit_exl2_group", "gptq_layer_to_exl2"]
@@ -276,7 +276,7 @@ class GptqToExl2(Converter):
         return Unit(key, outs, produce, verify, rep, full_verify=True)
 
     def _decoder_bpw(self) -> float | None:
-        from ..inspect import block_of
+        from ..names import block_of
 
         bits = numel = 0
         for key, K, n_pad, has_bias, outs in self.exl2_units:

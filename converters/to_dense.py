@@ -38,8 +38,8 @@ from ..errors import ErrorCode, Exl2Error
 from .registry import register
 from .slots import BIAS, WEIGHT
 from ..container import SourceReader, f16_to_bf16_bits
-from .base import (Converter, LayerReport, OutSpec, Unit, build_layer, error_stats, layer_issues_or_raise,
-                   natural_key)
+from .base import (Converter, LayerReport, OutSpec, Unit, build_layer, error_stats, layer_issues_or_raise)
+from ..names import natural_key
 
 __all__ = ["QuantToDense"]
 

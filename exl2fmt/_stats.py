@@ -3,7 +3,7 @@
 Imported only by the deep path: importing this module imports Numba.  One parallel pass counts how often each
 of the 65536 fp16 bit patterns occurs (integer increments only, no float arithmetic, no float32 copy of the
 weight); mean, standard deviation, absmax and the NaN/Inf count then follow exactly from the 65536 counts
-(float64 sums of exact values).  About 5x faster than converting and reducing, and more accurate.
+(float64 sums of exact values).  Faster than converting and reducing, and more accurate.
 """
 
 from __future__ import annotations

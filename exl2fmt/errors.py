@@ -168,7 +168,7 @@ class ErrorCode(str, enum.Enum):
     GGUF_METADATA_INVALID = ("GGUF_METADATA_INVALID", Category.INVALID,
                              "GGUF hyper-parameters (block_count, widths, heads, experts, vocab) must be in range "
                              "and agree with what the file's tensors can hold")
-    # --- hf:// models read by range (appended; see exl2fmt/hub.py) --------------------------------------
+    # --- hf:// models read by range (appended; see exl2fmt/hub/) ---------------------------------------
     HUB_NOT_FOUND = ("HUB_NOT_FOUND", Category.UNREADABLE,
                      "the Hub repository, revision and file must exist (a missing revision lists the branches)")
     HUB_ACCESS_DENIED = ("HUB_ACCESS_DENIED", Category.UNREADABLE,
@@ -302,9 +302,3 @@ def json_ci_defuse(doc: str) -> str:
     a string, where ``\\u0023`` is ``#``), but no line a CI runner takes for a legacy workflow command.  (No line
     of indented or compact JSON starts with ``::``.)"""
     return doc.replace("##[", CI_HASH + "#[") if "##[" in doc else doc
-
-
-def has_control_chars(text: str) -> bool:
-    """True when ``escape_name`` would change ``text`` (a control, format, separator or other non-printable
-    character)."""
-    return not str(text).isprintable()

@@ -255,57 +255,50 @@ def open_gguf_file(path: str | os.PathLike) -> GgufFile:
 
 
 def _walk(g: GgufFile, mm, size: int) -> None:
-    bad = g._bad
-    if mm[:4] != b"GGUF":
-        bad(f"expected the magic b'GGUF', found {bytes(mm[:4])!r}")
-    bo = "<"
-    version = struct.unpack_from("<I", mm, 4)[0]
-    if version not in (2, 3):
-        v_be = struct.unpack_from(">I", mm, 4)[0]
-        if v_be in (2, 3):
-            bo, version = ">", v_be
-        else:
-            bad(f"expected GGUF version 2 or 3, found {version}")
-    g.byte_order_char = bo
-    g.version = version
-    n_tensors, n_kv = struct.unpack_from(bo + "QQ", mm, 8)
-    pos = 24
-    # a key/value needs >= 12 bytes (key length + type), a tensor info >= 24 (name length, dims, type, offset)
-    if n_kv > GGUF_MAX_KV or n_kv * 12 > size - pos:
-        bad(f"{n_kv} key/value pairs cannot fit in the file (cap {GGUF_MAX_KV})")
-    if n_tensors > GGUF_MAX_TENSORS or n_tensors * 24 > size - pos:
-        bad(f"{n_tensors} tensors cannot fit in the file (cap {GGUF_MAX_TENSORS})")
-    g.n_kv, g.n_tensors = n_kv, n_tensors
-    unpack = struct.unpack_from
-    q, i4 = bo + "Q", bo + "I"
+    """The bounded walk of ``open_gguf_file``, in the file's order: preamble, key/values, tensor infos, then the
+    tensor data ranges (each check before what it guards is read or allocated)."""
+    w = _HeaderWalk(g, mm, size)
+    pos = w.preamble()
+    pos = w.key_values(pos)
+    infos, pos = w.tensor_infos(pos)
+    w.tensor_data(infos, pos)
 
-    def need(at, n, what):
-        if n < 0 or at + n > size:
-            bad(f"{what} at byte {at} needs {n} bytes; only {max(size - at, 0)} left")
 
-    def string_len(at, cap, what):
-        need(at, 8, what + " length")
-        n = unpack(q, mm, at)[0]
+class _HeaderWalk:
+    """Bounds-checked reads over the memory map ``mm`` of a ``size``-byte GGUF file, filling ``g`` as it goes."""
+
+    def __init__(self, g: GgufFile, mm, size: int):
+        self.g, self.mm, self.size = g, mm, size
+        self.bad = g._bad
+        self.bo = "<"
+        self.q = self.i4 = ""
+        self.n_strings = 0  # strings and sub-arrays inside arrays, all keys together (GGUF_MAX_ARRAY_STRINGS)
+
+    def need(self, at, n, what):
+        if n < 0 or at + n > self.size:
+            self.bad(f"{what} at byte {at} needs {n} bytes; only {max(self.size - at, 0)} left")
+
+    def string_len(self, at, cap, what):
+        self.need(at, 8, what + " length")
+        n = struct.unpack_from(self.q, self.mm, at)[0]
         if n > cap:
-            bad(f"{what} of {n} bytes exceeds the cap of {cap}")
-        need(at + 8, n, what)
+            self.bad(f"{what} of {n} bytes exceeds the cap of {cap}")
+        self.need(at + 8, n, what)
         return n
 
-    n_strings = 0
-
-    def skip_value(at, vtype, depth, what):
+    def skip_value(self, at, vtype, depth, what):
         """Position after a value of ``vtype`` at ``at`` (bounds-checked)."""
-        nonlocal n_strings
+        bad, size = self.bad, self.size
         if vtype in _SIZE:
-            need(at, _SIZE[vtype], what)
+            self.need(at, _SIZE[vtype], what)
             return at + _SIZE[vtype]
         if vtype == STRING:
-            return at + 8 + string_len(at, GGUF_MAX_STRING, what + " string")
+            return at + 8 + self.string_len(at, GGUF_MAX_STRING, what + " string")
         if vtype == ARRAY:
             if depth >= GGUF_MAX_ARRAY_DEPTH:
                 bad(f"{what}: arrays nested deeper than {GGUF_MAX_ARRAY_DEPTH}")
-            need(at, 12, what + " array header")
-            et, count = unpack(bo + "IQ", mm, at)
+            self.need(at, 12, what + " array header")
+            et, count = struct.unpack_from(self.bo + "IQ", self.mm, at)
             at += 12
             if et in _SIZE:
                 if count > (size - at) // _SIZE[et]:
@@ -315,109 +308,153 @@ def _walk(g: GgufFile, mm, size: int) -> None:
                 bad(f"{what}: unknown array element type {et}")
             if count > (size - at) // (8 if et == STRING else 12):
                 bad(f"{what}: array of {count} elements cannot fit in the file")
-            n_strings += count
-            if n_strings > GGUF_MAX_ARRAY_STRINGS:
+            self.n_strings += count
+            if self.n_strings > GGUF_MAX_ARRAY_STRINGS:
                 bad(f"{what}: more than {GGUF_MAX_ARRAY_STRINGS} strings/arrays inside arrays in the file (cap)")
             if et == STRING:  # the hot loop of a vocabulary: kept tight
+                unpack, q, mm = struct.unpack_from, self.q, self.mm
                 for _ in range(count):
                     if at + 8 > size:
-                        need(at, 8, what + " string length")
+                        self.need(at, 8, what + " string length")
                     n = unpack(q, mm, at)[0]
                     if n > GGUF_MAX_STRING or at + 8 + n > size:
-                        string_len(at, GGUF_MAX_STRING, what + " string")
+                        self.string_len(at, GGUF_MAX_STRING, what + " string")
                     at += 8 + n
                 return at
             for _ in range(count):
-                at = skip_value(at, ARRAY, depth + 1, what)
+                at = self.skip_value(at, ARRAY, depth + 1, what)
             return at
         bad(f"{what}: unknown value type {vtype}")
 
-    for i in range(n_kv):
-        n = string_len(pos, GGUF_MAX_KEY, f"key {i}")
-        try:
-            key = bytes(mm[pos + 8:pos + 8 + n]).decode("utf-8")
-        except UnicodeDecodeError:
-            bad(f"key {i} is not UTF-8")
-        pos += 8 + n
-        if key in g.fields:
-            bad(f"key {key!r} appears twice")
-        need(pos, 4, f"the type of {key!r}")
-        vtype = unpack(i4, mm, pos)[0]
-        pos += 4
-        what = f"value of {key!r}"
-        if vtype in _SCALAR:
-            need(pos, _SIZE[vtype], what)
-            v = np.frombuffer(mm, dtype=np.dtype(_SCALAR[vtype]).newbyteorder(bo), count=1, offset=pos)[0].item()
-            f = GgufField(key, [vtype], 1, g, pos, v)
-        elif vtype == ARRAY:
-            need(pos, 12, what + " array header")
-            et, count = unpack(bo + "IQ", mm, pos)
-            f = GgufField(key, [ARRAY, et], count, g, pos + 12)
-        else:
-            f = GgufField(key, [vtype], 1, g, pos)
-        end = skip_value(pos, vtype, 0, what)
-        pos = end
-        g.fields[key] = f
-        if key == "general.alignment":
-            if vtype != 4:
-                bad(f"general.alignment has value type {vtype}; expected UINT32 (4)")
-            al = f._value
-            if al == 0 or al & (al - 1) or al > GGUF_MAX_ALIGNMENT:
-                bad(f"general.alignment = {al}; expected a power of two <= {GGUF_MAX_ALIGNMENT}")
-            g.alignment = al
-    infos = []
-    names = set()
-    for i in range(n_tensors):
-        n = string_len(pos, GGUF_MAX_NAME, f"tensor {i} name")
-        name = bytes(mm[pos + 8:pos + 8 + n]).decode("utf-8", errors="replace")
-        pos += 8 + n
-        if name in names:
-            bad(f"tensor name {name!r} appears twice")
-        names.add(name)
-        need(pos, 4, f"tensor {name!r} dims")
-        nd = unpack(i4, mm, pos)[0]
-        pos += 4
-        if nd > GGUF_MAX_DIMS:
-            bad(f"tensor {name!r} has {nd} dims; at most {GGUF_MAX_DIMS}")
-        need(pos, 8 * nd + 12, f"tensor {name!r} info")
-        dims = list(unpack(bo + "Q" * nd, mm, pos))
-        pos += 8 * nd
-        numel = math.prod(dims)
-        if numel >= 1 << 63:
-            bad(f"tensor {name!r}: element count {numel} overflows")
-        ttype, off = unpack(bo + "IQ", mm, pos)
-        pos += 12
-        infos.append((name, dims, ttype, off, numel))
-    g.header_end = pos
-    data_start = pos + (-pos % g.alignment)
-    g.data_start = data_start
-    g.size = size
-    sizes = _quant_sizes()
-    spans = []
-    for name, dims, ttype, off, numel in infos:
-        nbytes = None
-        if sizes is not None:
-            if ttype not in sizes:
-                bad(f"tensor {name!r} has unknown ggml type {ttype}", tensor=name)
-            bs, ts = sizes[ttype]
-            if dims and dims[0] % bs:
-                bad(f"tensor {name!r}: row length {dims[0]} is not a multiple of the {bs}-element block of "
-                    f"type {ttype}", tensor=name)
-            nbytes = numel // bs * ts
-            if off % g.alignment:
-                bad(f"tensor {name!r}: data offset {off} is not a multiple of the alignment {g.alignment}",
-                    tensor=name)
-            if data_start + off + nbytes > size:
-                bad(f"tensor {name!r}: data ends at byte {data_start + off + nbytes}, past the end of the "
-                    f"{size}-byte file (truncated?)", tensor=name)
-            if nbytes:
-                spans.append((off, off + nbytes, name))
-        g.tensors.append(GgufTensor(name, _tensor_type(ttype), np.array(dims, dtype=np.uint64), numel,
-                                    nbytes if nbytes is not None else 0, data_start + off, g))
-    spans.sort()
-    for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
-        if b0 < a1:
-            bad(f"the data of tensors {an!r} and {bn!r} overlap")
+    def preamble(self) -> int:
+        """Magic, version (and so the byte order), the two counts against the caps and the file; the position
+        after the 24-byte preamble."""
+        g, mm, size, bad = self.g, self.mm, self.size, self.bad
+        if mm[:4] != b"GGUF":
+            bad(f"expected the magic b'GGUF', found {bytes(mm[:4])!r}")
+        bo = "<"
+        version = struct.unpack_from("<I", mm, 4)[0]
+        if version not in (2, 3):
+            v_be = struct.unpack_from(">I", mm, 4)[0]
+            if v_be in (2, 3):
+                bo, version = ">", v_be
+            else:
+                bad(f"expected GGUF version 2 or 3, found {version}")
+        g.byte_order_char = bo
+        g.version = version
+        n_tensors, n_kv = struct.unpack_from(bo + "QQ", mm, 8)
+        pos = 24
+        # a key/value needs >= 12 bytes (key length + type), a tensor info >= 24 (name length, dims, type, offset)
+        if n_kv > GGUF_MAX_KV or n_kv * 12 > size - pos:
+            bad(f"{n_kv} key/value pairs cannot fit in the file (cap {GGUF_MAX_KV})")
+        if n_tensors > GGUF_MAX_TENSORS or n_tensors * 24 > size - pos:
+            bad(f"{n_tensors} tensors cannot fit in the file (cap {GGUF_MAX_TENSORS})")
+        g.n_kv, g.n_tensors = n_kv, n_tensors
+        self.bo, self.q, self.i4 = bo, bo + "Q", bo + "I"
+        return pos
+
+    def key_values(self, pos: int) -> int:
+        """Every key (unique, UTF-8) and its value (scalars read, arrays kept lazy); ``general.alignment``
+        checked.  The position after the last value."""
+        g, mm, bad, bo = self.g, self.mm, self.bad, self.bo
+        for i in range(g.n_kv):
+            n = self.string_len(pos, GGUF_MAX_KEY, f"key {i}")
+            try:
+                key = bytes(mm[pos + 8:pos + 8 + n]).decode("utf-8")
+            except UnicodeDecodeError:
+                bad(f"key {i} is not UTF-8")
+            pos += 8 + n
+            if key in g.fields:
+                bad(f"key {key!r} appears twice")
+            self.need(pos, 4, f"the type of {key!r}")
+            vtype = struct.unpack_from(self.i4, mm, pos)[0]
+            pos += 4
+            what = f"value of {key!r}"
+            if vtype in _SCALAR:
+                self.need(pos, _SIZE[vtype], what)
+                v = np.frombuffer(mm, dtype=np.dtype(_SCALAR[vtype]).newbyteorder(bo), count=1, offset=pos)[0].item()
+                f = GgufField(key, [vtype], 1, g, pos, v)
+            elif vtype == ARRAY:
+                self.need(pos, 12, what + " array header")
+                et, count = struct.unpack_from(bo + "IQ", mm, pos)
+                f = GgufField(key, [ARRAY, et], count, g, pos + 12)
+            else:
+                f = GgufField(key, [vtype], 1, g, pos)
+            end = self.skip_value(pos, vtype, 0, what)
+            pos = end
+            g.fields[key] = f
+            if key == "general.alignment":
+                if vtype != 4:
+                    bad(f"general.alignment has value type {vtype}; expected UINT32 (4)")
+                al = f._value
+                if al == 0 or al & (al - 1) or al > GGUF_MAX_ALIGNMENT:
+                    bad(f"general.alignment = {al}; expected a power of two <= {GGUF_MAX_ALIGNMENT}")
+                g.alignment = al
+        return pos
+
+    def tensor_infos(self, pos: int) -> tuple[list, int]:
+        """(name, dims, ggml type, offset, element count) of every tensor (names unique, at most
+        ``GGUF_MAX_DIMS`` dims, no overflowing count); and the position where the header ends."""
+        mm, bad, bo = self.mm, self.bad, self.bo
+        infos = []
+        names = set()
+        for i in range(self.g.n_tensors):
+            n = self.string_len(pos, GGUF_MAX_NAME, f"tensor {i} name")
+            name = bytes(mm[pos + 8:pos + 8 + n]).decode("utf-8", errors="replace")
+            pos += 8 + n
+            if name in names:
+                bad(f"tensor name {name!r} appears twice")
+            names.add(name)
+            self.need(pos, 4, f"tensor {name!r} dims")
+            nd = struct.unpack_from(self.i4, mm, pos)[0]
+            pos += 4
+            if nd > GGUF_MAX_DIMS:
+                bad(f"tensor {name!r} has {nd} dims; at most {GGUF_MAX_DIMS}")
+            self.need(pos, 8 * nd + 12, f"tensor {name!r} info")
+            dims = list(struct.unpack_from(bo + "Q" * nd, mm, pos))
+            pos += 8 * nd
+            numel = math.prod(dims)
+            if numel >= 1 << 63:
+                bad(f"tensor {name!r}: element count {numel} overflows")
+            ttype, off = struct.unpack_from(bo + "IQ", mm, pos)
+            pos += 12
+            infos.append((name, dims, ttype, off, numel))
+        return infos, pos
+
+    def tensor_data(self, infos: list, pos: int) -> None:
+        """The data section after the header (aligned): every tensor's type known, rows whole blocks, offset
+        aligned, data inside the file, no two tensors overlapping (with the ``gguf`` type table only)."""
+        g, size, bad = self.g, self.size, self.bad
+        g.header_end = pos
+        data_start = pos + (-pos % g.alignment)
+        g.data_start = data_start
+        g.size = size
+        sizes = _quant_sizes()
+        spans = []
+        for name, dims, ttype, off, numel in infos:
+            nbytes = None
+            if sizes is not None:
+                if ttype not in sizes:
+                    bad(f"tensor {name!r} has unknown ggml type {ttype}", tensor=name)
+                bs, ts = sizes[ttype]
+                if dims and dims[0] % bs:
+                    bad(f"tensor {name!r}: row length {dims[0]} is not a multiple of the {bs}-element block of "
+                        f"type {ttype}", tensor=name)
+                nbytes = numel // bs * ts
+                if off % g.alignment:
+                    bad(f"tensor {name!r}: data offset {off} is not a multiple of the alignment {g.alignment}",
+                        tensor=name)
+                if data_start + off + nbytes > size:
+                    bad(f"tensor {name!r}: data ends at byte {data_start + off + nbytes}, past the end of the "
+                        f"{size}-byte file (truncated?)", tensor=name)
+                if nbytes:
+                    spans.append((off, off + nbytes, name))
+            g.tensors.append(GgufTensor(name, _tensor_type(ttype), np.array(dims, dtype=np.uint64), numel,
+                                        nbytes if nbytes is not None else 0, data_start + off, g))
+        spans.sort()
+        for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+            if b0 < a1:
+                bad(f"the data of tensors {an!r} and {bn!r} overlap")
 
 
 # ------------------------------------------------------------------------------------------------ hparams

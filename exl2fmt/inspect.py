@@ -31,61 +31,19 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 from .errors import Category, ErrorCode, Exl2Error, Issue
+from .names import block_of, has_control_chars, is_head, layer_order_key, natural_key
 
-__all__ = ["inspect_model", "inspect_gguf", "is_gguf", "gguf_prescan", "gguf_scan_summary", "SCHEMA_VERSION", "block_of", "natural_key", "layer_order_key",
-           "has_control_chars"]
+__all__ = ["inspect_model", "inspect_gguf", "is_gguf", "gguf_prescan", "gguf_scan_summary", "SCHEMA_VERSION"]
 
 #: Version of the JSON report shape (spec/inspect.schema.json).  Additive changes keep it; a removed or
 #: renamed field bumps it.
 SCHEMA_VERSION = "1"
 
-def has_control_chars(name: str) -> bool:
-    """True when ``name`` holds a character ``escape_name`` would escape: a control, format (bidi, zero-width),
-    separator or other non-printable character (``str.isprintable``, same set as exl2fmt.errors)."""
-    return not name.isprintable()
-
-
-_DIGIT_RUNS = re.compile(r"(\d+)")
-_BLOCK_RE = re.compile(r"^(.*?(?:^|\.)(?:layers|h|blocks|block|blk)\.(\d+))\.")
 _EMBED_TOKENS = ("embed_tokens", "wte", "word_embeddings", "tok_embeddings", "token_embd")
-
-
-def natural_key(s: str):
-    return [int(t) if t.isdigit() else t for t in _DIGIT_RUNS.split(s)]
-
-
-def block_of(key: str) -> str | None:
-    """``model.layers.12`` for ``model.layers.12.mlp.down_proj``; None outside decoder blocks."""
-    m = _BLOCK_RE.match(key)
-    return m.group(1) if m else None
-
-
-def _is_head(key: str) -> bool:
-    last = key.rsplit(".", 1)[-1]
-    return last in ("lm_head", "output") or key.endswith("lm_head")
-
-
-# Within a block, list projections in the order a forward pass uses them.
-_LEAF_ORDER = {name: i for i, name in enumerate(
-    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"))}
-
-
-_MODULE_ORDER = {"self_attn": 0, "attn": 0, "attention": 0, "mlp": 1, "feed_forward": 1, "block_sparse_moe": 1}
-
-
-def layer_order_key(key: str):
-    parent, _, leaf = key.rpartition(".")
-    block, _, module = parent.rpartition(".")
-    order = (natural_key(block), _MODULE_ORDER.get(module, 2), natural_key(module),
-             _LEAF_ORDER.get(leaf, len(_LEAF_ORDER)), natural_key(leaf))
-    if block_of(key) is not None:
-        return (0, *order)
-    return (2 if _is_head(key) else 1, *order)
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -185,7 +143,7 @@ def _layer_row(model, info, config, issues: list[Issue], features=None) -> dict:
     numel_conv = (K * numel_n + (numel_n if info.has_bias else 0)) if K and numel_n else 0
     return {
         "key": key,
-        "block": block_of(key) or ("head" if _is_head(key) else None),
+        "block": block_of(key) or ("head" if is_head(key) else None),
         "format": fmt.value,
         "in_features": K,
         "out_features": N,

@@ -35,7 +35,7 @@ PACKAGES = {name: ROOT / folder for name, folder in
 TIERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("exl2fmt", "exl2fmt.errors", "exl2fmt.layout", "exl2fmt.groups", "exl2fmt.codec", "exl2fmt.container",
               "exl2fmt.config_values", "exl2fmt.arch", "exl2fmt.detect", "exl2fmt.gguf_scan", "exl2fmt._stats",
-              "exl2fmt.extras", "exl2fmt.jitnote", "exl2fmt.outputs")),
+              "exl2fmt.extras", "exl2fmt.jitnote", "exl2fmt.outputs", "exl2fmt.names")),
     # one module per storage format, the layer loader, the kernels
     ("formats", ("exl2fmt.formats", "exl2fmt.model", "exl2fmt.kernels")),
     # the model runner that the quantizer's calibration, validate --run and the perplexity report all drive

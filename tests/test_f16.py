@@ -1,4 +1,4 @@
-"""fp16 <-> fp32 bit conversions of exl2fmt.codec._f16 against numpy's float16 (IEEE round to nearest even).
+"""fp16 <-> fp32 bit conversions of exl2fmt.codec.f16 against numpy's float16 (IEEE round to nearest even).
 
 NaN: every conversion must give a NaN of the same sign; payload bits may differ from numpy's (the software
 path returns the canonical quiet NaN), except for the canonical quiet NaN itself which is exact.
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from exl2fmt.codec import _f16 as F
+from exl2fmt.codec import f16 as F
 
 
 def _run(fn, x: np.ndarray) -> np.ndarray:

@@ -60,7 +60,8 @@ def _partials(parent: Path) -> list[str]:
 def test_escape_name_escapes_exactly_the_non_printable_code_points():
     """Oracle: unicodedata's general category.  Escaped: Cc, Cf (bidi, zero-width, tags), Cs, Co, Cn, Zl, Zp
     and every space but U+0020; untouched: letters, marks, digits, punctuation, symbols."""
-    from exl2fmt.errors import escape_name, has_control_chars
+    from exl2fmt.errors import escape_name
+    from exl2fmt.names import has_control_chars
 
     bad_cats = {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs"}
     # planes 0-2 (every assigned script), the tag / variation-selector block of plane 14, and the starts of the

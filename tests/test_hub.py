@@ -1,4 +1,4 @@
-"""hf:// models read by range (exl2fmt/hub.py) against a local emulation of the Hub (tests/hub_server.py).
+"""hf:// models read by range (exl2fmt/hub/) against a local emulation of the Hub (tests/hub_server.py).
 
 The oracle for "only the headers were read" is the emulator's own byte count of every body it served, compared
 with sums computed independently from the local files (8 + n per shard from ``read_header``, the q_groups
@@ -22,7 +22,8 @@ pytest.importorskip("huggingface_hub")
 from exl2fmt.cli.app import app  # noqa: E402
 from exl2fmt.container import read_header, write_sharded  # noqa: E402
 from exl2fmt.errors import ErrorCode, Exl2Error  # noqa: E402
-from exl2fmt.hub import HubRef, fetch_snapshot, inspect_hub, parse_hub_uri, validate_hub  # noqa: E402
+from exl2fmt.hub import HubRef, fetch_snapshot, inspect_hub, parse_hub_uri  # noqa: E402
+from exl2fmt.validate.remote import validate_hub  # noqa: E402
 from exl2fmt.inspect import inspect_model  # noqa: E402
 from exl2fmt.sample import write_sample  # noqa: E402
 from exl2fmt.validate import validate_model  # noqa: E402
@@ -299,7 +300,7 @@ def test_snapshot_is_sparse_and_removed(emu, hub_root):
 
 def test_inspect_gguf_reads_the_header_in_growing_ranges(emu, hub_root, monkeypatch):
     pytest.importorskip("gguf")
-    import exl2fmt.hub as hub
+    import exl2fmt.hub.snapshot as hub
 
     local = hub_root / "org/m-gguf/main/m.gguf"
     monkeypatch.setattr(hub, "GGUF_FIRST_FETCH", 4096)  # smaller than the header: forces further reads

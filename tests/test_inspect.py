@@ -23,7 +23,8 @@ from exl2fmt.container import RawTensor, write_safetensors
 from exl2fmt.detect import detect_layers
 from exl2fmt.layout import Format
 from exl2fmt.errors import ErrorCode, Exl2Error
-from exl2fmt.inspect import block_of, has_control_chars, inspect_model, is_gguf, layer_order_key
+from exl2fmt.inspect import inspect_model, is_gguf
+from exl2fmt.names import block_of, has_control_chars, layer_order_key
 from exl2fmt.sample import SAMPLE_CONFIG, sample_dense_tensors, write_sample
 
 

@@ -112,7 +112,7 @@ def validate_command(path: str, deep: bool = False, reference: str | None = None
             raise Exl2Error(ErrorCode.USAGE, "an hf:// model gets the structural checks only (headers by range); "
                             "--deep, --reference, --fix-index, --kernel and --run need a local copy")
         if hub_path:
-            from ..hub import validate_hub
+            from ..validate.remote import validate_hub
 
             doc, code = validate_hub(path, revision=revision, strict=strict)
             _validate_out(out, ci, doc)
@@ -136,7 +136,7 @@ def validate_command(path: str, deep: bool = False, reference: str | None = None
                                  kernel_ms=tuple(kernel_m) if kernel_m else None, run=run, prompt_ids=ids)
         hub_info = None
         if hub_ref:  # shapes and config against the Hub source, from its headers alone
-            from ..hub import reference_shape_checks
+            from ..validate.remote import reference_shape_checks
 
             hub_info = reference_shape_checks(rep, path, reference, revision=revision)
             rep.reference = reference

@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 
 from ..groups import GroupTable
 from ..layout import BIT_WIDTHS
-from ._f16 import f16_bits_to_f32, f32_to_f16_bits
+from .f16 import f16_bits_to_f32, f32_to_f16_bits
 
 __all__ = [
     "pack_q_weight", "unpack_q_weight", "pack_q_scale", "unpack_q_scale", "dequantize",
@@ -247,7 +247,7 @@ def is_permutation(perm: np.ndarray) -> bool:
 # bench/RESULTS.md).  ``dequantize`` computes W[n, j] = w(q_invperm[j], n): q_weight is laid out along n
 # (its columns) while W is written along j, in the order of a random permutation, so the job is an
 # un-permuting *transpose* of 16-bit values; done one element at a time (the first version of this
-# module) the gather took ~4x as long as the arithmetic.  Each parallel work item therefore owns a tile of _TILE_COLS output rows (q_weight columns)
+# module) the gather took several times as long as the arithmetic.  Each parallel work item therefore owns a tile of _TILE_COLS output rows (q_weight columns)
 # and does:
 #
 # 1. copy the tile's columns of q_weight into a contiguous buffer qt [Q, _TILE_COLS].  Reading q_weight in
@@ -666,8 +666,8 @@ def dequantize(q_weight: np.ndarray, q_scale: np.ndarray, q_scale_max: np.ndarra
                              f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
         res = out.view(np.uint16)
     # non-temporal stores only into a caller's buffer: a fresh output's pages are zeroed into the cache by their
-    # first-touch faults, and streaming past those lines writes each one twice (bench/RESULTS.md, 2026-12-03:
-    # plain stores 19.5 ms, non-temporal 24.7 ms on 2 threads for a fresh 90 MB output)
+    # first-touch faults, and streaming past those lines writes each one twice (measured: bench/RESULTS.md,
+    # 2026-12-03, and "Figures moved out of code comments")
     nontemporal = (out is not None and _NT_STORES and res.ctypes.data % _NT_ALIGN == 0
                    and (groups.K * 2) % _NT_ALIGN == 0)
     if n_out and groups.K:

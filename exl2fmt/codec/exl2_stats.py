@@ -17,7 +17,7 @@ from numba import njit, prange
 
 from ..groups import GroupTable
 from ..layout import BIT_WIDTHS
-from ._f16 import f16_bits_to_f32, f32_to_f16_bits
+from .f16 import f16_bits_to_f32, f32_to_f16_bits
 
 __all__ = ["layer_stats"]
 

@@ -25,7 +25,7 @@ from numba import njit, prange
 from ..groups import group_table_from_rows
 from ..layout import GPTQ_BITS
 from . import exl2 as _exl2
-from ._f16 import f16_bits_to_f32, f32_to_f16_bits
+from .f16 import f16_bits_to_f32, f32_to_f16_bits
 
 __all__ = ["pack_qweight", "unpack_qweight", "pack_qzeros", "unpack_qzeros", "zeros_from_fields",
            "fields_from_zeros", "dequantize"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._f16 import f16_bits_to_f32, f32_to_f16_bits
+from .f16 import f16_bits_to_f32, f32_to_f16_bits
 
 __all__ = ["fit"]
 

@@ -93,8 +93,8 @@ class LinearBase:
         a finite layer can still overflow float16 in ExLlamaV2's arithmetic, which ``dequantize`` reproduces
         bit for bit; here that is NONFINITE_VALUES naming the layer.  float16 [out_features, in_features]."""
         w = self.dequantize()
-        # counted from the float16 bit patterns (NumPy's float16 isfinite is emulated: 4x the decode itself on a
-        # 11008 x 4096 layer), and skipped where the format proves from its scales that no value can overflow
+        # counted from the float16 bit patterns (NumPy's float16 isfinite is emulated: slower than the decode
+        # itself), and skipped where the format proves from its scales that no value can overflow
         bad = 0 if self._decode_is_finite() else count_nonfinite(w, "F16")
         if bad:
             raise Exl2Error(ErrorCode.NONFINITE_VALUES, f"the dequantized weight holds {bad} NaN/Inf of {w.size}",

@@ -101,7 +101,7 @@ class Exl2Linear(LinearBase):
             issues += self._deep_checks()
         return issues
 
-    def _perm(self, slot: str) -> np.ndarray:
+    def permutation(self, slot: str) -> np.ndarray:
         """A permutation slot as int64; I16 storage is read as uint16, as ExLlamaV2's kernels do."""
         a = np.asarray(self.tensors[slot])
         if self.dtypes.get(slot) == "I16":
@@ -112,12 +112,12 @@ class Exl2Linear(LinearBase):
         from ..codec.exl2 import invert_permutation, is_permutation
 
         issues = []
-        inv = self._perm(Exl2Slot.Q_INVPERM)
+        inv = self.permutation(Exl2Slot.Q_INVPERM)
         if not is_permutation(inv):
             issues.append(self._issue(ErrorCode.PERM_INVALID, f"not a permutation of 0..{inv.size - 1} "
                                       "(duplicate or out-of-range entries)", Exl2Slot.Q_INVPERM))
         elif Exl2Slot.Q_PERM in self.tensors:
-            perm = self._perm(Exl2Slot.Q_PERM)
+            perm = self.permutation(Exl2Slot.Q_PERM)
             if not np.array_equal(perm, invert_permutation(inv)):
                 issues.append(self._issue(ErrorCode.PERM_MISMATCH, "q_perm is not argsort(q_invperm)", Exl2Slot.Q_PERM))
         qsm = np.asarray(self.tensors[Exl2Slot.Q_SCALE_MAX]).astype(np.float32)
@@ -155,7 +155,7 @@ class Exl2Linear(LinearBase):
         t = self.tensors
         try:
             return dequantize(np.asarray(t[Exl2Slot.Q_WEIGHT]), np.asarray(t[Exl2Slot.Q_SCALE]), np.asarray(t[Exl2Slot.Q_SCALE_MAX]),
-                              self.groups, self._perm(Exl2Slot.Q_INVPERM), out_features=self.out_features)
+                              self.groups, self.permutation(Exl2Slot.Q_INVPERM), out_features=self.out_features)
         except ValueError as e:
             raise Exl2Error(ErrorCode.PERM_INVALID if "permutation" in str(e) else ErrorCode.SLOT_SHAPE, str(e),
                             tensor=self.key, file=self.file) from None

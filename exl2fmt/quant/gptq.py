@@ -61,7 +61,7 @@ class HessianAccumulator:
 
     def take(self) -> torch.Tensor:
         """``result()`` without a copy: the sum is divided in place and handed over; the accumulator is then
-        spent (a K x K float32 matrix is 127 MB at K = 5632 and 3.3 GB at K = 28672)."""
+        spent (a K x K float32 matrix: the largest single buffer of a layer's GPTQ work)."""
         if self.H is None:
             raise RuntimeError("HessianAccumulator.take() was already called")
         H, self.H = self.H, None
@@ -140,9 +140,9 @@ def prepare(H: torch.Tensor, *, percdamp: float = EXL2_PERCDAMP, act_order: bool
     # The upper Cholesky factor of H^-1 without forming H^-1: with J the order reversal, J Hp J = Lr Lr^T gives
     # H^-1 = (J Lr^-1 J)^T (J Lr^-1 J), and J Lr^-1 J is upper triangular with a positive diagonal, so it *is*
     # that factor (unique).  One Cholesky and one triangular solve (~1.3 K^3 flops) instead of Cholesky, solve,
-    # a full product and a second Cholesky (~3.7 K^3): 1.8x at K = 5632, 2.5x at K = 2048, and closer to a
-    # float64 reference (Frobenius error 0.65-0.7x, tests/test_quant.py).  Written for memory: at most three
-    # K x K float32 matrices live at once; at K = 28672 (a 70B MLP's down_proj) each is 3.3 GB.
+    # a full product and a second Cholesky (~3.7 K^3): faster, and closer to a float64 reference (tests/test_quant.py;
+    # the measured figures are in bench/RESULTS.md).  Written for memory: at most three K x K float32 matrices
+    # live at once (a 70B MLP's down_proj has K = 28672).
     diag_mean = float(torch.diag(H).mean())
     base = max(float(percdamp) * diag_mean, 1e-5)
     rev = torch.flip(perm, (0,))
@@ -312,7 +312,7 @@ def _work_matrix(weight: torch.Tensor, perm: torch.Tensor, n_cols: int, out: tor
     """float [N, K] -> float32 [K, n_cols] in stored row order, zero columns beyond N (one new matrix, or written
     into ``out``, float32 [K, n_cols] C order; no float32 copy of ``weight`` is made first).  A float32 weight on
     the CPU moves through the tiles of ``gptq_kernel.permute_f32`` (torch's ``index_select`` on the transposed
-    view reads with a stride of K: ~3x slower); the same values either way."""
+    view reads with a stride of K: several times slower); the same values either way."""
     N, K = weight.shape
     w = weight.to(device=perm.device)
     if (w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous()
@@ -435,7 +435,7 @@ def quantize_exl2(weight: torch.Tensor, prep: Prepared, bits_rows: list[tuple[in
 
 #: ``quantize_exl2_plans`` keeps saved sweep states (the not yet processed rows of the work matrix at a point
 #: where plans part) up to this many times the work matrix's own size, and never more than SHARE_CAP_BYTES (a
-#: 70B down_proj's work matrix is ~0.9 GB: twice that would outweigh the rest of a layer's working set).
+#: 70B down_proj's work matrix is large enough that twice it would outweigh the rest of a layer's working set).
 SHARE_MATRICES = 2
 SHARE_CAP_BYTES = 256 << 20
 
@@ -492,7 +492,7 @@ def quantize_exl2_plans(weight: torch.Tensor, prep: Prepared, plans: list[list[t
     measurement's cheaper one (each result is then bit for bit that plan's own sweep with that search).
     ``want_hat``: asked once per distinct plan, just before its result is built (so it may read what the caller
     did with the results so far); False leaves that result's ``weight_hat`` None and skips its un-permute (a
-    caller that parks the packed form instead: the un-permute is ~13 ms of a 1B MLP candidate's sweep).
+    caller that parks the packed form instead: the un-permute is a measurable part of each candidate's sweep).
 
     With one distinct plan the weight is read once, into the work matrix, and the generator lets go of it then
     (keeping the rows ``proxy_error`` reads); the last plan's result takes the codes without copying them."""

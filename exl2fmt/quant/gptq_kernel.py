@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..codec._f16 import f16_bits_to_f32, f32_to_f16_bits
+from ..codec.f16 import f16_bits_to_f32, f32_to_f16_bits
 
 __all__ = ["kernel", "permute_f32", "unpermute_f32", "unpermute_f16_bits", "permute_both"]
 
@@ -36,7 +36,7 @@ def kernel(blk, Ublk, s, z, maxq, codes, err):
 
     Each work item copies its column tile into arrays of its own, so that every inner loop reads and writes
     memory the compiler knows to be unaliased and vectorizes (a loop over ``blk`` and ``err`` directly stays
-    scalar: 3-5x slower); the float32 operations and their order are those of the torch path."""
+    scalar: several times slower); the float32 operations and their order are those of the torch path."""
     r, N = blk.shape
     for t in prange((N + TILE - 1) // TILE):
         n0 = t * TILE

@@ -173,7 +173,7 @@ def sub_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tenso
     """``out`` bf16 = a - b, both widened to float32 exactly, the difference in float32 and rounded once, for
     ``a`` float16 or float32 and ``b`` float32, float16 or bfloat16, all of one shape (``b`` in 16 bits: the exact
     copy of a float32 weight, ``exact_16bit``, gives the bits of that weight); on the CPU by ``scoring_kernel``
-    (torch's mixed-dtype loop is 10x slower there), the same bits."""
+    (torch's mixed-dtype loop is much slower there), the same bits."""
     if (_kernel_ok(a, b, out) and out.dtype == torch.bfloat16 and a.dtype in (torch.float16, torch.float32)
             and (b.dtype == torch.float32 or (a.dtype == torch.float16 and b.dtype in (torch.float16,
                                                                                       torch.bfloat16)))):

@@ -2,8 +2,8 @@
 imported on first use (it imports numba).
 
 torch runs an elementwise op whose operands differ in dtype (fp16 - fp32 into bf16, fp32 + bf16) through its
-generic casting loop, 5-10x slower than the same op on one dtype: on a 1B layer these steps took ~3 s of the
-measurement's ~31 s (bench/RESULTS.md, issue 18).  Each kernel here computes exactly what the torch expression
+generic casting loop, several times slower than the same op on one dtype: on a 1B layer these steps were a
+tenth of the measurement's time (bench/RESULTS.md, issue 18).  Each kernel here computes exactly what the torch expression
 named in its docstring computes (float32 arithmetic, one rounding to bf16 by round-to-nearest-even), so the two
 paths give the same bits (tests/test_scoring.py compares them on every call shape).
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..codec._f16 import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits
+from ..codec.f16 import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits
 
 __all__ = ["sub_f16_to_bf16", "sub_f16_f16_to_bf16", "sub_f16_bf16_to_bf16", "sub_f32_to_bf16", "add_bf16"]
 

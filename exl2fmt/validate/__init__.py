@@ -65,6 +65,8 @@ Rooms of this package (each imports ``report`` and the core, never the CLI):
 ``run``            ``run``: the whole-model forward (imports torch; loaded only when ``run`` is set)
 ``write_index``    ``fix_index``: the one function here that writes a file
 ``oracle``         ``compare_with_oracle``: Numba codec vs the NumPy oracle, bit for bit
+``remote``         ``validate_hub`` / ``reference_shape_checks``: hf:// models and ``--reference hf://``
+                   (headers read by ``exl2fmt.hub``)
 =================  ==========================================================================================
 
 Example (the bundled sample model, structural checks only)::

@@ -47,7 +47,7 @@ _EMBED = ("embed_tokens", "wte", "word_embeddings", "tok_embeddings")
 def config_issues(config: dict, det, tensors, config_file: str) -> tuple[list[Issue], int]:
     """config.json <-> tensor shapes.  Returns (issues, number of comparisons made)."""
     from ..arch import expected_features
-    from ..inspect import block_of
+    from ..names import block_of
     from ..layout import DenseSlot, pad32
 
     issues: list[Issue] = []

@@ -60,7 +60,7 @@ def deep_pass(rep: Report, model, det, loaded: dict, reference, progress) -> Non
     # tensors not belonging to a layer that was checked in depth: scan every float tensor for NaN/Inf
     # (the float tensors of EXL2 / GPTQ / dense layers are checked by the layers' own deep validation)
     from ..layout import Format
-    from ..inspect import layer_order_key
+    from ..names import layer_order_key
 
     in_layers = set()
     for info in det.layers.values():

@@ -12,7 +12,7 @@ from .report import CheckId, LayerResult, PassCode, Report, Status
 __all__ = ["KERNEL_DEFAULT_MS", "KERNEL_MAX_M", "KernelSetup", "load_kernels", "check_ms", "kernel_pass"]
 
 #: Rows of x per device when ``kernel_ms`` is not given: on the CPU interpreter M = 1 (gemv path) and 16 (dot
-#: path) keep the 15-layer sample model well under 30 s on 2 cores; on CUDA also 128 (dense path).
+#: path) keep the 15-layer sample model quick on a small CPU; on CUDA also 128 (dense path).
 KERNEL_DEFAULT_MS: dict[str, tuple[int, ...]] = {"cpu": (1, 16), "cuda": (1, 16, 128)}
 #: Largest M accepted (rows of the random x).
 KERNEL_MAX_M = 4096
@@ -104,7 +104,7 @@ def kernel_pass(rep: Report, det, loaded: dict, deep: bool, ks: KernelSetup, pro
     """Every EXL2 layer, and every 2/4/8-bit GPTQ layer, that passed the structural checks through the kernels
     (``exl2fmt.validate``'s docstring)."""
     from ..layout import Format
-    from ..inspect import layer_order_key
+    from ..names import layer_order_key
 
     ms = tuple(rep.kernel["ms"])
     seed = rep.kernel["seed"]

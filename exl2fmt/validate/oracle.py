@@ -22,7 +22,7 @@ def compare_with_oracle(path: str | os.PathLike, keys: list[str] | None = None) 
     from ..container import open_model
     from ..detect import detect_layers
     from ..layout import Format
-    from ..inspect import layer_order_key
+    from ..names import layer_order_key
     from ..layout import Exl2Slot
     from ..model import load_layer
 

@@ -32,20 +32,25 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
 
     Returns ``(det, loaded)``: the ``detect_model`` result and {layer key: layer object} of the EXL2 / GPTQ /
     dense layers that passed (what the data passes run on)."""
-    from ..detect import Verdict, detect_model
-    from ..layout import Format
-    from ..formats import build_layer
-    from ..inspect import layer_order_key
-    from ..layout import Exl2Slot, Exl3Slot, GptqSlot
-
     tensors = model.tensors
     first_file = str(model.files[0]) if model.files else str(path)
     rep.ok(CheckId.CONTAINER, PassCode.CONTAINER_OK,
            f"{len(model.files)} file(s), {len(tensors)} tensors: every header passes the hardened parser "
            "(size cap, UTF-8 JSON, no duplicate keys, contiguous in-range offsets, shape x dtype = bytes, "
            "complete data, no trailing bytes)", count=len(model.files))
+    _index_checks(rep, model, first_file)
+    _name_checks(rep, tensors)
+    config, config_file = _config_checks(rep, model, path)
+    det = _format_checks(rep, model, config, first_file, deep)
+    _config_shape_checks(rep, config, det, tensors, config_file)
+    loaded = _layer_checks(rep, model, det, config, first_file, deep)
+    _bits_check(rep, det, config_file)
+    return det, loaded
 
-    # --- index ------------------------------------------------------------------------------------------
+
+def _index_checks(rep: Report, model, first_file: str) -> None:
+    """The index against the shards, both ways (a shard outside the model is a container matter)."""
+    tensors = model.tensors
     idx_issues = [i for i in model.index_issues() if i.code is not ErrorCode.SHARD_OUTSIDE_MODEL]
     for i in model.index_issues():
         if i.code is ErrorCode.SHARD_OUTSIDE_MODEL:  # where the bytes come from: a container matter
@@ -63,8 +68,9 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
     elif not idx_issues:
         rep.ok(CheckId.INDEX, PassCode.INDEX_OK, "single file: no index needed", file=first_file)
 
-    # --- names ------------------------------------------------------------------------------------------
-    from ..inspect import has_control_chars
+
+def _name_checks(rep: Report, tensors) -> None:
+    from ..names import has_control_chars
 
     bad_names = [n for n in tensors if has_control_chars(n)]
     for n in bad_names:
@@ -74,7 +80,9 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
         rep.ok(CheckId.NAMES, PassCode.NAMES_OK, f"{len(tensors)} tensor names free of control characters",
                count=len(tensors))
 
-    # --- config -----------------------------------------------------------------------------------------
+
+def _config_checks(rep: Report, model, path: Path) -> tuple:
+    """config.json readable and its values sane; returns ``(config or None, config file name)``."""
     config = None
     config_file = str(model.config_path)
     try:
@@ -94,9 +102,15 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
     for i in config_value_issues(config, _qc, config_file if _qc_src in (None, "config.json") else
                                  str(Path(model.root) / _qc_src)):
         rep.add_issue(CheckId.CONFIG, i)
+    return config, config_file
 
-    # --- format -----------------------------------------------------------------------------------------
-    det = detect_model(tensors, config, root=model.root, file=first_file)
+
+def _format_checks(rep: Report, model, config, first_file: str, deep: bool):
+    """One format per linear layer (``detect_model``); returns its result."""
+    from ..detect import Verdict, detect_model
+    from ..layout import Exl2Slot, Exl3Slot, Format, GptqSlot
+
+    det = detect_model(model.tensors, config, root=model.root, file=first_file)
     rep.format = det.format.value
     for i in det.issues:
         rep.add_issue(CheckId.FORMAT, i)
@@ -115,8 +129,10 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
     if deep and any(l.format is Format.AWQ for l in det.layers.values()):
         rep.add(CheckId.FORMAT, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED,
                 "AWQ layers are checked for shapes only: exl2fmt does not decode AWQ data", file=first_file)
+    return det
 
-    # --- config <-> shapes ------------------------------------------------------------------------------
+
+def _config_shape_checks(rep: Report, config, det, tensors, config_file: str) -> None:
     if isinstance(config, dict):
         issues, n = config_issues(config, det, tensors, config_file)
         for i in issues:
@@ -125,8 +141,13 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
             rep.ok(CheckId.CONFIG, PassCode.CONFIG_OK, f"config.json sizes (hidden, intermediate, vocab, heads, "
                    f"layers) match the tensor shapes ({n} comparisons)", count=n, file=config_file)
 
-    # --- layers -----------------------------------------------------------------------------------------
+
+def _layer_checks(rep: Report, model, det, config, first_file: str, deep: bool) -> dict:
+    """Every linear layer in model order (slots, dtypes, shapes; the data rules with ``deep``); returns
+    {layer key: layer object} of the layers that passed."""
     from ..arch import gptq_config
+    from ..layout import Exl2Slot, Format, GptqSlot
+    from ..names import layer_order_key
 
     gc = gptq_config(config)
     passed: dict[str, int] = {}
@@ -136,29 +157,9 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
         fmt = info.format
         if fmt is Format.EXL3:
             continue
-        layer = None
-        if info.marker not in info.slots:
-            issues = [Issue(ErrorCode.SLOT_MISSING, f"required {fmt.value} tensor '{info.marker}' is missing (the "
-                            f"layer's other tensors are present)", tensor=f"{key}.{info.marker}",
-                            file=next(iter(info.slots.values())).file)]
-        elif fmt is Format.AWQ:
-            issues = awq_issues(info, first_file)
-        else:
-            try:
-                layer = build_layer(info.key, info.format, info.slots, lambda t: model.get(t.name), config,
-                                    file=str(model.root))
-                issues = layer.validate(deep=deep)
-            except Exl2Error as e:
-                issues, layer = [e.as_issue()], None
-            if layer is not None and fmt is Format.GPTQ and not any(
-                    i.severity is Severity.ERROR for i in issues) and gc.group_size is not None:
-                want_g = 1 if gc.group_size == -1 else math.ceil(layer.K / gc.group_size)
-                if layer.G != want_g:
-                    issues.append(Issue(ErrorCode.SLOT_SHAPE, f"{layer.G} groups in {GptqSlot.QZEROS}/{GptqSlot.SCALES} but config "
-                                        f"group_size {gc.group_size} with K = {layer.K} gives {want_g}",
-                                        tensor=f"{key}.{GptqSlot.SCALES}", file=layer.file))
-            if layer is not None and not any(i.severity is Severity.ERROR for i in issues):
-                loaded[key] = layer
+        issues, layer = _one_layer_issues(model, info, config, gc, first_file, deep)
+        if layer is not None and not any(i.severity is Severity.ERROR for i in issues):
+            loaded[key] = layer
         for i in issues:
             rep.add_issue(CheckId.LAYERS, i)
         if not any(i.severity is Severity.ERROR for i in issues):
@@ -178,11 +179,46 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
         rep.add(CheckId.LAYERS, Status.WARN, ErrorCode.GPTQ_ZEROS_AMBIGUOUS, "asymmetric GPTQ in the v1 zero "
                 "convention: a zero field of 2**bits-1 is read differently by different tools (--deep counts them)",
                 file=first_file)
+    return loaded
 
-    # --- bits -------------------------------------------------------------------------------------------
+
+def _one_layer_issues(model, info, config, gc, first_file: str, deep: bool) -> tuple:
+    """``(issues, layer object or None)`` of one detected layer."""
+    from ..formats import build_layer
+    from ..layout import Format, GptqSlot
+
+    key, fmt = info.key, info.format
+    layer = None
+    if info.marker not in info.slots:
+        issues = [Issue(ErrorCode.SLOT_MISSING, f"required {fmt.value} tensor '{info.marker}' is missing (the "
+                        f"layer's other tensors are present)", tensor=f"{key}.{info.marker}",
+                        file=next(iter(info.slots.values())).file)]
+    elif fmt is Format.AWQ:
+        issues = awq_issues(info, first_file)
+    else:
+        try:
+            layer = build_layer(info.key, info.format, info.slots, lambda t: model.get(t.name), config,
+                                file=str(model.root))
+            issues = layer.validate(deep=deep)
+        except Exl2Error as e:
+            issues, layer = [e.as_issue()], None
+        if layer is not None and fmt is Format.GPTQ and not any(
+                i.severity is Severity.ERROR for i in issues) and gc.group_size is not None:
+            want_g = 1 if gc.group_size == -1 else math.ceil(layer.K / gc.group_size)
+            if layer.G != want_g:
+                issues.append(Issue(ErrorCode.SLOT_SHAPE, f"{layer.G} groups in {GptqSlot.QZEROS}/{GptqSlot.SCALES} but config "
+                                    f"group_size {gc.group_size} with K = {layer.K} gives {want_g}",
+                                    tensor=f"{key}.{GptqSlot.SCALES}", file=layer.file))
+    return issues, layer
+
+
+def _bits_check(rep: Report, det, config_file: str) -> None:
+    """EXL2: quantization_config.bits against the decoder linears' measured bpw."""
+    from ..layout import Format
+
     if det.format is Format.EXL2:
         target = det.variant.get("target_bits")
-        from ..inspect import block_of
+        from ..names import block_of
         from ..layout import counts_in_decoder_bpw
 
         # the decoder linears as inspect's bpw.decoder counts them (16-bit MoE routers left out: layout.STAYS_16BIT)
@@ -198,5 +234,3 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
             else:
                 rep.ok(CheckId.BITS, PassCode.BITS_OK, f"quantization_config.bits = {target}; decoder linears "
                        f"measure {measured:.4f} bpw", file=config_file)
-
-    return det, loaded
