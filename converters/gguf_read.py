@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import ErrorCode, Exl2Error
 from ..container import f32_to_bf16_bits
-from .base import Converter, LayerReport, OutSpec, TensorReport, Unit, natural_key
+from .base import DEFAULT_SHARD_SIZE, Converter, LayerReport, OutSpec, TensorReport, Unit, natural_key
 from .gguf_arch import ROPE_FACTOR_TENSORS, phi3_longrope_back, spec_for_gguf_arch
 from .gguf_io import decode, open_gguf
 from .gguf_map import HF_ARCHITECTURES, hf_name_map, qk_heads, unpermute_qk
@@ -393,7 +393,7 @@ class GgufToDense(Converter):
         check_tokenizer_file(Path(tmp) / "tokenizer.json", None if f is None else f.contents())
 
 
-def convert_from_gguf(src, dst, target: str, *, force: bool = False, shard_size: int = 5_000_000_000,
+def convert_from_gguf(src, dst, target: str, *, force: bool = False, shard_size: int = DEFAULT_SHARD_SIZE,
                       progress=None, verify: str = "auto", _fail_after: int | None = None):
     """GGUF file ``src`` -> Hugging Face directory ``dst`` (``target`` fp16 / bf16); see the module docstring."""
     from ..container.publish import check_paths
