@@ -13,7 +13,8 @@ A converter turns one model directory (SRC) into another (DST).  It is a ``Conve
 
 1. refuses an existing DST without ``force`` (``OUTPUT_EXISTS``) and any DST that is, contains or lies inside
    SRC (``USAGE``): SRC is only ever read;
-2. writes everything into a temporary sibling directory ``.<DST name>.exl2fmt-partial-<random>`` next to DST;
+2. writes everything into a temporary sibling directory ``.<DST name>.exl2fmt-partial-<random>`` next to DST
+   (a staged output: ``exl2fmt.container.staging``, which every driver uses for steps 2 and 6);
 3. streams unit by unit: the shard writer knows every header in advance, so it writes each tensor's bytes as
    soon as the unit that produces it has run and keeps nothing else.  A background thread writes (and
    checksums, and periodically ``fdatasync``-s) while the next unit is produced, with at most two produced
@@ -50,11 +51,11 @@ from ..container import (BackgroundWriter, OutSpec, ShardWriter, SourceReader, b
                          plan_shards)
 from ..container.checksums import checksum_of_file_range
 from ..container.dtypes import f32_to_f16
-from ..container.partials import fault_point
-from ..container.publish import (copy_side_files, lower_shield, make_partial_dir, name_unnamed_os_error, publish,
-                                 remove_path, stale_note, write_text)
+from ..container.publish import copy_side_files, write_text
+from ..container.staging import staged_output
 from ..errors import ErrorCode, Exl2Error, Severity
 from ..names import natural_key
+from .options import DEFAULT_SHARD_SIZE
 
 __all__ = [
     "TARGETS", "DEFAULT_SHARD_SIZE", "Options", "OutSpec", "Unit", "LayerReport", "TensorReport",
@@ -63,8 +64,6 @@ __all__ = [
 
 #: Conversion targets (``--to``).
 TARGETS = ("fp16", "bf16", "gptq", "exl2", "gguf")
-#: Default maximum tensor bytes per output shard (Hugging Face's "5GB").
-DEFAULT_SHARD_SIZE = 5_000_000_000
 
 Progress = Callable[[int, int, str], None]
 
@@ -289,13 +288,7 @@ class Converter:
         self.detection = detection
         self.options = options
         self.report = report
-        self.config = self._config()
-
-    def _config(self) -> dict | None:
-        try:
-            return self.model.config
-        except Exl2Error:
-            raise
+        self.config = self.model.config
 
     # --- to override ------------------------------------------------------------------------------------
     def plan(self) -> list[Unit]:
@@ -402,8 +395,6 @@ def run_conversion(converter_cls, src: str | os.PathLike, dst: str | os.PathLike
     src_p, dst_p = Path(os.fspath(src)), Path(os.fspath(dst))
     reader = SourceReader(model)
     conv = converter_cls(reader, detection, options, report)
-    tmp = None
-    writer = bg = None
     try:
         units = conv.plan()
         specs = [s for u in units for s in u.outputs]
@@ -415,87 +406,93 @@ def run_conversion(converter_cls, src: str | os.PathLike, dst: str | os.PathLike
         report.seconds["plan"] = time.perf_counter() - t_start
 
         t0 = time.perf_counter()
-        removed: list[str] = []
-        tmp = make_partial_dir(dst_p, removed)
-        report.warnings.extend(stale_note(removed))
-        fault_point("partial")
-        writer = ShardWriter(tmp, shards, {"format": "pt"})
-        bg = BackgroundWriter(writer)
-        done = 0
-        with _leave_a_core_for_the_writer():
-            for ui, unit in enumerate(units):
-                if _fail_after is not None and ui >= _fail_after:
-                    raise RuntimeError("injected failure (test hook)")
-                arrays = unit.produce()
-                bg.put([(spec.name, arrays[spec.name]) for spec in unit.outputs])
-                del arrays
-                done += sum(spec.nbytes for spec in unit.outputs)
-                if progress is not None:
-                    progress(done, 2 * total, unit.key)
-        bg.close()
-        bg = None
-        report.shards = writer.finish()
-        report.bytes_written = writer.bytes_written
-        conv.finish()
-        cfg = conv.output_config()
-        written = []
-        if cfg is not None:
-            write_text(tmp / "config.json", json.dumps(cfg, indent=2) + "\n")
-            written.append("config.json")
-        for name, text in conv.side_files().items():
-            write_text(tmp / name, text)
-            written.append(name)
-        report.files_written = written + report.shards
-        left_out = None
-        if src_p.is_dir() and options.target in ("gptq", "exl2"):   # a quantized output: its own card (issue 12)
-            from ..modelcard import copy_model_files
+        with staged_output(dst_p, force, warnings=report.warnings) as stage:
+            tmp = stage.path
+            writer = ShardWriter(tmp, shards, {"format": "pt"})
+            bg = None
+            try:
+                bg = BackgroundWriter(writer)
+                _write_units(units, bg, progress, total, _fail_after)
+                bg.close()
+                bg = None
+                report.shards = writer.finish()
+                report.bytes_written = writer.bytes_written
+                left_out = _write_files(conv, src_p, tmp, report)
+                report.seconds["write"] = time.perf_counter() - t0
 
-            report.files_copied, left_out = copy_model_files(src_p, tmp, report.warnings)
-        elif src_p.is_dir():
-            skip = set(conv.side_files().keys())
-            from ..modelcard import is_generated_card, original_card, read_source_card
+                stage.written()
+                t0 = time.perf_counter()
+                _verify(tmp, units, report, progress, writer.checksums, verify)
+                conv.verify_files(tmp)
+                report.seconds["verify"] = time.perf_counter() - t0
+                if left_out is not None:
+                    from ..modelcard import write_conversion_card
 
-            card = read_source_card(src_p)    # copy_side_files warns when it may not be read
-            if is_generated_card(card):       # exl2fmt's card of the quantized source: untrue of this output
-                skip.add("README.md")
-                orig = original_card(card)
-                if orig:
-                    write_text(tmp / "README.md", orig)
+                    write_conversion_card(tmp, src_p, reader.model.config, report, left_out)
                     report.files_written.append("README.md")
-                report.warnings.append(
-                    f"README.md: the source's card describes its {report.source_format.upper()} quantization; "
-                    + ("the original model card it kept is this output's README.md" if orig else "not copied"))
-            report.files_copied = copy_side_files(src_p, tmp, extra_skip=skip, warnings=report.warnings)
-        report.seconds["write"] = time.perf_counter() - t0
-
-        fault_point("written")
-        t0 = time.perf_counter()
-        _verify(tmp, units, report, progress, writer.checksums, verify)
-        conv.verify_files(tmp)
-        report.seconds["verify"] = time.perf_counter() - t0
-        if left_out is not None:
-            from ..modelcard import write_conversion_card
-
-            write_conversion_card(tmp, src_p, reader.model.config, report, left_out)
-            report.files_written.append("README.md")
-        fault_point("verified")
-        publish(tmp, dst_p, force)
-        tmp = None
-        fault_point("published")
-    except BaseException as e:
-        if bg is not None:
-            bg.abort()
-        elif writer is not None:
-            writer.abort()
-        raise name_unnamed_os_error(e, tmp)
+                stage.publish()
+            except BaseException:
+                if bg is not None:
+                    bg.abort()
+                else:
+                    writer.abort()
+                raise
     finally:
         reader.close()
-        if tmp is not None:
-            remove_path(tmp)
-        interrupts = lower_shield()
-    report.warnings.extend(interrupts)
     report.seconds["total"] = time.perf_counter() - t_start
     return report
+
+
+def _write_units(units: list[Unit], bg: BackgroundWriter, progress: Progress | None, total: int,
+                 fail_after: int | None) -> None:
+    """Produce every unit and hand its arrays to the background writer."""
+    done = 0
+    with _leave_a_core_for_the_writer():
+        for ui, unit in enumerate(units):
+            if fail_after is not None and ui >= fail_after:
+                raise RuntimeError("injected failure (test hook)")
+            arrays = unit.produce()
+            bg.put([(spec.name, arrays[spec.name]) for spec in unit.outputs])
+            del arrays
+            done += sum(spec.nbytes for spec in unit.outputs)
+            if progress is not None:
+                progress(done, 2 * total, unit.key)
+
+
+def _write_files(conv: Converter, src_p: Path, tmp: Path, report: ConversionReport):
+    """The files besides the weights: the converter's config.json and side files, and SRC's other files (a
+    quantized output gets its own model card: returns what ``copy_model_files`` left out, else None)."""
+    conv.finish()
+    cfg = conv.output_config()
+    written = []
+    if cfg is not None:
+        write_text(tmp / "config.json", json.dumps(cfg, indent=2) + "\n")
+        written.append("config.json")
+    for name, text in conv.side_files().items():
+        write_text(tmp / name, text)
+        written.append(name)
+    report.files_written = written + report.shards
+    left_out = None
+    if src_p.is_dir() and conv.options.target in ("gptq", "exl2"):   # a quantized output: its own card (issue 12)
+        from ..modelcard import copy_model_files
+
+        report.files_copied, left_out = copy_model_files(src_p, tmp, report.warnings)
+    elif src_p.is_dir():
+        skip = set(conv.side_files().keys())
+        from ..modelcard import is_generated_card, original_card, read_source_card
+
+        card = read_source_card(src_p)    # copy_side_files warns when it may not be read
+        if is_generated_card(card):       # exl2fmt's card of the quantized source: untrue of this output
+            skip.add("README.md")
+            orig = original_card(card)
+            if orig:
+                write_text(tmp / "README.md", orig)
+                report.files_written.append("README.md")
+            report.warnings.append(
+                f"README.md: the source's card describes its {report.source_format.upper()} quantization; "
+                + ("the original model card it kept is this output's README.md" if orig else "not copied"))
+        report.files_copied = copy_side_files(src_p, tmp, extra_skip=skip, warnings=report.warnings)
+    return left_out
 
 
 @contextlib.contextmanager
@@ -516,9 +513,6 @@ def _leave_a_core_for_the_writer():
         yield
     finally:
         numba.set_num_threads(before)
-
-
-VERIFY_MODES = ("auto", "full", "checksum")
 
 
 def _verify(tmp: Path, units: list[Unit], report: ConversionReport, progress: Progress | None,

@@ -33,7 +33,7 @@ import json
 import numpy as np
 
 from .. import __version__
-from ..layout import Format
+from ..layout import GPTQ_BITS, Format
 from ..errors import ErrorCode, Exl2Error
 from .registry import register
 from ..container import SourceReader
@@ -45,7 +45,6 @@ from .slots import BIAS, G_IDX, GPTQ_BIAS, Q_GROUPS, Q_INVPERM, Q_SCALE, Q_SCALE
 
 __all__ = ["Exl2ToGptq", "exl2_layer_to_gptq", "auto_group_size", "sized_bits_group", "gptq_stored_bits"]
 
-GPTQ_TARGET_BITS = (2, 3, 4, 8)
 _AUTO_SIZES = (128, 64, 32)
 
 
@@ -84,7 +83,7 @@ def sized_bits_group(shapes: list[tuple[int, int]], source_bits: int) -> tuple[i
     layers' own ``source_bits``, so the output lands at or just above the source's size and never quantizes
     coarser than the source on average; the largest (8-bit, 32 rows) when none reaches it."""
     cands = sorted((sum(gptq_stored_bits(k, n, b, gs) for n, k in shapes), b, gs)
-                   for b in GPTQ_TARGET_BITS for gs in _AUTO_SIZES)
+                   for b in GPTQ_BITS for gs in _AUTO_SIZES)
     for total, b, gs in cands:
         if total >= source_bits:
             return b, gs
@@ -148,9 +147,7 @@ class Exl2ToGptq(Converter):
 
         o = self.options
         sized = o.bits is None and o.group_size is None
-        bits = 4 if o.bits is None else o.bits
-        if bits not in GPTQ_TARGET_BITS:
-            raise Exl2Error(ErrorCode.USAGE, f"GPTQ bits must be one of {GPTQ_TARGET_BITS}, got {bits}")
+        bits = 4 if o.bits is None else o.bits   # checked by convert (options.check_bits)
         self.bits = bits
         self.sym = True if o.sym is None else bool(o.sym)
         if o.dtype is not None and o.dtype not in ("fp16", "bf16"):  # pragma: no cover - convert() checks

@@ -34,7 +34,7 @@ import numpy as np
 from ..errors import ErrorCode, Exl2Error
 from ..container import f32_to_bf16_bits
 from ..container.dtypes import f32_to_f16
-from .base import Converter, LayerReport, OutSpec, TensorReport, Unit
+from .base import DEFAULT_SHARD_SIZE, Converter, LayerReport, OutSpec, TensorReport, Unit
 from ..names import natural_key
 from .gguf_arch import ROPE_FACTOR_TENSORS, phi3_longrope_back, spec_for_gguf_arch
 from .gguf_io import decode, open_gguf
@@ -394,7 +394,7 @@ class GgufToDense(Converter):
         check_tokenizer_file(Path(tmp) / "tokenizer.json", None if f is None else f.contents())
 
 
-def convert_from_gguf(src, dst, target: str, *, force: bool = False, shard_size: int = 5_000_000_000,
+def convert_from_gguf(src, dst, target: str, *, force: bool = False, shard_size: int = DEFAULT_SHARD_SIZE,
                       progress=None, verify: str = "auto", _fail_after: int | None = None):
     """GGUF file ``src`` -> Hugging Face directory ``dst`` (``target`` fp16 / bf16); see the module docstring."""
     from ..container.publish import check_paths

@@ -30,7 +30,7 @@ from numba import njit, prange
 
 from .. import __version__
 from ..codec.f16 import f16_bits_to_f32, f32_to_f16_bits
-from ..layout import Format
+from ..layout import EXL2_BITS, Format
 from ..errors import ErrorCode, Exl2Error
 from .registry import register
 from ..container import SourceReader
@@ -40,7 +40,6 @@ from .slots import EXL2_BIAS, G_IDX, Q_GROUPS, Q_INVPERM, Q_SCALE, Q_SCALE_MAX, 
 
 __all__ = ["GptqToExl2", "fit_exl2_group", "gptq_layer_to_exl2"]
 
-EXL2_TARGET_BITS = (2, 3, 4, 5, 6, 8)
 _P_GRID = np.linspace(0.70, 1.20, 26, dtype=np.float32)
 
 
@@ -189,8 +188,6 @@ class GptqToExl2(Converter):
             elif info.format is not Format.DENSE:
                 raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layer in a GPTQ model", tensor=key)
         self.plain_dtype = {"fp16": "F16", "bf16": "BF16", None: None}[o.dtype]
-        if o.bits is not None and o.bits not in EXL2_TARGET_BITS:
-            raise Exl2Error(ErrorCode.USAGE, f"EXL2 bits must be one of {EXL2_TARGET_BITS}, got {o.bits}")
         if o.group_size is not None and (o.group_size <= 0 or o.group_size % 32):
             raise Exl2Error(ErrorCode.USAGE, f"EXL2 group size must be a positive multiple of 32, got {o.group_size}")
         self.exl2_units = []
@@ -208,8 +205,8 @@ class GptqToExl2(Converter):
         b_src = info.bits
         if K is None or N is None or b_src is None:
             raise Exl2Error(ErrorCode.SLOT_SHAPE, "cannot tell the GPTQ layer's shape", tensor=key)
-        bits = self.options.bits or b_src
-        if bits not in EXL2_TARGET_BITS:  # pragma: no cover - GPTQ bits are all EXL2 widths
+        bits = self.options.bits or b_src   # the option: checked by convert (options.check_bits)
+        if bits not in EXL2_BITS:  # pragma: no cover - GPTQ bits are all EXL2 widths
             raise Exl2Error(ErrorCode.USAGE, f"no EXL2 width for {bits} bits")
         gs_src = gc.group_size if gc.group_size is not None else (
             -1 if info.groups == 1 else -(-K // info.groups) if info.groups else 128)

@@ -15,7 +15,7 @@ from itertools import repeat
 from .lazynp import np  # numpy on first use: inspect reads headers only
 
 from .errors import ErrorCode, Exl2Error
-from .layout import BIT_WIDTHS, MAX_INT16, MAX_K, ROW_MULTIPLE
+from .layout import BIT_WIDTHS, EXL2_BITS, MAX_INT16, MAX_K, ROW_MULTIPLE
 
 __all__ = ["GroupTable", "decode_q_groups", "q_groups_plan", "encode_q_groups", "group_table_from_rows"]
 
@@ -153,7 +153,8 @@ def _q_groups_plan_checked(vals: list, q_weight_rows: int, *, tensor: str | None
     qrow = vals[1::2]
     for g, b in enumerate(bits):
         if b not in BIT_WIDTHS:
-            fail(ErrorCode.GROUPS_BITS, f"group {g} has bit width {b}; allowed: 2, 3, 4, 5, 6, 8")
+            fail(ErrorCode.GROUPS_BITS, f"group {g} has bit width {b}; allowed: "
+                 f"{', '.join(map(str, sorted(EXL2_BITS)))}")
     # tiers: non-increasing, each width contiguous (non-increasing already implies contiguity)
     for g in range(1, G):
         if bits[g] > bits[g - 1]:

@@ -3,11 +3,8 @@
 ``--force`` replaces an output *of the same kind*, never anything else (git refuses to clobber untracked files,
 ``huggingface-cli download --local-dir`` writes only into a model folder):
 
-* a model directory (``kind="dir"``: the fp16/bf16/gptq/exl2 targets) replaces only a directory that is empty
-  or that exl2fmt (or any Hugging Face tool) could have written: it holds ``config.json`` or
-  ``exl2fmt-manifest.json`` and at least one ``.safetensors`` file (sub-directories are allowed: a converter
-  copies the source's, e.g. a tokenizer folder);
-* a GGUF file (``kind="gguf"``) replaces only a regular file that starts with the GGUF magic;
+* a model directory or a GGUF file (a conversion's DST): ``exl2fmt.container.publish.replaceable`` (checked by
+  ``check_paths``);
 * a single-file side output (``file_output_error``: ``dequantize -o`` a ``.npy``, ``--save-measurement`` a
   ``measurement.json``) replaces only a regular file of its own kind (the NumPy magic; a JSON object whose first
   key is ``measurement`` or ``last_module_idx``), and never one in or under the model being read, or
@@ -25,61 +22,10 @@ from pathlib import Path
 from .container.regular import is_within, real_path
 from .errors import ErrorCode, Exl2Error
 
-__all__ = ["replaceable", "existing_output_error", "kind_of", "name_warning", "infer_target", "file_output_error",
-           "FILE_KINDS"]
+__all__ = ["kind_of", "name_warning", "infer_target", "file_output_error", "FILE_KINDS"]
 
 def kind_of(target: str) -> str:
     return "gguf" if target == "gguf" else "dir"
-
-
-def replaceable(dst: str | os.PathLike, kind: str) -> str | None:
-    """None when ``dst`` (which exists) may be replaced by an output of ``kind``; otherwise what it is, for the
-    message ("a regular file", "a directory without config.json and .safetensors files", ...)."""
-    p = Path(os.fspath(dst))
-    if p.is_symlink():
-        return "a symbolic link"
-    if kind == "gguf":
-        if p.is_dir():
-            return "a directory"
-        if not p.is_file():
-            return "not a regular file"
-        try:
-            with open(p, "rb") as f:
-                magic = f.read(4)
-        except OSError as e:
-            return f"unreadable ({e.strerror or e})"
-        return None if magic == b"GGUF" else "a file that is not GGUF (no GGUF magic)"
-    if not p.is_dir():
-        return "a regular file" if p.is_file() else "not a directory"
-    try:
-        entries = list(os.scandir(p))
-    except OSError as e:
-        return f"an unreadable directory ({e.strerror or e})"
-    if not entries:
-        return None
-    names = {e.name for e in entries}
-    has_meta = bool(names & {"config.json", "exl2fmt-manifest.json"})
-    has_weights = any(n.endswith(".safetensors") for n in names)
-    if not (has_meta and has_weights):
-        return "a directory that holds no model (no config.json and .safetensors files)"
-    return None
-
-
-def existing_output_error(dst: str | os.PathLike, force: bool, kind: str) -> Exl2Error | None:
-    """The error for an existing ``dst`` (None when it does not exist, or ``force`` may replace it)."""
-    p = Path(os.fspath(dst))
-    if not os.path.lexists(p):
-        return None
-    what = "directory" if p.is_dir() and not p.is_symlink() else "file"
-    why = replaceable(p, kind)
-    if why is None:
-        if force:
-            return None
-        return Exl2Error(ErrorCode.OUTPUT_EXISTS, f"the output {what} exists; pass --force to replace it",
-                         file=str(dst))
-    wants = "a GGUF file" if kind == "gguf" else "a model directory (or an empty one)"
-    return Exl2Error(ErrorCode.OUTPUT_EXISTS, f"the output path exists and is {why}; --force replaces only "
-                     f"{wants}: remove it yourself or choose another output path", file=str(dst))
 
 
 def name_warning(dst: str | os.PathLike, target: str) -> str | None:

@@ -43,7 +43,7 @@ TIERS: list[tuple[str, tuple[str, ...]]] = [
     ("runner", ("exl2fmt.runner",)),
     ("checks", ("exl2fmt.inspect", "exl2fmt.validate", "exl2fmt.hub", "exl2fmt.modelcard", "exl2fmt.sample")),
     ("converters/quant", ("exl2fmt.converters", "exl2fmt.quant")),
-    ("cli", ("exl2fmt.cli", "exl2fmt.converters.cli")),
+    ("cli", ("exl2fmt.cli",)),
 ]
 #: what the kernels may import besides themselves: the layout (layout.py and its q_groups table)
 KERNEL_ALLOWED = ("exl2fmt.layout", "exl2fmt.groups")

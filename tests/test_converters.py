@@ -666,7 +666,7 @@ def test_progress_reports_bytes(sample, tmp_path):
 def _app():
     import typer
 
-    from exl2fmt.converters.cli import convert_command
+    from exl2fmt.cli.convert import convert_command
 
     app = typer.Typer()
     app.command("convert")(convert_command)
@@ -679,7 +679,7 @@ def _app():
 
 
 def test_registering_the_cli_command_imports_nothing_heavy():
-    code = ("import sys, exl2fmt.converters.cli\n"
+    code = ("import sys, exl2fmt.cli.convert\n"
             "heavy = [m for m in ('numba', 'numpy', 'torch', 'triton') if m in sys.modules]\n"
             "assert not heavy, heavy\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -319,7 +319,7 @@ def test_lossy_requantization_is_reported(sample, tmp_path):
 
 
 def test_sized_type_ladder_follows_the_layer_bpw_and_the_block_rule():
-    from exl2fmt.converters.gguf_write import SIZED_LADDER, sized_type, type_bpw
+    from exl2fmt.converters.gguf_blocks import SIZED_LADDER, sized_type, type_bpw
 
     assert [type_bpw(t) for t in SIZED_LADDER] == [4.5, 5.0, 5.5, 6.0, 8.5, 16.0]
     rng = np.random.default_rng(0)
@@ -336,7 +336,7 @@ def test_exl2_auto_lands_near_the_source_size_with_every_error_finite(sample, tm
     """Issue 40: --gguf-type auto on an EXL2 source writes each layer near its own bpw (never below it), the
     file near the EXL2's size instead of F16's; every layer's error is finite, and the GGUF decodes back."""
     from exl2fmt.container import open_model
-    from exl2fmt.converters.gguf_write import type_bpw
+    from exl2fmt.converters.gguf_blocks import type_bpw
 
     rep = convert(sample, tmp_path / "a.gguf", "gguf")
     assert rep.verified and rep.options["gguf_type"] == "auto" and set(rep.options["layer_types"]) >= {"Q4_0", "Q8_0"}

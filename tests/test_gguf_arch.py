@@ -69,10 +69,10 @@ _CHUNKED = ("llama-f16.gguf", "llama-q8_0.gguf")
 @pytest.mark.parametrize("golden", sorted(MANIFEST))
 def test_matches_llama_cpp_converter(golden, tiny, tmp_path, monkeypatch):
     """Plain tensors are converted and written a few rows at a time (peak memory: a chunk, not the tensor)."""
-    from exl2fmt.converters import gguf_write
+    from exl2fmt.converters import gguf_plan
 
     if golden in _CHUNKED:
-        monkeypatch.setattr(gguf_write, "_CHUNK_BYTES", 1024)
+        monkeypatch.setattr(gguf_plan, "_CHUNK_BYTES", 1024)
     m = MANIFEST[golden]
     src = tiny(m)
     out = tmp_path / golden

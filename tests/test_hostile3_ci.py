@@ -456,7 +456,7 @@ def test_convert_report_lists_layers_in_natural_order(capsys):
     from types import SimpleNamespace as NS
 
     from exl2fmt.cli.output import Output
-    from exl2fmt.converters.cli import _render
+    from exl2fmt.cli.convert import _render
 
     keys = [f"model.layers.{i}.mlp.down_proj" for i in (0, 1, 10, 11, 2, 3)]
     layers = [NS(key=k, shape=(4, 4), source_plan="a", target_plan="b", exact=True, rel_error=0, max_abs_error=0,

@@ -388,8 +388,8 @@ def demo(
 
 # ------------------------------------------------------------------------------------------------ convert
 
-# The converters own their command (exl2fmt.converters.cli); importing it loads neither numpy nor numba.
-from ..converters.cli import convert_command  # noqa: E402
+# The convert command (cli/convert.py); importing it loads neither numpy nor numba.
+from .convert import convert_command  # noqa: E402
 
 app.command("convert")(convert_command)   # its own exit-code paragraph (in its help) replaces the epilog
 

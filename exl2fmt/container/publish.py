@@ -9,7 +9,16 @@ model directory, and the path rules around them.
 * ``naming_write_errors`` / ``name_unnamed_os_error`` turn an ``OSError`` (a full disk, EIO) into ``IO_ERROR``
   naming the file or the working directory.
 
-Standard library only (``exl2fmt.outputs`` for the replace-an-existing-output rule).
+``--force`` replaces an output *of the same kind*, never anything else (git refuses to clobber untracked files,
+``huggingface-cli download --local-dir`` writes only into a model folder; ``replaceable``):
+
+* a model directory (``kind="dir"``: the fp16/bf16/gptq/exl2 targets) replaces only a directory that is empty
+  or that exl2fmt (or any Hugging Face tool) could have written: it holds ``config.json`` or
+  ``exl2fmt-manifest.json`` and at least one ``.safetensors`` file (sub-directories are allowed: a converter
+  copies the source's, e.g. a tokenizer folder);
+* a GGUF file (``kind="gguf"``) replaces only a regular file that starts with the GGUF magic.
+
+(The single-file side outputs have their rule in ``exl2fmt.outputs``.)  Standard library only.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ from ..errors import ErrorCode, Exl2Error
 
 __all__ = [
     "atomic_write", "write_text", "naming_write_errors", "name_unnamed_os_error", "check_paths", "make_partial_dir",
-    "stale_note", "remove_path", "fsync_dir", "publish", "copy_side_files", "lower_shield",
+    "stale_note", "remove_path", "fsync_dir", "publish", "copy_side_files", "lower_shield", "replaceable",
+    "existing_output_error",
 ]
 
 # Files of SRC that are never copied: weights (rewritten), indexes (regenerated; a stale one breaks loaders),
@@ -127,9 +137,7 @@ def _is_within(child: Path, parent: Path) -> bool:
 
 def check_paths(src: Path, dst: Path, force: bool, kind: str = "dir") -> None:
     """DST must lie outside SRC; an existing DST is an error without ``force``, and with it is replaced only
-    when it is an output of the same ``kind`` (see ``exl2fmt.outputs.replaceable``)."""
-    from ..outputs import existing_output_error
-
+    when it is an output of the same ``kind`` (``replaceable``)."""
     rs, rd = _resolve(src), _resolve(dst)
     # a directory source: nothing may be written inside it; any source: DST must not be it or contain it
     # (replacing DST with --force would delete it)
@@ -139,6 +147,56 @@ def check_paths(src: Path, dst: Path, force: bool, kind: str = "dir") -> None:
     err = existing_output_error(dst, force, kind)
     if err is not None:
         raise err
+
+
+def replaceable(dst: str | os.PathLike, kind: str) -> str | None:
+    """None when ``dst`` (which exists) may be replaced by an output of ``kind``; otherwise what it is, for the
+    message ("a regular file", "a directory without config.json and .safetensors files", ...)."""
+    p = Path(os.fspath(dst))
+    if p.is_symlink():
+        return "a symbolic link"
+    if kind == "gguf":
+        if p.is_dir():
+            return "a directory"
+        if not p.is_file():
+            return "not a regular file"
+        try:
+            with open(p, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            return f"unreadable ({e.strerror or e})"
+        return None if magic == b"GGUF" else "a file that is not GGUF (no GGUF magic)"
+    if not p.is_dir():
+        return "a regular file" if p.is_file() else "not a directory"
+    try:
+        entries = list(os.scandir(p))
+    except OSError as e:
+        return f"an unreadable directory ({e.strerror or e})"
+    if not entries:
+        return None
+    names = {e.name for e in entries}
+    has_meta = bool(names & {"config.json", "exl2fmt-manifest.json"})
+    has_weights = any(n.endswith(".safetensors") for n in names)
+    if not (has_meta and has_weights):
+        return "a directory that holds no model (no config.json and .safetensors files)"
+    return None
+
+
+def existing_output_error(dst: str | os.PathLike, force: bool, kind: str) -> Exl2Error | None:
+    """The error for an existing ``dst`` (None when it does not exist, or ``force`` may replace it)."""
+    p = Path(os.fspath(dst))
+    if not os.path.lexists(p):
+        return None
+    what = "directory" if p.is_dir() and not p.is_symlink() else "file"
+    why = replaceable(p, kind)
+    if why is None:
+        if force:
+            return None
+        return Exl2Error(ErrorCode.OUTPUT_EXISTS, f"the output {what} exists; pass --force to replace it",
+                         file=str(dst))
+    wants = "a GGUF file" if kind == "gguf" else "a model directory (or an empty one)"
+    return Exl2Error(ErrorCode.OUTPUT_EXISTS, f"the output path exists and is {why}; --force replaces only "
+                     f"{wants}: remove it yourself or choose another output path", file=str(dst))
 
 
 def make_partial_dir(dst: Path, removed: list[str] | None = None) -> Path:

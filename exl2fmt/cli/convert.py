@@ -1,8 +1,9 @@
 """``exl2fmt convert``: the command-line face of ``exl2fmt.converters.convert``.
 
 ``convert_command`` is a plain typer-compatible function; the CLI registers it with
-``app.command("convert", epilog=...)(convert_command)``.  Imports stay inside the function so that
-registering it costs nothing at CLI start-up.
+``app.command("convert")(convert_command)`` (``cli/commands.py``).  Imports stay inside the function so that
+registering it costs nothing at CLI start-up.  Which parameters are the quantizer's options, and which flag
+each option has, comes from ``exl2fmt.converters.options`` (the table ``convert`` checks its arguments with).
 """
 
 from __future__ import annotations
@@ -230,22 +231,23 @@ def convert_command(
     3 unreadable or unsupported source, or a missing optional package (the pip command is named) ·
     4 internal error (the traceback with --debug) · 130 interrupted (the quantizer's progress is kept for --resume).
     """
-    from exl2fmt.cli.errors import EXIT_OK, Interrupted, handle_exception, set_debug
-    from exl2fmt.cli.output import Output
+    from .errors import EXIT_OK, Interrupted, handle_exception, set_debug
+    from .output import Output
 
     if debug:   # also after the command; the root --debug has set it already
         set_debug(True)
 
-    from exl2fmt.container.partials import SHIELD
+    from ..container.partials import SHIELD
 
     out = Output("json" if json_ else "human")
     given = _given(ctx)
     bar = None
     target = None
     try:
-        from exl2fmt.converters import convert
-        from exl2fmt.errors import ErrorCode, Exl2Error
-        from exl2fmt.outputs import infer_target, name_warning
+        from ..converters import convert
+        from ..converters.options import QUANT_OPTIONS, convert_option, refusal
+        from ..errors import ErrorCode, Exl2Error
+        from ..outputs import infer_target, name_warning
 
         if to is None:
             target = infer_target(dst)
@@ -254,17 +256,13 @@ def convert_command(
                                 "left out only when DST ends in .gguf)")
         else:
             target = to.value
-        if target == "gguf" and "shard_size" in given:
-            raise Exl2Error(ErrorCode.USAGE, "--shard-size does not apply to --to gguf (one file)")
+        shard = convert_option("shard_size")   # convert() checks the other options (it always has a shard size)
+        if shard.parameter in given and target not in shard.targets:
+            raise refusal(shard.key, target)
         # said once the arguments have passed (at the first progress step, or with the report)
         warn = name_warning(dst, target) if out.mode == "human" else None
-        quant = {k: v for k, v in {
-            "head_bits": head_bits, "calibration": calibration, "rows": rows, "length": length,
-            "measurement": measurement, "save_measurement": save_measurement, "device": device, "seed": seed,
-            "measure_rows": measure_rows, "measure_search": measure_search, "batch_tokens": batch_tokens,
-            "measure_precision": measure_precision,
-            "resume": resume, "act_order": act_order, "order": order, "work_dir": work_dir, "extended": not upstream_tables,
-            "refine_scales": refine_scales}.items() if _QUANT_PARAM.get(k, k) in given}
+        # the quantizer's options set on the command line, by their quant= keys (a default is not passed)
+        quant = {o.key: (o.from_cli or _same)(ctx.params[o.parameter]) for o in QUANT_OPTIONS if o.parameter in given}
         bar = _progress(out, status_lines, target, measuring=measurement is None, resume=resume, dst=dst,
                         work_dir=work_dir, warn=warn)
         # SIGTERM is Ctrl-C until DST is published; from then on SIGINT / SIGTERM are only noted until the report
@@ -293,8 +291,8 @@ def convert_command(
     raise typer.Exit(code or 0)
 
 
-#: convert's parameter names of the quantizer options (``quant`` keys) where they differ
-_QUANT_PARAM = {"extended": "upstream_tables"}
+def _same(v):
+    return v
 
 
 def _given(ctx) -> set[str]:
@@ -314,7 +312,7 @@ def _progress(out, status_lines: bool, target: str, *, measuring: bool, resume: 
     the quantizer starts)."""
     import sys
 
-    from exl2fmt.cli.progress import Bar, Overall, StatusLines, phases_for, plain_progress
+    from .progress import Bar, Overall, StatusLines, phases_for, plain_progress
 
     quantizing = target in ("exl2", "gptq")
     overall = Overall(phases_for(target, measuring) if quantizing else [])
@@ -355,7 +353,7 @@ def _jit_notice(out, bar):
 
     if out.mode == "json":
         return contextlib.nullcontext()
-    from exl2fmt.jitnote import compile_notice
+    from ..jitnote import compile_notice
 
     def say(msg: str) -> None:
         _clear(bar)
@@ -371,7 +369,7 @@ def _clear(bar) -> None:
 
 
 def _resume_note(out, dst, work_dir, draw) -> None:
-    from exl2fmt.quant.workdir import describe, work_root
+    from ..quant.workdir import describe, work_root
 
     root = work_root(dst, work_dir)
     d = describe(root) if root.exists() else None
@@ -385,7 +383,7 @@ def _resume_note(out, dst, work_dir, draw) -> None:
 
 def _interrupted_note(out, dst, work_dir) -> None:
     """After Ctrl-C / SIGTERM in the quantizer: where its progress is and how to continue or discard it."""
-    from exl2fmt.quant.workdir import describe, work_root
+    from ..quant.workdir import describe, work_root
 
     root = work_root(dst, work_dir)
     d = describe(root) if root.exists() else None
@@ -446,7 +444,7 @@ def _render(out, rep) -> None:
     if out.mode == "json":
         out.json(rep.as_dict())
         return
-    from exl2fmt.names import layer_order_key   # layer tables in model order: block 2 before block 10
+    from ..names import layer_order_key   # layer tables in model order: block 2 before block 10
 
     if not hasattr(rep, "source_format"):  # the quantizer's report
         for w in rep.warnings:
