@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Callable
 from ..errors import ErrorCode, Exl2Error
 
 if TYPE_CHECKING:  # annotations only: importing base here would load numpy and the codecs
-    from ..quant.pipeline import QuantReport
+    from ..quant.report import QuantReport
     from .base import ConversionReport, Progress
 
 __all__ = ["register", "get", "registered", "convert", "quantize", "ConversionReport", "LayerReport", "TARGETS",
@@ -332,11 +332,24 @@ def _check_arguments(target: str, bits, group_size, sym, dtype, gguf_type) -> No
         raise Exl2Error(ErrorCode.USAGE, f"--gguf-type applies only to --to gguf, not --to {target}")
 
 
+def validate_quantized_output(path) -> None:
+    """The quantizer's staged output must pass the deep validator (``quantize_model(verify_output=)``): the first
+    failing check is ``Exl2Error(REFERENCE_MISMATCH)`` naming it."""
+    from ..validate import validate_model
+
+    rep = validate_model(path, deep=True)
+    if rep.failed:
+        first = next(c for c in rep.checks if c.status.value == "FAIL")
+        raise Exl2Error(ErrorCode.REFERENCE_MISMATCH, f"the quantized output fails validation: [{first.code}] "
+                        f"{first.message}", file=str(path))
+
+
 def _quantize(src, dst, target, bits, group_size, sym, size, force, progress, quant, linear_layers=None):
     """Dense source -> EXL2 / GPTQ: the calibrated quantizer (``exl2fmt.quant.pipeline``).  ``linear_layers``:
     the source's linear layers as ``inspect`` counts them; those the quantizer keeps unquantized are named in a
     warning, so the two counts can be reconciled."""
-    from ..quant.pipeline import QuantOptions, quantize_model
+    from ..quant.options import QuantOptions
+    from ..quant.pipeline import quantize_model
 
     q = {k: v for k, v in dict(quant or {}).items() if v is not None}
     if group_size is not None:
@@ -350,7 +363,7 @@ def _quantize(src, dst, target, bits, group_size, sym, size, force, progress, qu
     if progress is not None:   # at once: tokenizing and embedding the calibration set takes a while
         progress(0, 1, "calibrate: calibrating (tokenizing and embedding the calibration set)")
     cb = None if progress is None else (lambda phase, done, total, what: progress(done, total, f"{phase}: {what}"))
-    rep = quantize_model(src, dst, opts, force=force, progress=cb)
+    rep = quantize_model(src, dst, opts, force=force, progress=cb, verify_output=validate_quantized_output)
     if linear_layers:
         done = {l.key for l in rep.layers}
         kept = [k for k in linear_layers if k not in done and k != "lm_head"]  # GPTQ keeps a dense head
@@ -375,7 +388,8 @@ def _gguf_to_quantized(src, dst, target, bits, group_size, sym, size, force, pro
     from ..container.publish import check_paths, make_partial_dir, stale_note
     from .gguf_read import convert_from_gguf
 
-    from ..quant.pipeline import QuantOptions, check_side_paths
+    from ..quant.options import QuantOptions
+    from ..quant.pipeline import check_side_paths
 
     q0 = {k: v for k, v in dict(quant or {}).items() if v is not None and k in QuantOptions.__dataclass_fields__}
     o = QuantOptions(target=target, bits=bits, shard_size=size, **q0).resolved()   # the options, before DST
