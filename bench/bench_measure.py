@@ -39,7 +39,9 @@ def _arm(model: str, dst: str, rows: int, length: int, bits: float, measure_rows
     """One quantization in this process: its seconds, peak RSS and output hashes."""
     import resource
 
-    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.converters import validate_quantized_output
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
 
     extra = {} if search is None else {"measure_search": search}
     if precision is not None:
@@ -48,7 +50,7 @@ def _arm(model: str, dst: str, rows: int, length: int, bits: float, measure_rows
                      save_measurement=mfile, calibration=calibration, **extra)
     import exl2fmt
 
-    rep = quantize_model(model, dst, o)
+    rep = quantize_model(model, dst, o, verify_output=validate_quantized_output)
     sha = {f: hashlib.sha256((Path(dst) / f).read_bytes()).hexdigest()
            for f in ("output.safetensors", "measurement.json")}
     ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -76,7 +78,7 @@ def main() -> None:
         print(json.dumps(_arm(a.model, dst, a.rows, a.length, a.bits, mr, mfile, search, precision,
                               a.calibration)))
         return
-    from exl2fmt.quant.pipeline import plan_from_measurement
+    from exl2fmt.quant.measure import plan_from_measurement
 
     load = os.getloadavg()
     # "default": the tree's own default (``measure_rows`` None; every row before 2026-12-03, a quarter since);

@@ -86,7 +86,9 @@ def child(src: str, dst: str, bits: float, rows: int, length: int, ids: str | No
     from exl2fmt.cli.app import set_runtime_env
 
     set_runtime_env(["convert", src, dst, "--to", "exl2"])   # what that exl2fmt command sets before torch loads
-    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.converters import validate_quantized_output
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
 
     phase, peaks = ["setup"], {}
     base = _rss_kb()
@@ -103,7 +105,8 @@ def child(src: str, dst: str, bits: float, rows: int, length: int, ids: str | No
     threading.Thread(target=sample, daemon=True).start()
     t = time.monotonic()
     rep = quantize_model(src, dst, QuantOptions(target="exl2", bits=bits, rows=rows, length=length, device="cpu",
-                                                calibration=ids), progress=progress)
+                                                calibration=ids), progress=progress,
+                         verify_output=validate_quantized_output)
     time.sleep(0.05)
     print(json.dumps({"seconds": rep.seconds, "wall": time.monotonic() - t, "bpw": rep.decoder_bpw,
                       "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "base_kb": base,

@@ -1,5 +1,5 @@
 """A/B of the measurement's block error on the trained fixture (issue 40): the per-token relative error
-(``pipeline._rel_err_tokens``, the default since 2026-12-07) against the former per-calibration-row error, in one
+(``common.rel_err_tokens``, the default since 2026-12-07) against the former per-calibration-row error, in one
 process and one session, through ``bench/quality.py``'s run (the same calibration, evaluation and bitrates; only the
 error function differs). GPTQ and round-to-nearest use no measurement and are left out.
 
@@ -39,16 +39,19 @@ def main() -> None:
     ap.add_argument("--before", default="rows", choices=sorted(VARIANTS), help="the error the default is compared with")
     a = ap.parse_args()
     bits = tuple(float(b) for b in a.bits.split(","))
-    import exl2fmt.quant.pipeline as P
+    from exl2fmt.quant import common, gptq_pass, measure
     from quality import run
 
-    per_token = P._rel_err_tokens
+    per_token = common.rel_err_tokens
+    users = (measure, gptq_pass)            # the modules that call it: the measurement and the block results
     out = {}
     for name, fn in (("rows", VARIANTS[a.before]), ("tokens", per_token)):
-        P._rel_err_tokens = fn
+        for m in users:
+            m.rel_err_tokens = fn
         with tempfile.TemporaryDirectory() as d:
             out[name] = run(Path(d), exl2_bits=bits, gptq=False, rtn=False, fp16_head=False, log=lambda *x: None)
-    P._rel_err_tokens = per_token
+    for m in users:
+        m.rel_err_tokens = per_token
     print(f"| model | KL {a.before} | KL tokens (default) | top-1 {a.before} | top-1 tokens | ppl {a.before} | ppl tokens |")
     print("|---|---|---|---|---|---|---|")
     for k in out["tokens"]:

@@ -214,22 +214,25 @@ def run_optimizer(optimize, model, measurement: dict, bits: float) -> dict:
 def measure_model(src: Path, calibration: str | None, work: Path, rows: int, length: int):
     """exl2fmt's measurement of ``src``: (the file as written, the rows before writing {key: [(option,
     bits, accuracy)]} in exl2fmt's table order, upstream's rows first)."""
-    from exl2fmt.quant import qparams as QP
-    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.converters import validate_quantized_output
+    from exl2fmt.quant import measure as M
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
 
     seen = {}
-    orig = QP.write_measurement
+    orig = M.write_measurement          # qparams.write_measurement, as the measurement module calls it
 
     def spy(path, measured, last):
         seen.update({k: list(v) for k, v in measured.items()})
         return orig(path, measured, last)
 
-    QP.write_measurement = spy
+    M.write_measurement = spy
     try:
         quantize_model(src, work / "exl2-4.0", QuantOptions(target="exl2", bits=4.0, rows=rows, length=length,
-                                                            device="cpu", calibration=calibration))
+                                                            device="cpu", calibration=calibration),
+                       verify_output=validate_quantized_output)
     finally:
-        QP.write_measurement = orig
+        M.write_measurement = orig
     return json.loads((work / "exl2-4.0" / "measurement.json").read_text()), seen
 
 
@@ -366,7 +369,9 @@ def gptq_check(scratch: Path, work: Path, src: Path, calibration: str | None, id
                length: int, log) -> dict:
     from exl2fmt.quant.evaluate import dequantized_source
     from exl2fmt.runner.model import HFModel
-    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.converters import validate_quantized_output
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
 
     np.save(work / "ids.npy", ids.numpy())
     variants = {f"{'sym' if sym else 'asym'} {order}": dict(sym=sym, order=order)
@@ -377,7 +382,8 @@ def gptq_check(scratch: Path, work: Path, src: Path, calibration: str | None, id
     for name, kw in variants.items():
         p = work / f"gptq-{name.replace(' ', '-')}"
         quantize_model(src, p, QuantOptions(target="gptq", bits=4, group_size=128, rows=rows, length=length,
-                                            device="cpu", calibration=calibration, **kw))
+                                            device="cpu", calibration=calibration, **kw),
+                       verify_output=validate_quantized_output)
         paths[name] = (str(p), str(p))
         if renames:
             # the same checkpoint under transformers 5's in-memory MoE names (what GPTQModel 7.7 looks for)

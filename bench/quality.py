@@ -61,7 +61,9 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
     ``batch_tokens``: ``QuantOptions.batch_tokens`` of every quantization (None = the default for the model)."""
     from exl2fmt.quant.evaluate import compare_many, dequantized_source, eval_ids
     from exl2fmt.runner.model import HFModel
-    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.converters import validate_quantized_output
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
     from exl2fmt.runner.weights import WeightSource
 
     model = HFModel.open(FIXTURE)
@@ -74,7 +76,7 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
         opts = QuantOptions(target="exl2", bits=bits, rows=rows_cal, length=length_cal, device="cpu",
                             refine_scales=refine_scales, measure_rows=measure_rows, batch_tokens=batch_tokens,
                             **({"save_measurement": str(meas)} if i == 0 else {"measurement": str(meas)}))
-        rep = quantize_model(FIXTURE, work / f"exl2-{bits}", opts)
+        rep = quantize_model(FIXTURE, work / f"exl2-{bits}", opts, verify_output=validate_quantized_output)
         name = f"EXL2 {bits}"
         deq = dequantized_source(work / f"exl2-{bits}")
         tests[name] = deq
@@ -90,7 +92,8 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
         # the same measurement, but only ExLlamaV2's own candidate rows may be chosen
         rep = quantize_model(FIXTURE, work / f"exl2-up-{bits}", QuantOptions(
             target="exl2", bits=bits, rows=rows_cal, length=length_cal, device="cpu", measurement=str(meas),
-            extended=False, refine_scales=refine_scales, batch_tokens=batch_tokens))
+            extended=False, refine_scales=refine_scales, batch_tokens=batch_tokens),
+                             verify_output=validate_quantized_output)
         deq = dequantized_source(work / f"exl2-up-{bits}")
         mem = {n: deq.get(n) for n in deq.names()}
         mem["lm_head.weight"] = ref.get("lm_head.weight")
@@ -101,7 +104,8 @@ def run(work: Path, exl2_bits=EXL2_BITS, rows_cal=None, length_cal=None, rows_ev
         t = time.monotonic()
         rep = quantize_model(FIXTURE, work / "gptq-4-g128", QuantOptions(target="gptq", bits=4, group_size=128,
                                                                         rows=rows_cal, length=length_cal,
-                                                                        device="cpu", batch_tokens=batch_tokens))
+                                                                        device="cpu", batch_tokens=batch_tokens),
+                             verify_output=validate_quantized_output)
         tests["GPTQ 4b g128"] = dequantized_source(work / "gptq-4-g128")
         info["GPTQ 4b g128"] = {"bpw": _gptq_bpw(work / "gptq-4-g128"), "head_bpw": 16.0,
                                 "seconds": time.monotonic() - t}
@@ -126,7 +130,9 @@ def gptq_orders(work: Path, orders=GPTQ_ORDERS, bits=4, group_size=128, sym=True
     from exl2fmt.container import open_model
     from exl2fmt.quant.evaluate import compare_many, dequantized_source, eval_ids
     from exl2fmt.runner.model import HFModel
-    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.converters import validate_quantized_output
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
 
     model = HFModel.open(FIXTURE)
     ids = eval_ids(FIXTURE / "tokenizer.json", rows_eval, length_eval)
@@ -136,7 +142,8 @@ def gptq_orders(work: Path, orders=GPTQ_ORDERS, bits=4, group_size=128, sym=True
         name = f"GPTQ {bits}b g{group_size} {order or 'default'}"
         out = work / f"gptq-{order}"
         quantize_model(FIXTURE, out, QuantOptions(target="gptq", bits=bits, group_size=group_size, sym=sym,
-                                                  order=order, rows=rows_cal, length=length_cal, device="cpu"))
+                                                  order=order, rows=rows_cal, length=length_cal, device="cpu"),
+                       verify_output=validate_quantized_output)
         m = open_model(out)
         try:
             monotone = all(bool(np.all(np.diff(np.asarray(m.get(n)).astype(np.int64)) >= 0))

@@ -47,10 +47,10 @@ if TYPE_CHECKING:  # annotations only: importing base here would load numpy and 
     from .base import ConversionReport, Progress
 
 __all__ = ["register", "get", "registered", "convert", "quantize", "ConversionReport", "LayerReport", "TARGETS",
-           "DEFAULT_SHARD_SIZE", "VERIFY_MODES", "QUANT_FLAGS"]
+           "DEFAULT_SHARD_SIZE", "VERIFY_MODES", "QUANT_FLAGS", "validate_quantized_output"]
 
 _LAZY = {"ConversionReport": "base", "LayerReport": "base", "TARGETS": "base", "Options": "base",
-         "register": "registry"}
+         "register": "registry", "validate_quantized_output": "routes"}
 
 
 def __getattr__(name: str):

@@ -189,7 +189,8 @@ def _quantize(src, job: Job, quant: dict | None = None, linear_layers=None):
     """``src`` (a dense model directory) -> EXL2 / GPTQ in ``job.dst``: the calibrated quantizer
     (``exl2fmt.quant.pipeline``).  ``linear_layers``: the source's linear layers as ``inspect`` counts them; those
     the quantizer keeps unquantized are named in a warning, so the two counts can be reconciled."""
-    from ..quant.pipeline import QuantOptions, quantize_model
+    from ..quant.options import QuantOptions
+    from ..quant.pipeline import quantize_model
 
     progress = job.progress
     q = {k: v for k, v in dict((job.quant if quant is None else quant) or {}).items() if v is not None}
@@ -204,7 +205,7 @@ def _quantize(src, job: Job, quant: dict | None = None, linear_layers=None):
     if progress is not None:   # at once: tokenizing and embedding the calibration set takes a while
         progress(0, 1, "calibrate: calibrating (tokenizing and embedding the calibration set)")
     cb = None if progress is None else (lambda phase, done, total, what: progress(done, total, f"{phase}: {what}"))
-    rep = quantize_model(src, job.dst, opts, force=job.force, progress=cb)
+    rep = quantize_model(src, job.dst, opts, force=job.force, progress=cb, verify_output=validate_quantized_output)
     if linear_layers:
         done = {l.key for l in rep.layers}
         kept = [k for k in linear_layers if k not in done and k != "lm_head"]  # GPTQ keeps a dense head

@@ -53,7 +53,7 @@ def _with_routers(tmp_path, leaf: str):
 
 
 def test_inspect_validate_and_quantizer_leave_16bit_routers_out(tmp_path):
-    from exl2fmt.quant.pipeline import _measured_decoder_bpw
+    from exl2fmt.quant.compile import stored_decoder_bpw
 
     d, without, with_routers = _with_routers(tmp_path, "block_sparse_moe.gate")
     rep = inspect_model(d)
@@ -63,7 +63,8 @@ def test_inspect_validate_and_quantizer_leave_16bit_routers_out(tmp_path):
     routers = [r for r in rep["layers"] if r["stays_16bit"]]
     assert len(routers) == 2 and all(r["key"].endswith("block_sparse_moe.gate") and r["format"] == "dense"
                                      for r in routers)
-    assert _measured_decoder_bpw(d) == b["decoder"]
+    in_blocks = [r["key"] for r in rep["layers"] if r["block"] not in (None, "head")]    # the routers too
+    assert stored_decoder_bpw(d, in_blocks) == b["decoder"]
     v = validate_model(d)
     [c] = [c for c in v.checks if c.check == "bits"]
     assert c.code == "BITS_OK" and f"{without:.4f}" in c.message

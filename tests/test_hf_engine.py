@@ -21,6 +21,7 @@ from tiny_models import DENSE, OTHER, make_tiny  # noqa: E402
 from exl2fmt.errors import ErrorCode, Exl2Error  # noqa: E402
 from exl2fmt.runner.weights import WeightSource  # noqa: E402
 from exl2fmt.runner.model import HFModel  # noqa: E402
+from exl2fmt.converters import validate_quantized_output  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -114,11 +115,11 @@ def test_a_sweep_stopped_at_a_later_groups_input_gathers_the_same_hessian(tiny, 
     Hessian must be the full sweep's, bit for bit; such a sweep returns None and refuses a stop it cannot
     honour (a linear outside the block's dense ones, or one whose Hessian it does not collect)."""
     from exl2fmt.quant.gptq import HessianAccumulator
-    from exl2fmt.quant.pipeline import _batches
+    from exl2fmt.quant.common import row_batches
 
     eng, h = _embedded(tiny(arch), 3, 3, 16)
     for kind in ("attn", "mlp"):
-        blk = eng.block(0, kind, _batches(3, 16, 32))
+        blk = eng.block(0, kind, row_batches(3, 16, 32))
         if kind == "attn":
             blk.sweep(h, None, record=True)
         owner = eng.groups(kind)[-1][0]
@@ -143,12 +144,12 @@ def test_a_block_finished_from_its_kept_tail_is_the_full_sweep_bit_for_bit(tiny,
     linear.  A module that changes its last linear's output (here a hook doubling it) cannot be rebuilt: nothing
     is kept and finish() runs the block, honouring the change."""
     from exl2fmt.quant.gptq import HessianAccumulator
-    from exl2fmt.quant.pipeline import _batches
+    from exl2fmt.quant.common import row_batches
     from exl2fmt.runner.weights import dense_linear
 
     eng, h = _embedded(tiny(arch), 4, 3, 16)
     for kind in ("attn", "mlp"):
-        blk = eng.block(0, kind, _batches(3, 16, 32))
+        blk = eng.block(0, kind, row_batches(3, 16, 32))
         W = blk.weights()
         subs = {n: dense_linear(w * (1 + 2 ** -4 * (j + 1)), b) for j, (n, (w, b)) in enumerate(W.items())}
         want = blk.sweep(h, subs, record=True)
@@ -191,12 +192,12 @@ def test_the_mlp_half_runs_without_the_attention_weights_and_a_full_forward_relo
     """drop_attention frees the attention module's float32 parameters for the MLP half (which replays the
     recorded attention result): its sweep is bit-identical without them, they are really gone (meta), and a
     forward that runs attention again loads them back and matches the forward before the drop."""
-    from exl2fmt.quant.pipeline import _batches
+    from exl2fmt.quant.common import row_batches
 
     eng, h = _embedded(tiny(arch), 5, 2, 16)
-    attn = eng.block(0, "attn", _batches(2, 16, 16))
+    attn = eng.block(0, "attn", row_batches(2, 16, 16))
     attn.sweep(h, None, record=True)
-    mlp = eng.block(0, "mlp", _batches(2, 16, 16))
+    mlp = eng.block(0, "mlp", row_batches(2, 16, 16))
     want = mlp.sweep(h, None)
     whole = mlp.advance_reference(h)
     child = mlp.runner.layer.get_submodule(eng.structure.attn_child)
@@ -214,11 +215,11 @@ def test_a_quantized_linears_original_weight_can_be_freed(tiny, arch):
     """drop_linear frees a linear's float32 weight once every later forward substitutes it (the quantize pass with
     the FP16 trajectory handed over): sweeps with substitutes are bit-identical without it, the parameter is meta,
     and rows of a fused module (phi3's qkv_proj / gate_up_proj) are kept."""
-    from exl2fmt.quant.pipeline import _batches
+    from exl2fmt.quant.common import row_batches
     from exl2fmt.runner.weights import dense_linear
 
     eng, h = _embedded(tiny(arch), 6, 2, 16)
-    blk = eng.block(0, "attn", _batches(2, 16, 16))
+    blk = eng.block(0, "attn", row_batches(2, 16, 16))
     W = blk.weights()
     subs = {n: dense_linear(w.clone(), b) for n, (w, b) in W.items()}
     want = blk.sweep(h, subs, record=True)
@@ -257,14 +258,16 @@ def test_unknown_or_unsupported_architectures_are_arch_unsupported(tiny, tmp_pat
 @pytest.mark.parametrize("arch", ["cohere"] + [pytest.param(a, marks=pytest.mark.slow)
                                                for a in ("gemma2", "starcoder2", "granite", "phi3")])
 def test_calibrated_gptq_on_other_architectures_validates(tiny, tmp_path, arch):
-    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
     from exl2fmt.validate import validate_model
 
     d = tiny(arch)
     ids = tmp_path / "ids.npy"
     np.save(ids, np.random.default_rng(0).integers(0, 160, (4, 32)))
     r = quantize_model(d, tmp_path / "q", QuantOptions(target="gptq", bits=4, group_size=32, calibration=str(ids),
-                                                       rows=4, length=32, device="cpu"))
+                                                       rows=4, length=32, device="cpu"),
+                       verify_output=validate_quantized_output)
     assert not any("weight-only" in w for w in r.warnings), r.warnings
     n_lin = len(_engine(d).source_keys(0)) * 2            # GPTQ keeps fused projections fused
     assert len(r.layers) == n_lin and r.calibration_ppl is not None
@@ -301,7 +304,8 @@ def test_validate_still_catches_a_wrong_expert_width(tiny, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["starcoder2", "olmo2", "phi3"])
 def test_calibrated_exl2_on_other_architectures_round_trips_its_measurement(tiny, tmp_path, arch):
-    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
     from exl2fmt.validate import validate_model
 
     d = tiny(arch)
@@ -309,11 +313,12 @@ def test_calibrated_exl2_on_other_architectures_round_trips_its_measurement(tiny
     np.save(ids, np.random.default_rng(0).integers(0, 160, (4, 32)))
     m = tmp_path / "m.json"
     opts = dict(target="exl2", bits=4.0, calibration=str(ids), rows=4, length=32, device="cpu")
-    r = quantize_model(d, tmp_path / "a", QuantOptions(**opts, save_measurement=str(m)))
+    r = quantize_model(d, tmp_path / "a", QuantOptions(**opts, save_measurement=str(m)),
+                       verify_output=validate_quantized_output)
     assert 3.98 <= r.decoder_bpw <= 4.0 and not any("weight-only" in w for w in r.warnings)
     assert any("ExLlamaV2 may not load" in w for w in r.warnings) == (arch == "olmo2")
     assert not validate_model(tmp_path / "a", deep=True).failed
-    quantize_model(d, tmp_path / "b", QuantOptions(**opts, measurement=str(m)))
+    quantize_model(d, tmp_path / "b", QuantOptions(**opts, measurement=str(m)), verify_output=validate_quantized_output)
     for f in ("output.safetensors", "config.json"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
     if arch == "phi3":          # fused projections are written split, as ExLlamaV2 stores them; no fp16 copy left
@@ -334,7 +339,8 @@ def test_bf16_scoring_of_fused_and_routed_linears_measures_what_fp32_does(tiny, 
     0.3 % of itself of the fp32 measurement's."""
     from conftest import force_delta_scoring
 
-    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
 
     d = tiny(arch)
     ids = tmp_path / "ids.npy"
@@ -345,7 +351,7 @@ def test_bf16_scoring_of_fused_and_routed_linears_measures_what_fp32_does(tiny, 
         m = tmp_path / f"{p}.json"
         quantize_model(d, tmp_path / p, QuantOptions(target="exl2", bits=6.0, calibration=str(ids), rows=4,
                                                      length=32, device="cpu", measure_precision=p,
-                                                     save_measurement=str(m)))
+                                                     save_measurement=str(m)), verify_output=validate_quantized_output)
         got[p] = json.loads(m.read_text())["measurement"]
     assert made and not [n for n in made if "experts." in n]
     assert {"q_proj", "k_proj", "v_proj", "gate_proj" if arch == "phi3" else "o_proj"} <= set(made)

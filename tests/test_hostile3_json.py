@@ -280,12 +280,12 @@ def test_every_tokenizer_payload(case, tmp_path):
 @pytest.mark.parametrize("case", _cases("job"), ids=_name)
 def test_every_job_payload(case, tmp_path):
     _needs_quant()
-    from exl2fmt.quant import pipeline
+    from exl2fmt.quant import job
 
     root = tmp_path / "w"
     root.mkdir()
     shutil.copyfile(CAT / case["file"], root / "job.json")
-    e = _raises(lambda: pipeline._Work(root, {"x": 1}, resume=True))
+    e = _raises(lambda: job.Work(root, {"x": 1}, resume=True))
     assert e.code is ErrorCode.CHECKPOINT_INVALID and e.file == str(root / "job.json"), e
 
 

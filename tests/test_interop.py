@@ -26,6 +26,7 @@ from exl2fmt.errors import ErrorCode, Exl2Error  # noqa: E402
 from exl2fmt.layout import Tier, exl2_total_bits, pad32  # noqa: E402
 from exl2fmt.quant import qparams as QP  # noqa: E402
 from exl2fmt.quant.gptq import group_aware_order, prepare, quantize_gptq  # noqa: E402
+from exl2fmt.converters import validate_quantized_output  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def tiny(tmp_path_factory):
 
 
 def _opts(ids, **kw):
-    from exl2fmt.quant.pipeline import QuantOptions
+    from exl2fmt.quant.options import QuantOptions
 
     base = dict(target="exl2", bits=5.0, calibration=str(ids), rows=4, length=32, device="cpu")
     base.update(kw)
@@ -57,7 +58,7 @@ def exl2_out(tiny, tmp_path_factory):
     src, ids = tiny
     out = tmp_path_factory.mktemp("exl2") / "q"
     saved = out.parent / "saved.json"
-    quantize_model(src, out, _opts(ids, save_measurement=str(saved)))
+    quantize_model(src, out, _opts(ids, save_measurement=str(saved)), verify_output=validate_quantized_output)
     return out, saved
 
 
@@ -125,7 +126,7 @@ def test_a_measurement_in_any_option_order_gives_the_same_model(tiny, exl2_out, 
     doc["measurement"]["model.norm.norm"] = None        # and null entries for the modules it does not measure
     p = tmp_path / "shuffled.json"
     p.write_text(json.dumps(doc))
-    quantize_model(src, tmp_path / "b", _opts(ids, measurement=str(p)))
+    quantize_model(src, tmp_path / "b", _opts(ids, measurement=str(p)), verify_output=validate_quantized_output)
     for f in ("output.safetensors", "measurement.json"):
         assert (tmp_path / "b" / f).read_bytes() == (out / f).read_bytes(), f
 
@@ -145,7 +146,7 @@ def test_a_measurement_of_another_model_is_refused_up_front(tiny, exl2_out, tmp_
         p = tmp_path / "m.json"
         p.write_text(json.dumps(bad))
         with pytest.raises(Exl2Error) as e:
-            quantize_model(src, tmp_path / "x", _opts(ids, measurement=str(p)))
+            quantize_model(src, tmp_path / "x", _opts(ids, measurement=str(p)), verify_output=validate_quantized_output)
         assert e.value.code is ErrorCode.MEASUREMENT_MODEL_MISMATCH and what in e.value.message
         assert e.value.code.category.value == "usage"
         assert not (tmp_path / "x").exists()
@@ -186,7 +187,8 @@ def test_gptq_config_fields_as_gptqmodel_writes_them(tiny, tmp_path, kw):
     from exl2fmt.quant.pipeline import quantize_model
 
     src, ids = tiny
-    quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=32, **kw))
+    quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=32, **kw),
+                   verify_output=validate_quantized_output)
     qc = json.loads((tmp_path / "g" / "config.json").read_text())["quantization_config"]
     sym, act = kw.get("sym", True), kw.get("order") == "act"
     order = kw.get("order", "static")
@@ -263,7 +265,7 @@ def test_group_aware_gptq_is_natural_gptq_of_the_permuted_layer(sym):
 
 
 def test_order_options():
-    from exl2fmt.quant.pipeline import QuantOptions
+    from exl2fmt.quant.options import QuantOptions
 
     def order(**kw):
         return QuantOptions(device="cpu", **kw).resolved().order

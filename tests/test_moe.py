@@ -20,6 +20,7 @@ from tiny_models import MOE, MOE_EXTRA, make_tiny  # noqa: E402
 
 from exl2fmt.runner.weights import WeightSource  # noqa: E402
 from exl2fmt.runner.model import HFModel  # noqa: E402
+from exl2fmt.converters import validate_quantized_output  # noqa: E402
 
 #: (checkpoint block, gate leaf, up leaf, down leaf) as the two families store experts
 CKPT = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"), "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
@@ -208,25 +209,27 @@ def test_moe_measurement_rows_are_exllamav2s_and_read_back(tiny, tmp_path):
     w1/w3/w2 (every expert's gate/up/down) and total_bits summed over all experts; our reader takes it, and a
     file measured on other expert shapes is refused."""
     from exl2fmt.errors import ErrorCode, Exl2Error
-    from exl2fmt.quant.pipeline import _blocks, _file_option, _write_measurement_file
+    from exl2fmt.quant.common import file_option, model_blocks
+    from exl2fmt.quant.measure import write_measurement_file
     from exl2fmt.quant.qparams import QParams, block_options, read_measurement
 
     eng = _engine(tiny("mixtral"))
     opts = {k: block_options(k, extended=True) for k in ("attn", "mlp")}
-    measured = {eng.block_key(i, k): [[j, 0, 0.5 + 0.01 * j] for j in range(len(opts[k]))] for i, k in _blocks(eng)}
+    measured = {eng.block_key(i, k): [[j, 0, 0.5 + 0.01 * j] for j in range(len(opts[k]))]
+                for i, k in model_blocks(eng)}
     path = tmp_path / "measurement.json"
-    _write_measurement_file(path, eng, measured, lambda k: opts[k])
+    write_measurement_file(path, eng, measured, lambda k: opts[k])
     doc = json.loads(path.read_text())
     assert sorted(doc["measurement"]) == ["model.layers.0.block_sparse_moe", "model.layers.0.self_attn",
                                           "model.layers.1.block_sparse_moe", "model.layers.1.self_attn"]
     row = doc["measurement"]["model.layers.0.block_sparse_moe"][0]
     assert set(row) == {"accuracy", "total_bits", "w1", "w3", "w2"}
-    opt = next(o for o in opts["mlp"] if _file_option(eng, "mlp", o).layers == tuple(
+    opt = next(o for o in opts["mlp"] if file_option(eng, "mlp", o).layers == tuple(
         (n, QParams.from_json(row[n])) for n in ("w1", "w3", "w2")))
     want = sum(opt.get(r).total_bits(K, N) for e in range(4) for r, (N, K) in
                (("gate_proj", (96, 64)), ("up_proj", (96, 64)), ("down_proj", (64, 96))))
     assert row["total_bits"] == want
-    names = {eng.block_key(i, k): tuple(f for f, _ in eng.measurement_names(k)) for i, k in _blocks(eng)}
+    names = {eng.block_key(i, k): tuple(f for f, _ in eng.measurement_names(k)) for i, k in model_blocks(eng)}
     moe_shapes = {"w1": [(64, 96, False)] * 4, "w3": [(64, 96, False)] * 4, "w2": [(96, 64, False)] * 4}
     attn_shapes = {n: (*eng.linear_shape(n)[::-1], False) for n in eng.linear_names("attn")}
     got = read_measurement(path, names, shapes={**attn_shapes, **moe_shapes}, num_layers=2)
@@ -249,12 +252,14 @@ def _ids(tmp_path, rows=4, length=32):
 def test_calibrated_gptq_moe_with_a_starved_expert_validates(tiny, tmp_path, arch):
     from exl2fmt.container import open_model
     from exl2fmt.formats import layer_from_tensors
-    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
     from exl2fmt.validate import validate_model
 
     d = tiny(arch, starved=3)
     r = quantize_model(d, tmp_path / "q", QuantOptions(target="gptq", bits=4, group_size=32,
-                                                       calibration=_ids(tmp_path), rows=4, length=32, device="cpu"))
+                                                       calibration=_ids(tmp_path), rows=4, length=32, device="cpu"),
+                       verify_output=validate_quantized_output)
     assert not any("weight-only" in w for w in r.warnings), r.warnings
     moe = [b for b in r.blocks if b["block"].endswith("block_sparse_moe")]
     assert len(moe) == 2 and all(len(b["expert_tokens"]) == 4 and b["expert_tokens"][3] == 0 for b in moe)
@@ -281,18 +286,22 @@ def test_calibrated_gptq_moe_with_a_starved_expert_validates(tiny, tmp_path, arc
 
 @pytest.mark.slow
 def test_calibrated_exl2_mixtral_meets_the_budget_and_reuses_its_measurement(tiny, tmp_path):
-    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.inspect import inspect_model
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
     from exl2fmt.validate import validate_model
 
     d = tiny("mixtral")
     m = tmp_path / "m.json"
     opts = dict(target="exl2", bits=4.0, calibration=_ids(tmp_path, 2), rows=2, length=32, device="cpu")
-    r = quantize_model(d, tmp_path / "a", QuantOptions(**opts, save_measurement=str(m)))
+    r = quantize_model(d, tmp_path / "a", QuantOptions(**opts, save_measurement=str(m)),
+                       verify_output=validate_quantized_output)
     assert 3.98 <= r.decoder_bpw <= 4.0 and not any("ExLlamaV2 may not load" in w for w in r.warnings)
+    assert r.decoder_bpw == inspect_model(tmp_path / "a")["summary"]["bpw"]["decoder"]    # 16-bit routers left out
     assert not validate_model(tmp_path / "a", deep=True).failed
     assert "model.layers.1.block_sparse_moe" in json.loads((tmp_path / "a" / "measurement.json").read_text())[
         "measurement"]
-    quantize_model(d, tmp_path / "b", QuantOptions(**opts, measurement=str(m)))
+    quantize_model(d, tmp_path / "b", QuantOptions(**opts, measurement=str(m)), verify_output=validate_quantized_output)
     for f in ("output.safetensors", "config.json"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
 
@@ -301,13 +310,14 @@ def test_calibrated_gptq_of_a_moe_model_with_a_shared_expert_and_a_dense_layer(t
     """Qwen2-MoE with ``mlp_only_layers``: every linear calibrated (GPTQ, not the weight-only fallback), the
     shared expert and the dense layer quantized, the 16-bit gates left alone, the output validates."""
     from exl2fmt.container import open_model
-    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
     from exl2fmt.validate import validate_model
 
     d = tiny("qwen2_moe_mlp_only")
     r = quantize_model(d, tmp_path / "q", QuantOptions(target="gptq", bits=4, group_size=32,
                                                        calibration=_ids(tmp_path, 4, 16), rows=4, length=16,
-                                                       device="cpu"))
+                                                       device="cpu"), verify_output=validate_quantized_output)
     assert not any("weight-only" in w for w in r.warnings), r.warnings
     assert [b["block"] for b in r.blocks if "mlp" in b["block"] or "moe" in b["block"]] == [
         "model.layers.0.mlp", "model.layers.1.block_sparse_moe", "model.layers.2.block_sparse_moe"]
@@ -346,7 +356,8 @@ def test_exl2_measurement_in_hessian_chunks_is_byte_identical_and_bounded(tiny, 
 
     from exl2fmt.quant import gptq
     from exl2fmt.runner import moe
-    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
 
     d = tiny("mixtral")
     opts = dict(target="exl2", bits=4.0, calibration=_ids(tmp_path, 2), rows=2, length=32, device="cpu")
@@ -373,7 +384,7 @@ def test_exl2_measurement_in_hessian_chunks_is_byte_identical_and_bounded(tiny, 
         monkeypatch.setattr(gptq, "prepare", counting)
         monkeypatch.setattr(gptq, "HessianAccumulator", Counted)
         monkeypatch.setattr(moe, "LIVE_HESSIAN_BYTES", budget)
-        quantize_model(d, tmp_path / name, QuantOptions(**opts))
+        quantize_model(d, tmp_path / name, QuantOptions(**opts), verify_output=validate_quantized_output)
         return (tmp_path / name / "output.safetensors").read_bytes()
 
     budget = 2 * moe.hessian_bytes(96)            # expert width 96: two down projections' Hessians

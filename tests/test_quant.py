@@ -29,6 +29,7 @@ from exl2fmt.quant import qparams as QP  # noqa: E402
 from exl2fmt.quant.gptq import HessianAccumulator, prepare, proxy_error, quantize_exl2, quantize_gptq  # noqa: E402
 from exl2fmt.quant.solver import solve  # noqa: E402
 from exl2fmt.formats.exl2 import find_scales, quantize_rtn  # noqa: E402
+from exl2fmt.converters import validate_quantized_output  # noqa: E402
 
 
 def _correlated(K, rows=2048, seed=0):
@@ -399,7 +400,7 @@ def _files(d):
 
 
 def _opts(ids, **kw):
-    from exl2fmt.quant.pipeline import QuantOptions
+    from exl2fmt.quant.options import QuantOptions
 
     base = dict(target="exl2", bits=3.5, calibration=str(ids), rows=6, length=48, device="cpu")
     base.update(kw)
@@ -416,7 +417,7 @@ def exl2_default(tiny_llama, tmp_path_factory):
     before = _files(src)
     d = tmp_path_factory.mktemp("exl2-default")
     m = d / "m.json"
-    r = quantize_model(src, d / "a", _opts(ids, save_measurement=str(m)))
+    r = quantize_model(src, d / "a", _opts(ids, save_measurement=str(m)), verify_output=validate_quantized_output)
     return r, d / "a", m, before
 
 
@@ -424,9 +425,12 @@ def test_exl2_pipeline_hits_the_budget_validates_and_is_reproducible(tiny_llama,
     from exl2fmt.quant.pipeline import quantize_model
     from exl2fmt.validate import validate_model
 
+    from exl2fmt.inspect import inspect_model
+
     src, ids = tiny_llama
     r, a_dir, m, before = exl2_default
     assert 3.48 <= r.decoder_bpw <= 3.5
+    assert r.decoder_bpw == inspect_model(a_dir)["summary"]["bpw"]["decoder"]   # its own count (layout) = inspect's
     rep = validate_model(a_dir, deep=True)
     assert not rep.failed and rep.counts().get("warn", 0) == 0, rep.as_dict()
     cfg = json.loads((a_dir / "config.json").read_text())
@@ -446,15 +450,15 @@ def test_exl2_pipeline_hits_the_budget_validates_and_is_reproducible(tiny_llama,
     assert _files(src) == before                                     # the source is never modified
     assert not any(p.name.startswith(".") for p in a_dir.parent.iterdir())  # no work dir or partial dir left
     # same inputs -> byte-identical output; the saved measurement reproduces it without measuring
-    quantize_model(src, tmp_path / "b", _opts(ids))
+    quantize_model(src, tmp_path / "b", _opts(ids), verify_output=validate_quantized_output)
     assert _files(a_dir) == _files(tmp_path / "b")
-    quantize_model(src, tmp_path / "c", _opts(ids, measurement=str(m)))
+    quantize_model(src, tmp_path / "c", _opts(ids, measurement=str(m)), verify_output=validate_quantized_output)
     a, c = _files(a_dir), _files(tmp_path / "c")
     ma, mc = (json.loads(x.pop("exl2fmt-manifest.json")) for x in (a, c))   # the manifest names its options
     assert a == c and ma["layers"] == mc["layers"] and mc["options"]["measurement"] == str(m)
     # existing output: refused without force
     with pytest.raises(Exl2Error) as e:
-        quantize_model(src, a_dir, _opts(ids))
+        quantize_model(src, a_dir, _opts(ids), verify_output=validate_quantized_output)
     assert e.value.code is ErrorCode.OUTPUT_EXISTS
 
 
@@ -471,19 +475,20 @@ def test_the_quantize_pass_takes_the_fp16_trajectory_from_the_measurement(tiny_l
     calls = []
     real = layer.LayerBlock.advance_reference
     monkeypatch.setattr(layer.LayerBlock, "advance_reference", lambda self, h: (calls.append(1), real(self, h))[1])
-    r2 = quantize_model(src, tmp_path / "m", _opts(ids, measurement=str(m)))
+    r2 = quantize_model(src, tmp_path / "m", _opts(ids, measurement=str(m)), verify_output=validate_quantized_output)
     assert len(calls) == 2 * 2                       # both blocks of both decoder layers
     assert r2.calibration_ppl_fp16 == r.calibration_ppl_fp16
     calls.clear()
-    quantize_model(src, tmp_path / "x", _opts(ids))
+    quantize_model(src, tmp_path / "x", _opts(ids), verify_output=validate_quantized_output)
     assert calls == []
 
 
 def test_exl2_pipeline_resumes_to_the_same_bytes(tiny_llama, tmp_path):
+    from exl2fmt.quant import job as J
     from exl2fmt.quant import pipeline as P
 
     src, ids = tiny_llama
-    P.quantize_model(src, tmp_path / "ref", _opts(ids, bits=4.0))
+    P.quantize_model(src, tmp_path / "ref", _opts(ids, bits=4.0), verify_output=validate_quantized_output)
     calls = []
 
     def boom(phase, done, total, what):
@@ -491,24 +496,27 @@ def test_exl2_pipeline_resumes_to_the_same_bytes(tiny_llama, tmp_path):
         if phase == "quantize" and len([c for c in calls if c == "quantize"]) == 5:
             raise KeyboardInterrupt
 
-    old = P._SNAPSHOT_SECONDS
-    P._SNAPSHOT_SECONDS = 0.0                                         # snapshot after every block
+    old = J.SNAPSHOT_SECONDS
+    J.SNAPSHOT_SECONDS = 0.0                                          # snapshot after every block
     try:
         with pytest.raises(KeyboardInterrupt):
-            P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0), progress=boom)
+            P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0), progress=boom,
+                             verify_output=validate_quantized_output)
         assert gc.get_freeze_count() == 0                             # the run's frozen heap is released
         assert not (tmp_path / "out").exists()
         work = tmp_path / ".out.exl2fmt-work"
         assert (work / "job.json").exists()
         with pytest.raises(Exl2Error) as e:                           # a leftover work dir needs --resume
-            P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0))
+            P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0), verify_output=validate_quantized_output)
         assert e.value.code is ErrorCode.OUTPUT_EXISTS
         with pytest.raises(Exl2Error) as e:                           # ... with the same options
-            P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.5, resume=True))
+            P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.5, resume=True),
+                             verify_output=validate_quantized_output)
         assert e.value.code is ErrorCode.CHECKPOINT_INVALID
-        P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0, resume=True))
+        P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0, resume=True),
+                         verify_output=validate_quantized_output)
     finally:
-        P._SNAPSHOT_SECONDS = old
+        J.SNAPSHOT_SECONDS = old
     assert _files(tmp_path / "out") == _files(tmp_path / "ref")
     assert not work.exists()
 
@@ -519,6 +527,7 @@ def test_a_damaged_snapshot_is_refused_by_name_on_resume(tiny_llama, tmp_path, d
     CHECKPOINT_INVALID naming the file and the state, never a torch error deep in the quantize pass."""
     from safetensors.numpy import load_file, save_file
 
+    from exl2fmt.quant import job as J
     from exl2fmt.quant import pipeline as P
 
     src, ids = tiny_llama
@@ -529,13 +538,14 @@ def test_a_damaged_snapshot_is_refused_by_name_on_resume(tiny_llama, tmp_path, d
         if phase == "quantize" and calls.count("quantize") == 9:
             raise KeyboardInterrupt
 
-    old = P._SNAPSHOT_SECONDS
-    P._SNAPSHOT_SECONDS = 0.0
+    old = J.SNAPSHOT_SECONDS
+    J.SNAPSHOT_SECONDS = 0.0
     try:
         with pytest.raises(KeyboardInterrupt):
-            P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0), progress=boom)
+            P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0), progress=boom,
+                             verify_output=validate_quantized_output)
     finally:
-        P._SNAPSHOT_SECONDS = old
+        J.SNAPSHOT_SECONDS = old
     work = tmp_path / ".out.exl2fmt-work"
     hidden = work / "hidden.safetensors"
     states = load_file(hidden)
@@ -553,7 +563,8 @@ def test_a_damaged_snapshot_is_refused_by_name_on_resume(tiny_llama, tmp_path, d
     else:
         save_file(states, hidden)
     with pytest.raises(Exl2Error) as e:
-        P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0, resume=True))
+        P.quantize_model(src, tmp_path / "out", _opts(ids, bits=4.0, resume=True),
+                         verify_output=validate_quantized_output)
     assert e.value.code is ErrorCode.CHECKPOINT_INVALID
     want = {"shape": "'h_ref_final'", "dtype": "'h'", "missing": "'h_ref' or 'h_ref_final'", "block": "1000000000"}
     assert want[damage] in e.value.message
@@ -565,15 +576,16 @@ def test_gptq_pipeline_writes_a_valid_gptq_model(tiny_llama, tmp_path, monkeypat
     from exl2fmt.quant.pipeline import quantize_model
     from exl2fmt.validate import validate_model
 
-    from exl2fmt.quant import pipeline as P
+    from exl2fmt.quant import report as R
 
     src, ids = tiny_llama
     # a warning threshold no quantization can meet: the warning must reach the report, the output is still written
-    monkeypatch.setattr(P, "_PPL_RISE_AT_4BPW", -0.999)
+    monkeypatch.setattr(R, "PPL_RISE_AT_4BPW", -0.999)
     gc.freeze()                                   # a caller's own frozen set stays frozen, no more, no less
     frozen = gc.get_freeze_count()
     try:
-        r = quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=64))
+        r = quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=64),
+                           verify_output=validate_quantized_output)
         # (still frozen, nothing of the run's added; objects of the set that died on the way leave it)
         assert frozen - 1000 < gc.get_freeze_count() <= frozen
     finally:
@@ -603,23 +615,25 @@ def test_the_quantize_pass_parks_its_hessians_and_writes_the_same_bytes(tiny_lla
     """The quantize pass writes each Hessian to the work directory while it is factored and swept, and computes
     the proxy errors once it is read back: every output file (the manifest's errors included) is byte for byte
     the run that keeps the Hessians in memory, and one Hessian per group went out."""
+    from exl2fmt.quant import job as J
     from exl2fmt.quant import pipeline as P
 
     src, ids = tiny_llama
-    parked, real = [], P._spilled
+    parked, real = [], J.spilled
 
     def counted(H, path):
         if path is not None:
             parked.append((path.name, tuple(H.shape)))
         return real(H, path)
-    monkeypatch.setattr(P, "_spilled", counted)
-    monkeypatch.setattr(P, "_SPILL_MIN_BYTES", 0)            # (this model's Hessians are below the real bar)
+    monkeypatch.setattr(J, "spilled", counted)
+    monkeypatch.setattr(J, "SPILL_MIN_BYTES", 0)            # (this model's Hessians are below the real bar)
     kw = dict(target=target, bits=4.0 if target == "exl2" else 4, work_dir=str(tmp_path / "w1"))
-    P.quantize_model(src, tmp_path / "a", _opts(ids, **kw))
+    P.quantize_model(src, tmp_path / "a", _opts(ids, **kw), verify_output=validate_quantized_output)
     assert len(parked) == 2 * 4
     assert {("hessian.safetensors", (128, 128)), ("hessian.safetensors", (256, 256))} <= set(parked)
-    monkeypatch.setattr(P, "_SPILL_HESSIANS", False)
-    P.quantize_model(src, tmp_path / "b", _opts(ids, **{**kw, "work_dir": str(tmp_path / "w2")}))
+    monkeypatch.setattr(J, "SPILL_HESSIANS", False)
+    P.quantize_model(src, tmp_path / "b", _opts(ids, **{**kw, "work_dir": str(tmp_path / "w2")}),
+                     verify_output=validate_quantized_output)
     assert len(parked) == 2 * 4                          # the second run parked nothing
     assert _files(tmp_path / "a") == _files(tmp_path / "b")
     man = json.loads((tmp_path / "a" / "exl2fmt-manifest.json").read_text())
@@ -627,29 +641,30 @@ def test_the_quantize_pass_parks_its_hessians_and_writes_the_same_bytes(tiny_lla
 
 
 def test_hessians_below_the_bar_are_not_parked(tiny_llama, tmp_path, monkeypatch):
+    from exl2fmt.quant import job as J
     from exl2fmt.quant import pipeline as P
 
     src, ids = tiny_llama
-    paths, real = [], P._spilled
-    monkeypatch.setattr(P, "_spilled", lambda H, path: paths.append(path) or real(H, path))
-    P.quantize_model(src, tmp_path / "a", _opts(ids, target="gptq", bits=4))
-    assert paths and all(p is None for p in paths) and 256 * 256 * 4 < P._SPILL_MIN_BYTES
+    paths, real = [], J.spilled
+    monkeypatch.setattr(J, "spilled", lambda H, path: paths.append(path) or real(H, path))
+    P.quantize_model(src, tmp_path / "a", _opts(ids, target="gptq", bits=4), verify_output=validate_quantized_output)
+    assert paths and all(p is None for p in paths) and 256 * 256 * 4 < J.SPILL_MIN_BYTES
 
 
 def test_a_parked_hessian_of_the_wrong_size_is_refused_by_name(tmp_path):
-    from exl2fmt.quant.pipeline import _spilled, _unspilled
+    from exl2fmt.quant.job import spilled, unspilled
 
     H = torch.arange(36, dtype=torch.float32).reshape(6, 6)
     path = tmp_path / "hessian.safetensors"
-    assert _spilled(H, path) is H and _spilled(H, None) is H
-    assert torch.equal(_unspilled(path, 6), H) and not path.exists()
-    _spilled(H, path)
+    assert spilled(H, path) is H and spilled(H, None) is H
+    assert torch.equal(unspilled(path, 6), H) and not path.exists()
+    spilled(H, path)
     with pytest.raises(Exl2Error) as e:
-        _unspilled(path, 5)
+        unspilled(path, 5)
     assert e.value.code is ErrorCode.CHECKPOINT_INVALID and e.value.file == str(path)
     path.write_bytes(path.read_bytes()[:-7])                 # truncated: the container refuses it, by name
     with pytest.raises(Exl2Error) as e:
-        _unspilled(path, 6)
+        unspilled(path, 6)
     assert e.value.file == str(path)
 
 
@@ -660,7 +675,7 @@ def test_bad_options_are_usage_errors(tiny_llama, tmp_path):
     for kw in (dict(bits=1.0), dict(target="gptq", bits=5), dict(head_bits=7), dict(rows=0),
                dict(target="gptq", bits=4, group_size=48)):
         with pytest.raises(Exl2Error) as e:
-            quantize_model(src, tmp_path / "x", _opts(ids, **kw))
+            quantize_model(src, tmp_path / "x", _opts(ids, **kw), verify_output=validate_quantized_output)
         assert e.value.code is ErrorCode.USAGE, kw
     cfg = json.loads((src / "config.json").read_text())
     other = tmp_path / "gpt2"
@@ -672,12 +687,12 @@ def test_bad_options_are_usage_errors(tiny_llama, tmp_path):
     (other / "config.json").write_text(json.dumps(cfg))
     # an architecture without a calibration forward is quantized weight-only, with a warning
     with pytest.raises(Exl2Error) as e:
-        quantize_model(other, tmp_path / "y", _opts(ids, measurement=str(ids)))
+        quantize_model(other, tmp_path / "y", _opts(ids, measurement=str(ids)), verify_output=validate_quantized_output)
     assert e.value.code is ErrorCode.USAGE and "weight-only" in e.value.message
     assert not os.path.exists(tmp_path / "y")
     from exl2fmt.validate import validate_model
 
-    r = quantize_model(other, tmp_path / "y", _opts(ids))
+    r = quantize_model(other, tmp_path / "y", _opts(ids), verify_output=validate_quantized_output)
     assert any("weight-only" in w for w in r.warnings) and 3.48 <= r.decoder_bpw <= 3.5
     assert len(r.layers) == 14 and not validate_model(tmp_path / "y", deep=True).failed
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]   # its layer files are gone too
@@ -699,7 +714,8 @@ def test_peer_autogptq_decodes_the_quantizers_gptq_output(tiny_llama, tmp_path, 
 
     QuantLinear = _autogptq_quantlinear()
     src, ids = tiny_llama
-    r = quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=32, sym=sym, order="act"))
+    r = quantize_model(src, tmp_path / "g", _opts(ids, target="gptq", bits=4, group_size=32, sym=sym, order="act"),
+                       verify_output=validate_quantized_output)
     m = open_model(tmp_path / "g")
     try:
         for l in r.layers:
@@ -944,7 +960,7 @@ def test_shared_outputs_reuse_only_the_same_candidate_on_the_same_input():
     """The option scoring's reuse of first-linear outputs: a later option with the same candidate and the same
     input gets the same values without a product; another input, another candidate, or a candidate no later
     option needs is computed; outputs are dropped after their last use; the kept copy is immune to the caller."""
-    from exl2fmt.quant.pipeline import _SharedOutputs
+    from exl2fmt.quant.candidates import SharedOutputs
     from exl2fmt.runner.weights import dense_linear
 
     g = torch.Generator().manual_seed(0)
@@ -970,7 +986,7 @@ def test_shared_outputs_reuse_only_the_same_candidate_on_the_same_input():
         return apply
 
     x0, x1 = torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g)
-    sh = _SharedOutputs(variants, options, ["q"])
+    sh = SharedOutputs(variants, options, ["q"])
     for j, opt in enumerate(options):
         q = sh.wrap(j, "q", opt.get("q"), counted(opt.get("q")))
         assert sh.wrap(j, "o", opt.get("o"), counted(opt.get("o"))) is not q   # o is not shared
@@ -984,7 +1000,7 @@ def test_shared_outputs_reuse_only_the_same_candidate_on_the_same_input():
     assert sh.y == {} and sh.x == {} and sh.held == 0
     # another input in the same batch is multiplied, not served from the kept output
     calls.clear()
-    sh = _SharedOutputs(variants, options, ["q"])
+    sh = SharedOutputs(variants, options, ["q"])
     sh.wrap(0, "q", "a", counted("a"))(x0)
     sh.done(0)
     sh.wrap(1, "q", "b", counted("b"))(x0)
@@ -993,7 +1009,7 @@ def test_shared_outputs_reuse_only_the_same_candidate_on_the_same_input():
     assert calls == ["a", "b", "a"] and torch.equal(y, x1 @ cands["a"].T)
     # nothing is kept beyond the budget
     calls.clear()
-    sh = _SharedOutputs(variants, options, ["q"], budget=0)
+    sh = SharedOutputs(variants, options, ["q"], budget=0)
     for j in (0, 2):
         sh.wrap(j, "q", "a", counted("a"))(x0)
     assert calls == ["a", "a"] and sh.held == 0 and sh.x == {}
@@ -1004,7 +1020,7 @@ def test_calibration_perplexity_in_chunks_equals_the_whole_logit_computation(tin
     transformers = pytest.importorskip("transformers")
     from exl2fmt.runner.weights import WeightSource
     from exl2fmt.runner.model import HFModel
-    from exl2fmt.quant.pipeline import _calibration_ppl
+    from exl2fmt.quant.gptq_pass import calibration_ppl
 
     src_dir, ids_path = tiny_llama
     ids = torch.as_tensor(np.load(ids_path))
@@ -1021,7 +1037,7 @@ def test_calibration_perplexity_in_chunks_equals_the_whole_logit_computation(tin
     eng.release()
     head = eng.dense_head("cpu")
     for limit in (4 * eng.vocab_size * 5, 64 << 20):           # 5-token chunks (uneven split of 47) and one chunk
-        assert _calibration_ppl(eng, src, h, ids, head, max_logit_bytes=limit) == pytest.approx(want, rel=1e-5)
+        assert calibration_ppl(eng, src, h, ids, head, max_logit_bytes=limit) == pytest.approx(want, rel=1e-5)
     src.close()
 
 
@@ -1031,7 +1047,8 @@ def test_plain_tensors_are_converted_in_chunks_to_the_whole_tensor_bytes(tmp_pat
     once to fp16 by numpy; the warning only for a finite tensor beyond the range.  Chunks of 1000 bytes split
     rows, so every chunk boundary is exercised; inf, nan and values above 65504 are present."""
     from safetensors.torch import save_file
-    from exl2fmt.quant.pipeline import QuantReport, _plain_tensor
+    from exl2fmt.quant.compile import plain_tensor
+    from exl2fmt.quant.report import QuantReport
     from exl2fmt.runner.weights import WeightSource
 
     g = torch.Generator().manual_seed(7)
@@ -1050,7 +1067,7 @@ def test_plain_tensors_are_converted_in_chunks_to_the_whole_tensor_bytes(tmp_pat
     with WeightSource(tmp_path) as src:
         for name, t in tensors.items():
             rep = QuantReport(str(tmp_path), "-", "exl2", {})
-            got = _plain_tensor(src, name, rep, chunk_bytes=1000)
+            got = plain_tensor(src, name, rep, chunk_bytes=1000)
             if dtype == "I64":
                 assert got.dtype == np.int64 and np.array_equal(got, t.numpy())
                 continue
@@ -1063,7 +1080,7 @@ def test_plain_tensors_are_converted_in_chunks_to_the_whole_tensor_bytes(tmp_pat
 
 
 def test_f16_inf_check_finds_every_infinity_and_nothing_else():
-    """The check by which ``_plain_tensor`` clips an fp16 tensor only when it holds an infinity.  Oracle: numpy's
+    """The check by which ``plain_tensor`` clips an fp16 tensor only when it holds an infinity.  Oracle: numpy's
     isinf on the float16 array; each position (both ends of the 7-value chunks included) holds +inf, -inf, NaN
     of several payloads, 65504 or the largest subnormal in turn."""
     from exl2fmt.container.dtypes import count_bit_pattern
@@ -1093,7 +1110,8 @@ def test_exl2_pipeline_writes_shards_with_an_index(tiny_llama, exl2_default, tmp
 
     src, ids = tiny_llama
     _, one, m, _ = exl2_default
-    quantize_model(src, tmp_path / "many", _opts(ids, shard_size=60_000, measurement=str(m)))
+    quantize_model(src, tmp_path / "many", _opts(ids, shard_size=60_000, measurement=str(m)),
+                   verify_output=validate_quantized_output)
     shards = sorted(p.name for p in (tmp_path / "many").glob("output-*.safetensors"))
     assert len(shards) > 2 and not (tmp_path / "many" / "output.safetensors").exists()
     index = json.loads((tmp_path / "many" / "output.safetensors.index.json").read_text())
@@ -1162,6 +1180,7 @@ def test_too_little_disk_space_is_refused_before_any_work(tiny_llama, exl2_defau
     import shutil as sh
 
     from exl2fmt.runner.weights import WeightSource
+    from exl2fmt.quant import job as J
     from exl2fmt.quant import pipeline as P
     from exl2fmt.runner.model import HFModel
 
@@ -1169,23 +1188,23 @@ def test_too_little_disk_space_is_refused_before_any_work(tiny_llama, exl2_defau
     srcw = WeightSource(src)
     spec = HFModel(json.loads((src / "config.json").read_text()), srcw)
     o = _opts(ids).resolved()
-    out_need, work_need = P._disk_needed(spec, srcw, o, measuring=True)
+    out_need, work_need = J.disk_needed(spec, srcw, o, measuring=True)
     need = out_need + work_need
     srcw.close()
     _, ok, _, _ = exl2_default                                           # _opts(ids) + save_measurement
     written = sum(p.stat().st_size for p in ok.rglob("*.safetensors"))
     assert written < out_need and need < 6 * written + (64 << 20)      # above the output, not absurdly so
     real = sh.disk_usage
-    monkeypatch.setattr(P.shutil, "disk_usage", lambda p: real(p)._replace(free=need - 1))
+    monkeypatch.setattr(J.shutil, "disk_usage", lambda p: real(p)._replace(free=need - 1))
     with pytest.raises(Exl2Error) as e:
-        P.quantize_model(src, tmp_path / "no", _opts(ids))
+        P.quantize_model(src, tmp_path / "no", _opts(ids), verify_output=validate_quantized_output)
     assert e.value.code is ErrorCode.DISK_SPACE and "GB free" in e.value.message
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("value", ["coarse", "", "FULL", "brácket"])
 def test_unknown_measure_search_is_a_usage_error_before_any_work(value):
-    from exl2fmt.quant.pipeline import QuantOptions
+    from exl2fmt.quant.options import QuantOptions
 
     assert QuantOptions().resolved().measure_search == "bracket"
     assert QuantOptions(measure_search="full").resolved().measure_search == "full"
@@ -1198,7 +1217,7 @@ def test_default_batch_tokens_bounds_a_batchs_widest_activation_on_the_cpu():
     """Whole rows whose widest float32 activation fits BATCH_ACTIVATION_BYTES (at least one row, at most
     MAX_BATCH_TOKENS); CUDA keeps MAX_BATCH_TOKENS.  The numbers: a 1B MLP (5632 wide) at 256-token rows gets 4 rows,
     the trained fixture (768 wide) the cap, a 70B MLP (28672) one row of 2048."""
-    from exl2fmt.quant.pipeline import BATCH_ACTIVATION_BYTES, MAX_BATCH_TOKENS, default_batch_tokens
+    from exl2fmt.quant.options import BATCH_ACTIVATION_BYTES, MAX_BATCH_TOKENS, default_batch_tokens
 
     for length in (1, 48, 256, 512, 2048, 3000, 10000):
         for widest in (128, 768, 2048, 5632, 28672):
@@ -1219,10 +1238,11 @@ def test_batch_tokens_resolve_from_the_model_and_must_be_positive(tiny_llama, tm
     from exl2fmt.quant.pipeline import quantize_model
 
     src, ids = tiny_llama
-    r = quantize_model(src, tmp_path / "a", _opts(ids, target="gptq", bits=4))
+    r = quantize_model(src, tmp_path / "a", _opts(ids, target="gptq", bits=4), verify_output=validate_quantized_output)
     assert r.options["batch_tokens"] == 170 * 48             # 256 wide: the cap's whole rows
     with pytest.raises(Exl2Error) as e:
-        quantize_model(src, tmp_path / "b", _opts(ids, target="gptq", bits=4, batch_tokens=0))
+        quantize_model(src, tmp_path / "b", _opts(ids, target="gptq", bits=4, batch_tokens=0),
+                       verify_output=validate_quantized_output)
     assert e.value.code is ErrorCode.USAGE and not (tmp_path / "b").exists()
 
 
@@ -1233,7 +1253,7 @@ def test_batch_tokens_flag_reaches_the_quantizer_and_bad_values_are_usage_errors
     from typer.testing import CliRunner
 
     from exl2fmt.cli.app import app
-    from exl2fmt.quant.pipeline import QuantOptions
+    from exl2fmt.quant.options import QuantOptions
 
     src, ids = tiny_llama
 
@@ -1260,7 +1280,8 @@ def test_batch_tokens_flag_reaches_the_quantizer_and_bad_values_are_usage_errors
 
 
 def test_score_plan_puts_evenly_spaced_rows_first_in_whole_batches():
-    from exl2fmt.quant.pipeline import QuantOptions, _score_plan
+    from exl2fmt.quant.measure import score_plan
+    from exl2fmt.quant.options import QuantOptions
 
     with pytest.raises(Exl2Error) as e:
         QuantOptions(measure_rows=0).resolved()
@@ -1278,10 +1299,10 @@ def test_score_plan_puts_evenly_spaced_rows_first_in_whole_batches():
     capped = QuantOptions(target="exl2", rows=16, length=64, device="cpu", measure_rows="99").resolved()
     assert capped.measure_rows == 16
     assert QuantOptions(target="gptq", rows=32, length=512, device="cpu").resolved().measure_rows is None
-    order, batches, n = _score_plan(32, 512, 8192, None)          # every row scores: today's batches, no order
+    order, batches, n = score_plan(32, 512, 8192, None)          # every row scores: today's batches, no order
     assert order is None and batches == [slice(0, 16), slice(16, 32)] and n == 2
     for m, per in ((8, 8), (12, 12), (20, 10), (1, 1)):
-        order, batches, n = _score_plan(32, 512, 8192, m)
+        order, batches, n = score_plan(32, 512, 8192, m)
         picked = order[:m].tolist()
         assert sorted(order.tolist()) == list(range(32))            # a permutation of the rows
         assert picked == sorted(picked) and picked[0] == 0 and (m == 1 or picked[-1] == 31)
@@ -1296,18 +1317,20 @@ def test_measurement_candidates_in_memory_or_parked_agree_and_fewer_rows_score(t
     """The fp16 reconstructions kept in memory score exactly as the packed candidates parked on disk and
     dequantized back (the same measurement, byte for byte); scoring on 3 of the 6 rows gives other accuracies,
     close to every row's, and a valid output at the budget."""
-    from exl2fmt.quant import pipeline
+    from exl2fmt.quant import candidates
     from exl2fmt.quant.pipeline import quantize_model
 
     src, ids = tiny_llama
     _, _, m, _ = exl2_default
-    monkeypatch.setattr(pipeline, "_CANDIDATES_IN_MEMORY", 0)
+    monkeypatch.setattr(candidates, "CANDIDATES_IN_MEMORY", 0)
     parked = tmp_path / "parked.json"
-    quantize_model(src, tmp_path / "a", _opts(ids, save_measurement=str(parked)))
+    quantize_model(src, tmp_path / "a", _opts(ids, save_measurement=str(parked)),
+                   verify_output=validate_quantized_output)
     assert parked.read_bytes() == m.read_bytes()
     monkeypatch.undo()
     sub = tmp_path / "sub.json"
-    r = quantize_model(src, tmp_path / "b", _opts(ids, measure_rows=3, save_measurement=str(sub)))
+    r = quantize_model(src, tmp_path / "b", _opts(ids, measure_rows=3, save_measurement=str(sub)),
+                       verify_output=validate_quantized_output)
     assert 3.48 <= r.decoder_bpw <= 3.5
     full, part = (json.loads(p.read_text())["measurement"] for p in (m, sub))
 
@@ -1333,7 +1356,8 @@ def test_bf16_scoring_measures_the_errors_fp32_scoring_measures(tiny_llama, exl2
     _, _, m, _ = exl2_default
     made = force_delta_scoring(monkeypatch)
     mb = tmp_path / "bf16.json"
-    r = quantize_model(src, tmp_path / "b", _opts(ids, measure_precision="bf16", save_measurement=str(mb)))
+    r = quantize_model(src, tmp_path / "b", _opts(ids, measure_precision="bf16", save_measurement=str(mb)),
+                       verify_output=validate_quantized_output)
     assert 3.48 <= r.decoder_bpw <= 3.5
     assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= set(made)
     full, half = (json.loads(p.read_text())["measurement"] for p in (m, mb))
@@ -1367,18 +1391,20 @@ def test_bf16_scoring_from_16bit_weight_copies_measures_the_same_bits(tiny_llama
         return out
     monkeypatch.setattr(scoring, "exact_16bit", counted)
     m16 = tmp_path / "m16.json"
-    quantize_model(src, tmp_path / "a", _opts(ids, measure_precision="bf16", save_measurement=str(m16)))
+    quantize_model(src, tmp_path / "a", _opts(ids, measure_precision="bf16", save_measurement=str(m16)),
+                   verify_output=validate_quantized_output)
     assert set(narrowed) == {torch.float16} and len(narrowed) == 7 * 2     # 7 linears x 2 layers
     monkeypatch.setattr(scoring, "exact_16bit", lambda w, *a, **k: w)
     m32 = tmp_path / "m32.json"
-    quantize_model(src, tmp_path / "b", _opts(ids, measure_precision="bf16", save_measurement=str(m32)))
+    quantize_model(src, tmp_path / "b", _opts(ids, measure_precision="bf16", save_measurement=str(m32)),
+                   verify_output=validate_quantized_output)
     assert m16.read_bytes() == m32.read_bytes()
 
 
 def test_the_perplexity_warning_bound_tightens_with_the_bitrate():
     """The report's bound on the calibration perplexity's rise (issue 40): SmolLM2-135M's starved 4.0 bpw plan rose
     22 % (30.85 -> 37.72) and passed the old 2x rule; the bound at 4.0 is 15 %, halving with each further bit."""
-    from exl2fmt.quant.pipeline import ppl_rise_bound
+    from exl2fmt.quant.report import ppl_rise_bound
 
     assert ppl_rise_bound(4.0) == pytest.approx(0.15) and 37.72 / 30.85 - 1 > ppl_rise_bound(4.0)
     assert ppl_rise_bound(3.0) == pytest.approx(0.30) and ppl_rise_bound(5.0) == pytest.approx(0.075)

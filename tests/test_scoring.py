@@ -134,7 +134,7 @@ def test_the_tape_records_copies_once_per_group_and_only_the_scoring_batches():
 
 @pytest.mark.parametrize("value", ["bf", "", "FP32", "bf16 "])
 def test_measure_precision_resolves_by_hardware_and_refuses_unknown_values(value, monkeypatch):
-    from exl2fmt.quant.pipeline import QuantOptions
+    from exl2fmt.quant.options import QuantOptions
 
     for fast, want in ((True, "bf16"), (False, "fp32")):
         monkeypatch.setattr(scoring, "fast_bf16", lambda device, _f=fast: _f)

@@ -36,6 +36,7 @@ from conftest import run_cli
 from typer.testing import CliRunner
 
 from exl2fmt.cli.app import app
+from exl2fmt.converters import validate_quantized_output
 from exl2fmt.sample import SAMPLE_CONFIG, write_sample
 from test_cli import SCHEMA, check_schema
 
@@ -388,7 +389,8 @@ def test_quantizer_output_runs(tmp_path):
     """A tiny Qwen2 (q/k/v bias) quantized by exl2fmt's own quantizer (about 1 min on 2 cores)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from exl2fmt.quant.pipeline import QuantOptions, quantize_model
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
 
     cfg = transformers.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=320,
@@ -401,7 +403,8 @@ def test_quantizer_output_runs(tmp_path):
     model.to(torch.float16).save_pretrained(tmp_path / "fp16", safe_serialization=True)
     np.save(tmp_path / "calib.npy", np.random.default_rng(0).integers(0, 320, size=(8, 64)))
     quantize_model(tmp_path / "fp16", tmp_path / "exl2", QuantOptions(calibration=str(tmp_path / "calib.npy"),
-                                                                      rows=8, length=64, bits=4.0, device="cpu"))
+                                                                      rows=8, length=64, bits=4.0, device="cpu"),
+                   verify_output=validate_quantized_output)
     p = cli("validate", tmp_path / "exl2", "--run", "--device", "cpu", "--json")
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     run = json.loads(p.stdout)["run"]

@@ -1,7 +1,7 @@
 """Where the quantizer keeps its resumable state, and how far an interrupted run got (torch-free: the CLI reads it
 to say "resuming at block N of M" or where the progress of an interrupted run was saved).
 
-The work directory holds ``job.json`` (see ``exl2fmt.quant.pipeline``): ``measured`` (block key -> rows),
+The work directory holds ``job.json`` (see ``exl2fmt.quant.job``): ``measured`` (block key -> rows),
 ``strategy`` (set once the measurement is done), ``blocks`` (block key -> result, once a block is quantized),
 ``snapshot`` ({"phase": "measure"|"quant", "next_block": i}: the hidden state saved before block i) and the
 ``fingerprint`` with the source's ``config.json``.
