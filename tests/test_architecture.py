@@ -11,6 +11,11 @@ arrow to the submodule ``pkg.name`` when that module exists, else to ``pkg``.  T
 package roots (``_LAZY``: names resolved on first attribute access) are facades, not arrows; ``test_api`` checks
 that they resolve.
 
+Issue 38 adds the rooms' rules: no import circle between folders (``exl2fmt.<package>`` or a top-level module,
+``converters``, ``kernels``), ``SEPARATE_ROOMS`` that never import each other, no module over
+``MAX_MODULE_LINES`` and no function body over ``MAX_FUNCTION_LINES`` (a CLI command's signature is its option
+table and is not counted).
+
 ``PENDING`` lists today's violations that the other parts of issue 13 remove (they are excused here until then);
 emptied by the lead at merge.  ``test_pending_entries_are_still_real`` fails on an entry that no longer exists.
 """
@@ -353,3 +358,100 @@ def test_the_kernels_folder_does_not_shadow_the_kernels_distribution():
     assert same == "True"
     ours = Path(path).resolve() == (ROOT / "kernels" / "__init__.py").resolve()
     assert ours != installed, (path, installed)
+
+
+# ------------------------------------------------------------------------------------------------ rooms (issue 38)
+
+#: a module over this many lines is a room doing too much; split it by job
+MAX_MODULE_LINES = 800
+#: a function's body (from its first statement after the docstring: a CLI command's signature is its option table
+#: and does not count) over this many lines does too much
+MAX_FUNCTION_LINES = 150
+
+
+def folder_of(module: str) -> str:
+    """The room a module lives in: ``exl2fmt.<pkg>`` for a subpackage's modules (converters/ and kernels/ are
+    ``exl2fmt.converters`` / ``exl2fmt.kernels``), the module itself for a top-level module of ``exl2fmt``."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def folder_edges(edges: dict[str, dict[str, int]]) -> dict[str, dict[str, tuple[str, str, int]]]:
+    """{folder: {other folder: (one importer, its import, line)}} for arrows that leave a folder."""
+    out: dict[str, dict[str, tuple[str, str, int]]] = {}
+    for a, targets in edges.items():
+        for b, line in targets.items():
+            fa, fb = folder_of(a), folder_of(b)
+            if fa != fb:
+                out.setdefault(fa, {}).setdefault(fb, (a, b, line))
+    return out
+
+
+def test_no_import_circle_between_folders(graph):
+    fe = folder_edges(graph.edges)
+    circles = find_cycles({a: {b: 0 for b in out} for a, out in fe.items()})
+    text = []
+    for c in circles:
+        steps = [fe[a][b] for a, b in zip(c, c[1:])]
+        text.append("  " + "  ".join(f"{a} -> {b} ({graph.modules[m].relative_to(ROOT)}:{n} imports {t})"
+                                     for (a, b), (m, t, n) in zip(zip(c, c[1:]), steps)))
+    assert not circles, "folders in a circle:\n" + "\n".join(text)
+
+
+def test_no_module_over_the_size_limit(graph):
+    big = {m: n for m, f in graph.modules.items()
+           if (n := len(f.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+    assert not big, "modules over %d lines: %s" % (MAX_MODULE_LINES, big)
+
+
+def function_lengths(tree: ast.AST) -> list[tuple[str, int, int]]:
+    """(name, first line, body lines) of every function and method; the body starts after the docstring."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if (len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                body = body[1:]
+            found.append((node.name, node.lineno, node.end_lineno - body[0].lineno + 1))
+    return found
+
+
+def test_no_function_over_the_size_limit(graph):
+    long = [f"  {f.relative_to(ROOT)}:{line} {name}: {n} lines" for m, f in graph.modules.items()
+            for name, line, n in function_lengths(ast.parse(f.read_text(encoding="utf-8")))
+            if n > MAX_FUNCTION_LINES]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_the_room_checks_find_a_planted_circle_and_a_long_function(tmp_path):
+    _write(tmp_path, {
+        "toy/__init__.py": "",
+        "toy/top.py": "def f():\n    from .sub import c\n",
+        "toy/sub/__init__.py": "",
+        "toy/sub/c.py": "from ..other import x\n",
+        "toy/other/__init__.py": "",
+        "toy/other/x.py": "import toy.top\n",
+        "toy/long.py": "def g(a,\n      b):\n    '''doc'''\n" + "    a += 1\n" * 151,
+    })
+    g = build_graph({"toy": tmp_path / "toy"})
+    fe = folder_edges(g.edges)
+    assert fe["toy.sub"]["toy.other"] == ("toy.sub.c", "toy.other.x", 1)
+    assert find_cycles({a: {b: 0 for b in out} for a, out in fe.items()}) == [
+        ["toy.other", "toy.top", "toy.sub", "toy.other"]]
+    assert function_lengths(ast.parse((tmp_path / "toy/long.py").read_text())) == [("g", 1, 151)]
+
+
+#: rooms that must not reach each other at all (in either direction where both are listed): the quantizer gets
+#: the deep validation of its output from its caller (``quantize_model(verify_output=...)``) and its GPTQ fit from
+#: ``codec``; validate runs models through ``runner``, never through the quantizer
+SEPARATE_ROOMS: list[tuple[str, str]] = [("exl2fmt.quant", "exl2fmt.validate"), ("exl2fmt.validate", "exl2fmt.quant"),
+                                         ("exl2fmt.quant", "exl2fmt.converters"), ("exl2fmt.quant", "exl2fmt.inspect"),
+                                         ("exl2fmt.runner", "exl2fmt.quant"), ("exl2fmt.runner", "exl2fmt.validate")]
+
+
+def test_separate_rooms_do_not_import_each_other(graph):
+    fe = folder_edges(graph.edges)
+    bad = [f"  {a} -> {b} ({graph.modules[m].relative_to(ROOT)}:{n} imports {t})"
+           for a, b in SEPARATE_ROOMS if (hit := fe.get(a, {}).get(b)) for m, t, n in [hit]]
+    assert not bad, "rooms that must stay apart:\n" + "\n".join(bad)
