@@ -157,7 +157,7 @@ class ErrorCode(str, enum.Enum):
                     "a forward pass through the Triton kernel must give the logits of the forward over the "
                     "dequantized weights within the documented tolerance")
 
-    # --- the quantizer's preflight (appended; see exl2fmt/quant/pipeline.py) ----------------------------
+    # --- the quantizer's preflight (appended; see exl2fmt/quant/job.py) ----------------------------
     DISK_SPACE = ("DISK_SPACE", Category.USAGE,
                   "the destination's filesystem must have room for the quantizer's work files and the output")
 
