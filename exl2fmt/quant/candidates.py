@@ -24,8 +24,8 @@ __all__ = ["CANDIDATES_IN_MEMORY", "make_variants", "kept_bytes", "VariantCache"
 #: when scored, so memory stays bounded however large the layers are.
 CANDIDATES_IN_MEMORY = 64 << 20
 #: ... and only candidates of at most this many bytes: parking a small one costs more time than its memory is
-#: worth (the fixture's measurement +5 % with none kept), while keeping large ones only raises the peak (a 1B
-#: MLP's 22 MB candidates: -31 to -39 MB at its option scoring when parked, at the same measurement time)
+#: worth, while keeping large ones only raises the peak (measured: bench/RESULTS.md, "Figures moved out of code
+#: comments")
 _CANDIDATE_IN_MEMORY_MAX = 4 << 20
 
 
@@ -44,7 +44,7 @@ def make_variants(blk, W, hess, options, vdir: Path, refine_scales: bool, in_mem
     in_memory = CANDIDATES_IN_MEMORY if in_memory is None else in_memory
     # every owner factorized first, while nothing else of the block's candidates is alive (the factorization's
     # transient is the largest: two K x K matrices, the Hessian itself let go of once permuted, since the
-    # measurement computes no proxy error; a down_proj's is 127 MB at K = 5632), each factor kept only until its
+    # measurement computes no proxy error; K x K float32 each), each factor kept only until its
     # owner's last layer is swept
     prepared = {o: gptq.prepare(acc.take(), keep_hessian=False) for o, acc in hess.items()}
     names = [n for n in blk.names if blk.owner(n) in prepared]

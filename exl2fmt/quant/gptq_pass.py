@@ -24,9 +24,8 @@ from ..runner.weights import dense_linear
 __all__ = ["quantize_pass", "calibration_ppl"]
 
 #: the quantize pass keeps a block's last linear's inputs (LayerBlock.sweep(tail=)) when they take at most this or
-#: one hidden state's bytes (a 1B down_proj's at 8 x 256 tokens: 46 MB; at 8 x 512: 92 MB, which spares one more
-#: MLP sweep's gate and up products: a 2-layer 1B GPTQ run 46.9 -> 44.9 s CPU, peak RSS +24 MB, as the block's
-#: other reconstructions are dropped meanwhile; at 32 x 512: 369 MB, recomputed instead)
+#: one hidden state's bytes (which spares one more MLP sweep's gate and up products, while the block's other
+#: reconstructions are dropped meanwhile; larger inputs are recomputed instead; measured: bench/RESULTS.md)
 _TAIL_BYTES = 128 << 20
 
 
@@ -182,12 +181,12 @@ class _QuantizePass:
             # is made from them once it is quantized (blk.finish) instead of by one more sweep
             blk.sweep(h, lin, {owner: acc}, tail=owner)
             if blk.tail is not None:     # finish() runs only this linear: the block's other quantized
-                lin = {n: lin[n] for n in group}   # reconstructions are done with (a 1B gate + up: 88 MB)
+                lin = {n: lin[n] for n in group}   # reconstructions are done with
         else:                            # a later group's only needs its input: the forward stops there
             blk.sweep(h, lin, {owner: acc}, stop_at=owner)
         gs = _gptq_groups(o, W[owner][0].shape[1])
-        # on the CPU the Hessian waits in the work directory while it is factored and its linears swept (a
-        # down_proj's is 127 MB at K = 5632, a third of the factorization's peak); the proxy errors are
+        # on the CPU the Hessian waits in the work directory while it is factored and its linears swept (K x K
+        # float32, a third of the factorization's peak); the proxy errors are
         # computed once it is read back, from the rows they read of each weight and reconstruction
         spill = work.root / "hessian.safetensors" if (job.SPILL_HESSIANS and self.device.type == "cpu"
                                                       and K * K * 4 >= job.SPILL_MIN_BYTES) else None
@@ -203,8 +202,8 @@ class _QuantizePass:
             N = w.shape[0]
             probe = r.error if spill is None else (w[proxy_rows(N)].clone(), r.weight_hat[proxy_rows(N)].clone())
             # no FP16 forward of this layer follows (the trajectory was handed over; not MoE, whose dense
-            # sweep below counts the routed tokens): the float32 original is not needed again (a 1B gate and
-            # up: 92 MB while down_proj is factored)
+            # sweep below counts the routed tokens): the float32 original is not needed again (freed before
+            # down_proj is factored)
             w = None
             if self.final and not spec.is_moe(i) and blk.drop_linear(n):
                 W[n] = (None, b)

@@ -148,7 +148,7 @@ class Work:
 # ------------------------------------------------------------------------------------------------ parked Hessians
 
 #: The quantize pass parks each Hessian of at least SPILL_MIN_BYTES in the work directory while it is factored
-#: and its linears swept (CPU; a 1B down_proj's is 127 MB, a small model's are not worth the file).
+#: and its linears swept (CPU; K x K float32 each: a small model's are not worth the file).
 SPILL_HESSIANS = True
 SPILL_MIN_BYTES = 4 << 20
 

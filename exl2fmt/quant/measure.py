@@ -99,7 +99,7 @@ def measure(spec, src, ids_h, options_of, work: Work, o: QuantOptions, progress,
                 # option sweeps replace every linear: by a candidate's dense reconstruction, which reads no W, or
                 # by a DeltaLinear, which reads W_hat - W and W in bf16): the exact 16-bit copy of a weight from a
                 # 16-bit checkpoint, widened per call, gives the same bits at half the bytes, and the layer's own
-                # float32 copy is freed (a 1B MLP: -66 MB, -44 MB of them while down_proj's candidates are made)
+                # float32 copy is freed (measured: bench/RESULTS.md)
                 w, b = W[n]
                 w16 = scoring.exact_16bit(w)
                 if w16 is not w and blk.drop_linear(n):
@@ -132,8 +132,8 @@ def measure(spec, src, ids_h, options_of, work: Work, o: QuantOptions, progress,
             trim_heap()                     # the candidates' GPTQ and the tape's forward leave free heap behind
             cache = VariantCache(made, W, tape)
             # (a first linear scored from the tape costs one bf16 product and an addition, about what keeping,
-            # comparing and copying its output costs, and the kept outputs were up to 64 MiB of the measurement's
-            # peak: only fp32-scored first linears keep theirs)
+            # comparing and copying its output costs, and the kept outputs add to the measurement's peak: only
+            # fp32-scored first linears keep theirs)
             shared = SharedOutputs(made, options, [n for n in spec.groups(kind, i)[0]
                                                     if n in made and not (tape is not None and tape.usable(n))])
             for j, opt in enumerate(options):

@@ -111,7 +111,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
             o.batch_tokens = default_batch_tokens(o.length, max(widest, spec.hidden_size), o.device)
         # what exists now (torch, transformers and their modules, the model's set-up) lives for the whole run:
         # set it aside from the cyclic GC, so that each block's gc.collect (release_memory) walks only what the
-        # run itself created (0.15 s per call on the fixture, 14% of a GPTQ run there, otherwise); a caller's
+        # run itself created (measured: bench/RESULTS.md); a caller's
         # own frozen set (gc.freeze for a fork server) is left as it is
         if not gc.get_freeze_count():
             gc.freeze()

@@ -33,8 +33,8 @@ from ..runner.weights import Linear
 PRECISIONS = ("auto", "fp32", "bf16")
 
 #: Blocks whose taped linears hold fewer weights than this are scored in fp32 even with precision "bf16": their
-#: products are too small for bf16's speed to repay the recording forward and the differences' bookkeeping (the
-#: trained fixture, hidden 256, measured 5-10 % slower in bf16; a 1B layer 3-4 s faster).
+#: products are too small for bf16's speed to repay the recording forward and the differences' bookkeeping
+#: (measured on the trained fixture and a 1B layer: bench/RESULTS.md).
 DELTA_MIN_WEIGHTS = 1 << 22
 
 

@@ -44,7 +44,7 @@ class LayerRunner:
 
     def drop_attention(self) -> None:
         """Free the attention module's float32 parameters (meta again) while only replays of its recorded result
-        run: the MLP half's sweeps (a 1B layer's q/k/v/o: 36 MB).  A later forward that runs the attention
+        run: the MLP half's sweeps.  A later forward that runs the attention
         module loads them again (``forward``)."""
         entries = self._attn_params()
         if self.eng.is_moe(self.i) or any(key is None for *_, key in entries):
