@@ -13,6 +13,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..layout import EXL2_BITS
+
 __all__ = ["convert_command", "Target"]
 
 
@@ -71,7 +73,7 @@ def convert_command(
                                                   "weight of the decoder linears, overhead included, 2.0-8.5 "
                                                   "(default 4.125).")] = None,
     head_bits: Annotated[int, typer.Option("--head-bits", help="FP16 -> exl2: bits of the LM head "
-                                           "(2, 3, 4, 5, 6, 8).")] = 6,
+                                           f"({', '.join(map(str, sorted(EXL2_BITS)))}).")] = 6,
     calibration: Annotated[Optional[str], typer.Option("--calibration", metavar="FILE", show_default=False,
                                                        help="FP16 -> exl2/gptq: calibration data: .txt, .jsonl "
                                                        "(\"text\" field), or token ids (.npy, .safetensors "

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import ErrorCode, Exl2Error
-from ..layout import BIT_WIDTHS, pad32
+from ..layout import BIT_WIDTHS, GPTQ_BITS, pad32
 
 __all__ = ["HessianAccumulator", "Prepared", "prepare", "group_aware_order", "Exl2Result", "GptqResult", "quantize_exl2",
            "quantize_exl2_plans", "quantize_gptq", "proxy_error", "EXL2_PERCDAMP", "GPTQ_PERCDAMP"]
@@ -611,7 +611,7 @@ def quantize_gptq(weight: torch.Tensor, prep: Prepared, bits: int, group_size: i
     v1 zero field is never negative.  ``error=False``: no ``proxy_error`` (None; ``prep.H`` may be None)."""
     from ..codec.gptq_fit import fit_group
 
-    if bits not in (2, 3, 4, 8):
+    if bits not in GPTQ_BITS:
         raise Exl2Error(ErrorCode.USAGE, f"GPTQ bits must be 2, 3, 4 or 8, got {bits}")
     N, K = weight.shape
     gs = K if group_size == -1 else int(group_size)

@@ -12,6 +12,7 @@ import torch
 
 from ..codec.scale_search import SEARCHES
 from ..errors import ErrorCode, Exl2Error
+from ..layout import GPTQ_BITS
 from .qparams import head_qparams
 from .scoring import resolve_precision
 
@@ -86,7 +87,7 @@ class QuantOptions:
                 raise Exl2Error(ErrorCode.USAGE, f"--bits for EXL2 must lie in [2, 8.5], got {o.bits}")
         elif o.target == "gptq":
             o.bits = 4 if o.bits is None else o.bits
-            if float(o.bits) not in (2.0, 3.0, 4.0, 8.0):
+            if float(o.bits) not in GPTQ_BITS:
                 raise Exl2Error(ErrorCode.USAGE, f"--bits for GPTQ must be 2, 3, 4 or 8, got {o.bits}")
             o.bits = int(o.bits)
         else:

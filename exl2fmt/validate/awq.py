@@ -4,6 +4,7 @@ only (exl2fmt does not decode AWQ data)."""
 from __future__ import annotations
 
 from ..errors import ErrorCode, Issue
+from ..layout import GPTQ_BITS  # AWQ packs the same code widths as GPTQ
 
 __all__ = ["awq_issues"]
 
@@ -25,7 +26,7 @@ def awq_issues(info, file) -> list[Issue]:
                                 tensor=t.name, file=t.file))
     if issues:
         return issues
-    if info.bits not in (2, 3, 4, 8) or not info.groups or not info.in_features or info.in_features % info.groups:
+    if info.bits not in GPTQ_BITS or not info.groups or not info.in_features or info.in_features % info.groups:
         return [Issue(ErrorCode.SLOT_SHAPE, f"shapes give {info.bits} bits and {info.groups} groups for "
                       f"K = {info.in_features}; expected 4 bits (AWQ GEMM) and G dividing K",
                       tensor=f"{info.key}.{AwqSlot.QWEIGHT}", file=file)]
