@@ -49,13 +49,15 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..layout import EXL3_CODEBOOKS, Exl3Slot
 from .exl2 import transpose_store  # 32 x 32 uint16 transpose in registers
 from .f16 import HW_HALF, f16_bits_to_f32, f32_to_f16_bits
 
 __all__ = ["CODEBOOKS", "decode_states", "inner_weight", "dequantize", "unpack_sign_bits", "check_k2"]
 
-#: codebook name -> kernel id
-CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}
+#: codebook name ("3inst", "mcg", "mul1": the layout table's EXL3_CODEBOOKS) -> kernel id
+CODEBOOKS = {name: i for i, name in enumerate(EXL3_CODEBOOKS)}
+_MUL1 = EXL3_CODEBOOKS[2]
 _MULT = (89226354, 0xCBAC1FED)      # lop3 codebooks: x = s * mult + add (mod 2^32)
 _ADD = (64248484, 0)
 _MUL1_MULT = 0x83DCD12D
@@ -219,7 +221,7 @@ def _prep_trellis(trellis, k2: int) -> np.ndarray:
 def _codebook_id(codebook, k2: int) -> int:
     if codebook not in CODEBOOKS:
         raise ValueError(f"codebook must be one of {sorted(CODEBOOKS)}, got {codebook!r}")
-    if k2 % 2 and codebook != "mul1":
+    if k2 % 2 and codebook != _MUL1:
         raise ValueError(f"half rate {k2 / 2} requires the mul1 codebook, got {codebook!r}")
     return CODEBOOKS[codebook]
 
@@ -796,7 +798,7 @@ def _scales(v, n: int, legacy: bool, name: str) -> np.ndarray:
     v = np.asarray(v)
     if legacy:
         if v.shape != (n // 16,) or v.dtype not in (np.int16, np.uint16):
-            raise ValueError(f"legacy {name[:2]} must be int16 [{n // 16}], got {v.dtype} {v.shape}")
+            raise ValueError(f"legacy {name} must be int16 [{n // 16}], got {v.dtype} {v.shape}")
         v = unpack_sign_bits(v)
     elif v.shape != (n,) or v.dtype != np.float16:
         raise ValueError(f"{name} must be float16 [{n}], got {v.dtype} {v.shape}")
@@ -830,8 +832,8 @@ def dequantize(trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray, K2: int, c
     in_f, out_f = int(in_features), int(out_features)
     if not (0 < in_f <= in_p and in_p - in_f < 128 and 0 < out_f <= out_p and out_p - out_f < 128):
         raise ValueError(f"trellis {in_p}x{out_p} does not pad {in_f}x{out_f} to 128")
-    su = _scales(suh, in_p, legacy_signs, "suh")
-    sv = _scales(svh, out_p, legacy_signs, "svh")
+    su = _scales(suh, in_p, legacy_signs, Exl3Slot.SU if legacy_signs else Exl3Slot.SUH)
+    sv = _scales(svh, out_p, legacy_signs, Exl3Slot.SV if legacy_signs else Exl3Slot.SVH)
     widx, woff, tpos = _ring_tables(k2)
     out = _empty_aligned((out_f, in_f))
     _dequant_kernel(tr, widx[tpos], woff[tpos], cbk, np.uint32(_MULT[cbk % 2]), np.uint32(_ADD[cbk % 2]), su, sv, out,
