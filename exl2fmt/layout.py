@@ -81,6 +81,9 @@ class SlotStatus(str, enum.Enum):
     """May be present (bias, q_perm, g_idx); checked when present."""
     DERIVED = "derived"
     """Never stored: computed by loaders (q_group_map).  Present in a file it is ignored."""
+    REFUSED = "refused"
+    """A legacy tensor exl2fmt recognises and refuses (EXL3's pre-suh per-tensor ``scale``): a layer that has it
+    is not decoded (FORMAT_UNSUPPORTED)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -243,6 +246,7 @@ class Exl3Slot(SlotName):
     MCG = "mcg"
     MUL1 = "mul1"
     BIAS = "bias"
+    SCALE = "scale"
 
 
 _R, _O, _D = SlotStatus.REQUIRED, SlotStatus.OPTIONAL, SlotStatus.DERIVED
@@ -335,6 +339,9 @@ EXL3_SLOTS: tuple[TensorSlot, ...] = (
                "codebook marker: mul1, value 0x83DCD12D as int32; required at the half rates", "()"),
     TensorSlot(Exl3Slot.BIAS, ("F16", "F32"), lambda g: (g.N_p,), _O,
                "bias (F32 is cast to F16), N_p or N long; trimmed to N", "(N_p,) or (N,)"),
+    TensorSlot(Exl3Slot.SCALE, ("F16", "F32"), lambda g: (), SlotStatus.REFUSED,
+               "pre-suh per-tensor scale of early EXL3 files; exllamav3 1.6.5 ignores it, so its weight is "
+               "ambiguous: refused", "()"),
 )
 
 #: The layout table: format -> slots.  The first REQUIRED slot is the one that identifies the format.
@@ -425,7 +432,7 @@ def stored_bits(fmt: Format, geometry, present: dict[str, str]) -> int:
     """
     total = 0
     for s in LAYOUTS[fmt]:
-        if s.status is SlotStatus.DERIVED or s.name not in present:
+        if s.status in (SlotStatus.DERIVED, SlotStatus.REFUSED) or s.name not in present:
             continue
         total += math.prod(s.shape(geometry)) * _DTYPE_BITS[present[s.name]]
     return total

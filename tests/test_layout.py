@@ -269,7 +269,7 @@ def test_layout_document():
         "exl2": ["q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_perm", "bias", "q_group_map"],
         "gptq": ["qweight", "qzeros", "scales", "g_idx", "bias"],
         "dense": ["weight", "bias"],
-        "exl3": ["trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias"],   # exl3_facts / spec/exl3.md 1
+        "exl3": ["trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias", "scale"],   # spec/exl3.md 1
     }
     assert json.loads((REPO / "spec" / "layout.json").read_text()) == doc
     assert set(doc["recognised_only"]) == {"awq"}  # keyed by the plain format strings
@@ -323,7 +323,7 @@ def test_exl3_layout():
     g = Exl3Geometry(K=300, N=1000, K_p=384, N_p=1024, bits=2.5)
     assert {s.name: s.shape(g) for s in LAYOUTS[Format.EXL3]} == {
         "trellis": (24, 64, 40), "suh": (384,), "svh": (1024,), "su": (24,), "sv": (64,), "mcg": (), "mul1": (),
-        "bias": (1024,)}
+        "bias": (1024,), "scale": ()}
     # bpw: every stored bit over the true K x N (padding, suh / svh and the marker count as overhead)
     present = {"trellis": "I16", "suh": "F16", "svh": "F16", "mul1": "I32"}
     want = (24 * 64 * 40 * 16 + 384 * 16 + 1024 * 16 + 32) / (300 * 1000)
