@@ -1,7 +1,7 @@
 """The layout table is the only speller of slot names (issue 13).
 
 Walks the source of ``exl2fmt/``, ``converters/`` and ``kernels/`` and fails when a string literal spells a
-slot name of the layout table (``exl2fmt.layout.ALL_LAYOUTS``: the decoded EXL2 / GPTQ / dense layouts and
+slot name of the layout table (``exl2fmt.layout.ALL_LAYOUTS``: the decoded EXL2 / GPTQ / dense / EXL3 layouts and
 the recognised-only AWQ ones) anywhere but ``exl2fmt/layout.py``.  Other modules name a slot through
 the per-format enums (``Exl2Slot.Q_WEIGHT``, ``f"{key}.{GptqSlot.QZEROS}"``) or lookups derived from the
 table (``marker_slot``, ``slot_names``).
