@@ -121,7 +121,7 @@ def plan_items(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, rep
             continue  # its weight (and bias) are plain tensors below
         owned.update(ti.name for ti in info.slots.values())
         shard[info.key] = str(next(iter(info.slots.values())).file)
-        if info.format not in (Format.EXL2, Format.GPTQ):
+        if info.format not in (Format.EXL2, Format.GPTQ, Format.EXL3):
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot be converted",
                             tensor=key)
         wname = f"{key}.weight"
@@ -133,10 +133,7 @@ def plan_items(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, rep
         if g is None:
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"no GGUF name for {wname} in the gguf package's {arch} "
                             "table", tensor=key)
-        from ..arch import expected_features
-
-        n = expected_features(cfg, key)[1] or info.out_features
-        k = info.in_features
+        n, k = _true_nk(cfg, info)
         heads = qk_heads(wname, hp["n_head"], hp["n_kv"]) if permute else None
         items.append(_layer_item(reader, info, cfg, g, wname, (n, k), gtype_2d(layer_t, k, wname, _info_bpw(info)),
                                  heads, report))
@@ -202,6 +199,22 @@ def plan_items(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, rep
 
     items.sort(key=order)  # llama.cpp's order: shards by file name, tensors of a shard by Hugging Face name
     return items
+
+
+def _true_nk(cfg, info) -> tuple[int, int]:
+    """(out, in) features of a quantized layer as ``nn.Linear`` has them: config.json's N (EXL2 pads N to 32);
+    for EXL3, which pads both to 128, config.json's N and K where they pad to the stored sizes."""
+    from ..arch import expected_features
+    from ..layout import Format
+
+    k_cfg, n_cfg = expected_features(cfg, info.key)
+    if info.format is Format.EXL3:
+        from ..formats.exl3 import fits_padding
+
+        k = k_cfg if k_cfg is not None and fits_padding(k_cfg, info.in_features) else info.in_features
+        n = n_cfg if n_cfg is not None and fits_padding(n_cfg, info.out_features) else info.out_features
+        return n, k
+    return n_cfg or info.out_features, info.in_features
 
 
 def _numel(info) -> int:
@@ -284,11 +297,9 @@ def _stacked_item(model, reader, cfg, det, pre, wid, parts, name_of, plain_t, la
             srcs.append(x)
             decoders.append(lambda x=x, dt=ti.dtype: source_f32(reader.read(x), dt))
         else:
-            from ..arch import expected_features
-
             quantized = True
-            n = expected_features(cfg, x.key)[1] or x.out_features
-            shapes.add((n, x.in_features))
+            n, k = _true_nk(cfg, x)
+            shapes.add((n, k))
             srcs.append(f"{x.key}.weight")
 
             def dec(info=x, n=n):

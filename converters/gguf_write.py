@@ -96,7 +96,7 @@ def convert_to_gguf(src, dst, *, gguf_type: str = "auto", force: bool = False, p
         fatal = [i for i in det.issues if i.code is ErrorCode.FORMAT_AMBIGUOUS]
         if fatal:
             raise fatal[0].to_error()
-        if det.format not in (Format.EXL2, Format.GPTQ, Format.DENSE):
+        if det.format not in (Format.EXL2, Format.GPTQ, Format.EXL3, Format.DENSE):
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{det.format.value} models cannot be converted to GGUF",
                             file=str(src_p))
         report = ConversionReport(source=str(src), destination=str(dst), source_format=det.format.value,

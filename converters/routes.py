@@ -10,7 +10,7 @@ The drivers registered here:
 
 =======================  ===================================================================================
 ``dense -> exl2 / gptq``  the calibrated quantizer (``exl2fmt.quant``)
-``* -> gguf``             EXL2 / GPTQ / dense -> one GGUF file (``gguf_write.convert_to_gguf``)
+``* -> gguf``             EXL2 / GPTQ / EXL3 / dense -> one GGUF file (``gguf_write.convert_to_gguf``)
 ``gguf -> fp16 / bf16``   a ``.gguf`` file -> Hugging Face directory (``gguf_read.convert_from_gguf``)
 ``gguf -> exl2 / gptq``   decoded to a staging FP16 directory next to DST, quantized, the staging removed
 =======================  ===================================================================================
@@ -237,7 +237,7 @@ def _to_gguf(job: Job):
                            verify=job.verify, _fail_after=job.fail_after)
 
 
-for _s in ("exl2", "gptq", "dense"):
+for _s in ("exl2", "gptq", "exl3", "dense"):
     register(_s, "gguf", driver=True, opens_source=True)(_to_gguf)
 
 

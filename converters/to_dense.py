@@ -1,4 +1,4 @@
-"""EXL2 / GPTQ (and dense) -> FP16 / BF16: a plain Hugging Face model directory.
+"""EXL2 / GPTQ / EXL3 (and dense) -> FP16 / BF16: a plain Hugging Face model directory.
 
 Per linear layer ``<key>``:
 
@@ -8,7 +8,8 @@ Per linear layer ``<key>``:
   (round to nearest even), written as BF16.
 * EXL2's N padding is removed: ``out_features`` comes from ``config.json`` (``vocab_size`` for ``lm_head``,
   head counts x head_dim for q/k/v, ...); the bias (padded to N_pad in EXL2) is cut to N and kept in the
-  target dtype.
+  target dtype.  EXL3 pads both K and N to 128: both come from ``config.json`` the same way
+  (``Exl3Linear.dequantize``, the canonical decode of spec/exl3.md).
 * Dense layers of the source are treated like the other plain tensors.
 * Projections that transformers builds fused for the architecture (``arch.FUSED_PROJECTIONS``: Phi-3's
   ``qkv_proj`` and ``gate_up_proj``) but that the source stores split (EXL2's convention) are fused back: the
@@ -60,7 +61,7 @@ class QuantToDense(Converter):
     def plan(self) -> list[Unit]:
         st = self._dtype()
         self._reconstruct: dict = {}         # layer key -> its reconstruct(reader) (see _layer_unit)
-        quant = {Format.EXL2, Format.GPTQ}
+        quant = {Format.EXL2, Format.GPTQ, Format.EXL3}
         units: list[Unit] = []
         layer_units = []
         for key, info in self.detection.layers.items():
@@ -93,12 +94,29 @@ class QuantToDense(Converter):
                 self.report.warnings.append(f"{info.key}: no vocab_size in config.json: the padded width "
                                             f"{n_pad} is kept")
             return n_pad
+        if info.format is Format.EXL3:
+            return self._exl3_feature(info, 1)
         return info.out_features
+
+    def _exl3_feature(self, info, axis: int) -> int | None:
+        """EXL3's true in (axis 0) / out (axis 1) features: config.json's when they pad to the stored K_p / N_p
+        (else the padded size, with a warning; validate reports EXL3_PADDING)."""
+        from ..arch import expected_features
+        from ..formats.exl3 import fits_padding
+
+        padded = (info.in_features, info.out_features)[axis]
+        n = expected_features(self.config, info.key)[axis]
+        if n is not None and padded is not None and fits_padding(n, padded):
+            return n
+        if padded is not None:
+            self.report.warnings.append(f"{info.key}: config.json does not give {('in', 'out')[axis]}_features "
+                                        f"that pad to the stored {padded}: the padded size is kept")
+        return padded
 
     def _layer_unit(self, info, st: str) -> Unit:
         key = info.key
         N = self._out_features(info)
-        K = info.in_features
+        K = self._exl3_feature(info, 0) if info.format is Format.EXL3 else info.in_features
         if N is None or K is None:
             raise Exl2Error(ErrorCode.SLOT_SHAPE, "cannot tell the layer's shape from its tensors", tensor=key)
         outs = [OutSpec(f"{key}.{WEIGHT}", st, (N, K))]
@@ -244,7 +262,7 @@ def _bf16_view(bits: np.ndarray) -> np.ndarray:
     return bf16_bits_to_f32(bits)
 
 
-for _src in ("exl2", "gptq", "dense"):
+for _src in ("exl2", "gptq", "exl3", "dense"):
     for _tgt in ("fp16", "bf16"):
         register(_src, _tgt)(type(f"{_src.capitalize()}To{_tgt.upper()}", (QuantToDense,),
                                   {"source": _src, "target": _tgt, "__doc__": f"{_src} -> {_tgt}"}))

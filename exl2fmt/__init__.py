@@ -7,14 +7,14 @@ in numba, torch or triton before they are needed):
                                                     (``exl2fmt.inspect``; ``spec/inspect.schema.json``)
 * ``validate_model(path, deep=False, ...)``         every check, as a ``Report`` of PASS / WARN / FAIL
                                                     (``exl2fmt.validate``)
-* ``convert(src, dst, to)``                         between EXL2 / GPTQ / FP16 / BF16 / GGUF, verified, atomic
+* ``convert(src, dst, to)``                         between EXL2 / GPTQ / FP16 / BF16 / GGUF (EXL3 -> FP16 / BF16 / GGUF), verified, atomic
                                                     (``exl2fmt.converters``)
 * ``quantize(src, dst, "exl2"|"gptq", bits=...)``   FP16/BF16 -> EXL2 / GPTQ, calibrated (needs the ``quant`` extra)
 * ``dequantize_layer(path, key) -> numpy.ndarray``  float16 [out_features, in_features], bit-exact with ExLlamaV2
 * ``open_model(path) -> ModelFiles``                hardened safetensors container (file or directory)
-* ``load_layer(model, key)``                        ``Exl2Linear`` / ``GptqLinear`` / ``DenseLinear``
+* ``load_layer(model, key)``                        ``Exl2Linear`` / ``GptqLinear`` / ``DenseLinear`` / ``Exl3Linear``
 * ``Exl2Error``, ``ErrorCode``, ``Issue``           the one exception type and its stable codes
-* ``Format``                                        layer formats (``exl2``, ``gptq``, ``dense``; ``awq``, ``exl3`` recognised only)
+* ``Format``                                        layer formats (``exl2``, ``gptq``, ``dense``, ``exl3``; ``awq`` recognised only)
 
 Example (the bundled sample model: 15 EXL2 layers of a tiny Llama)::
 

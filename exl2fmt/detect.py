@@ -2,14 +2,14 @@
 
 Detection reads only tensor names, shapes and dtypes (``TensorInfo`` from the safetensors headers) plus
 ``config.json`` ``quantization_config``; it never reads tensor data.  Every slot name comes from the layout
-table (``exl2fmt.layout.LAYOUTS`` for the formats exl2fmt decodes, ``RECOGNISED_LAYOUTS`` for AWQ and EXL3).
+table (``exl2fmt.layout.LAYOUTS`` for the formats exl2fmt decodes, ``RECOGNISED_LAYOUTS`` for AWQ).
 
 Per layer (a tensor-name prefix such as ``model.layers.0.mlp.down_proj``):
 
 * ``exl2``   ``<key>.q_weight`` present (ExLlamaV2 precedence: q_weight, then qweight, then weight)
 * ``gptq``   ``<key>.qweight`` whose column count equals the column count of ``<key>.scales`` (packed along K)
 * ``awq``    ``<key>.qweight`` with K rows and N*b/32 columns, N = ``scales`` columns, and no ``g_idx``
-* ``exl3``   ``<key>.trellis`` present (recognised and named, never decoded)
+* ``exl3``   ``<key>.trellis`` present
 * ``dense``  a 2-D ``<key>.weight`` that is not an embedding or a norm
 
 For the model: the quantized format its quantized layers share (dense layers such as a GPTQ model's
@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 from .container import jsonload
 from .errors import ErrorCode, Exl2Error, Issue
-from .layout import (DETECTION_ORDER, SLOT_NAMES, AwqSlot, Exl2Slot, Exl3Slot, Format, GptqSlot, marker_slot,
+from .layout import (DETECTION_ORDER, EXL3_RATE_OF_LAST_DIM, SLOT_NAMES, AwqSlot, Exl2Slot, Exl3Slot, Format, GptqSlot, marker_slot,
                      slot_names)
 
 __all__ = ["Verdict", "LayerInfo", "Detection", "detect_layers", "detect_model",
@@ -217,14 +217,10 @@ def _layer_info(key: str, fmt: Format, infos: Mapping[str, Any], ambiguous: tupl
             K, N, G = qw[0], sc[1], sc[0]
             bits = qw[1] * 32 // N if N else None
     elif fmt is Format.EXL3:
-        tr, suh, svh = shape(Exl3Slot.TRELLIS), shape(Exl3Slot.SUH), shape(Exl3Slot.SVH)
-        if tr and len(tr) == 3:
+        tr = shape(Exl3Slot.TRELLIS)
+        if tr and len(tr) == 3:  # the sizes padded to 128; config.json gives the true ones
             K, N = tr[0] * 16, tr[1] * 16
-            bits = tr[2] // 16 if tr[2] % 16 == 0 else None
-        if suh and len(suh) == 1:
-            K = suh[0]
-        if svh and len(svh) == 1:
-            N = svh[0]
+            bits = EXL3_RATE_OF_LAST_DIM.get(tr[2])
     elif fmt is Format.DENSE:
         w = infos.get(marker_slot(Format.DENSE))
         if w is not None and len(w.shape) == 2:
@@ -386,10 +382,11 @@ def detect_model(tensors: Mapping[str, Any], config: dict | None, *, root: str |
         label = f"AWQ {bits}-bit g{gs}" + (f" {ver}" if isinstance(ver, str) else "")
     elif fmt is Format.EXL3:
         ls = by_fmt.get(Format.EXL3, [])
-        variant = {"target_bits": _bits(q.get("bits")),
+        variant = {"target_bits": _bits(q.get("bits")), "head_bits": _bits(q.get("head_bits")),
                    "trellis_bits": sorted({l.bits for l in ls if l.bits})}
-        label = "EXL3 (recognised, not decoded)" + (": named by quant_method, no trellis tensors found"
-                                                    if from_config else "")
+        label = "EXL3" + (f" {variant['target_bits']} bpw target" if variant["target_bits"] is not None else "")
+        if from_config:
+            label += " (named by quant_method, no trellis tensors found)"
     elif fmt is Format.DENSE:
         dt = _dense_dtype(by_fmt[Format.DENSE])
         variant = {"dtype": dt}

@@ -115,7 +115,8 @@ class ErrorCode(str, enum.Enum):
     # UNREADABLE (exit 3, "unsupported input", as the README assigns): a format or architecture exl2fmt recognises
     # but does not convert; validate reports it as a check, never as a fatal error
     FORMAT_UNSUPPORTED = ("FORMAT_UNSUPPORTED", Category.UNREADABLE,
-                          "layers of a recognised-only format (EXL3, AWQ data) are named but not checked in depth")
+                          "layers of a recognised-only format (AWQ data) or variant (EXL3's legacy per-tensor "
+                          "scale) are named but not checked in depth or decoded")
     BITS_MISMATCH = ("BITS_MISMATCH", Category.INVALID,
                      "quantization_config.bits should match the measured average bpw of the decoder linears")
     INDEX_ABSENT = ("INDEX_ABSENT", Category.INVALID,
@@ -188,6 +189,18 @@ class ErrorCode(str, enum.Enum):
     MEASUREMENT_MODEL_MISMATCH = ("MEASUREMENT_MODEL_MISMATCH", Category.USAGE,
                                   "a reused measurement must have been measured on this model (same layer count "
                                   "and layer shapes)")
+
+    # --- EXL3 (appended; issue 39, see exl2fmt/formats/exl3.py and spec/exl3.md) -------------------------
+    EXL3_RATE = ("EXL3_RATE", Category.INVALID,
+                 "the EXL3 trellis last dim must be 16 x rate for a rate exllamav3 reads (1..8, 1.5, 2.5, 3.5)")
+    EXL3_HALF_RATE = ("EXL3_HALF_RATE", Category.INVALID,
+                      "an EXL3 layer at a half rate (1.5, 2.5, 3.5) must carry the mul1 codebook marker")
+    EXL3_MARKER = ("EXL3_MARKER", Category.INVALID,
+                   "an EXL3 codebook marker (mcg, mul1) must be the I32 scalar exllamav3 checks, and a layer has at "
+                   "most one")
+    EXL3_PADDING = ("EXL3_PADDING", Category.INVALID,
+                    "EXL3 padded sizes (16 x trellis tiles) must be multiples of 128 that exceed the layer's "
+                    "features by less than 128")
 
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol

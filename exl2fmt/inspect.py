@@ -158,15 +158,18 @@ def _layer_row(model, info, config, issues: list[Issue], features=None) -> dict:
         "stored_bytes": info.stored_bytes,
         "error": error,
         "_numel": numel_conv,
+        **({"codebook": facts.get("codebook")} if fmt is Format.EXL3 else {}),
     }
 
 
 def _histogram(rows) -> list[dict]:
-    total: dict[int, int] = {}
+    total: dict[int | float, int] = {}
     for r in rows:
         for b, w in r["bits"].items():
             if w:  # a bit width holding no weights (an empty layer's plan) is no bar of the histogram
-                total[int(b)] = total.get(int(b), 0) + w
+                x = float(b)
+                x = int(x) if x.is_integer() else x  # EXL3's half rates (1.5, 2.5, 3.5) stay halves
+                total[x] = total.get(x, 0) + w
     s = sum(total.values())
     return [{"bits": b, "weights": total[b], "fraction": round(total[b] / s, 6) if s else 0.0}
             for b in sorted(total, reverse=True)]

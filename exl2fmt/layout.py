@@ -32,6 +32,8 @@ __all__ = [
     "ROW_MULTIPLE", "N_PAD_MULTIPLE", "MAX_K", "MAX_INT16", "FORMAT_VERSION", "layout_document",
     "AwqGeometry", "Exl3Geometry", "RECOGNISED_LAYOUTS", "ALL_LAYOUTS", "SLOT_NAMES", "slot", "marker_slot",
     "slot_names", "DETECTION_ORDER", "STAYS_16BIT", "stays_16bit", "counts_in_decoder_bpw",
+    "EXL3_PAD", "EXL3_RATES", "EXL3_HALF_RATES", "EXL3_RATE_OF_LAST_DIM", "EXL3_MARKER_VALUES", "EXL3_CODEBOOKS",
+    "pad128",
 ]
 
 #: Version of the format description in this module (spec/exl2.md "Versioning").  Independent of the
@@ -55,7 +57,7 @@ SCALE_CODE_BITS = 4
 class Format(str, enum.Enum):
     """Storage format of one linear layer.  Values are stable strings used in JSON output.
 
-    EXL2, GPTQ and DENSE are decoded (``LAYOUTS``); AWQ and EXL3 are recognised and named only
+    EXL2, GPTQ, DENSE and EXL3 are decoded (``LAYOUTS``); AWQ is recognised and named only
     (``RECOGNISED_LAYOUTS``).  A member hashes like its value, so ``"exl2"`` finds ``Format.EXL2`` in a dict."""
 
     EXL2 = "exl2"
@@ -67,7 +69,7 @@ class Format(str, enum.Enum):
     AWQ = "awq"
     """AWQ (AutoAWQ "GEMM"): recognised only, never decoded."""
     EXL3 = "exl3"
-    """EXL3 (ExLlamaV3 trellis codes): recognised only, never decoded."""
+    """EXL3 (ExLlamaV3): trellis-coded 16x16 tiles, suh / svh (or legacy su / sv), codebook markers mcg / mul1."""
 
     __hash__ = str.__hash__
 
@@ -79,6 +81,9 @@ class SlotStatus(str, enum.Enum):
     """May be present (bias, q_perm, g_idx); checked when present."""
     DERIVED = "derived"
     """Never stored: computed by loaders (q_group_map).  Present in a file it is ignored."""
+    REFUSED = "refused"
+    """A legacy tensor exl2fmt recognises and refuses (EXL3's pre-suh per-tensor ``scale``): a layer that has it
+    is not decoded (FORMAT_UNSUPPORTED)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -241,6 +246,7 @@ class Exl3Slot(SlotName):
     MCG = "mcg"
     MUL1 = "mul1"
     BIAS = "bias"
+    SCALE = "scale"
 
 
 _R, _O, _D = SlotStatus.REQUIRED, SlotStatus.OPTIONAL, SlotStatus.DERIVED
@@ -280,15 +286,75 @@ DENSE_SLOTS: tuple[TensorSlot, ...] = (
     TensorSlot(DenseSlot.BIAS, ("F16", "BF16", "F32"), lambda g: (g.N,), _O, "bias", "(N,)"),
 )
 
+# ---------------------------------------------------------------------------------------------------
+# EXL3 (ExLlamaV3): QTIP-style trellis codes with Hadamard rotations (spec/exl3.md)
+# ---------------------------------------------------------------------------------------------------
+
+#: EXL3 pads both dimensions of a layer to a multiple of this (the 128-wide Hadamard blocks).
+EXL3_PAD = 128
+#: Every rate (bits per weight of the trellis) exllamav3 reads: whole 1..8 and the half rates 1.5 / 2.5 / 3.5.
+EXL3_RATES: tuple[float | int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 1.5, 2.5, 3.5)
+#: The half rates, which exllamav3 decodes only with the mul1 codebook.
+EXL3_HALF_RATES: tuple[float, ...] = (1.5, 2.5, 3.5)
+#: trellis last dimension (16 * rate uint16 words per 16 x 16 tile) -> rate.
+EXL3_RATE_OF_LAST_DIM: dict[int, float | int] = {int(16 * r): r for r in EXL3_RATES}
+#: Codebook marker scalars (I32, shape []): slot -> the value it must hold (the uint32 multiplier viewed as int32).
+EXL3_MARKER_VALUES: dict[str, int] = {"mcg": 0xCBAC1FED - (1 << 32), "mul1": 0x83DCD12D - (1 << 32)}
+#: Codebook names: no marker -> 3inst, ``mcg`` -> mcg, ``mul1`` -> mul1.
+EXL3_CODEBOOKS: tuple[str, ...] = ("3inst", "mcg", "mul1")
+
+
+def pad128(n: int) -> int:
+    """Round ``n`` up to a multiple of 128 (EXL3's padded K_p / N_p)."""
+    return (n + EXL3_PAD - 1) // EXL3_PAD * EXL3_PAD
+
+
+@dataclass(frozen=True)
+class Exl3Geometry:
+    """EXL3 layer: K input rows, N output columns, K_p / N_p the padded sizes (multiples of 128, less than 128
+    above K / N), ``bits`` the trellis rate (an ``EXL3_RATES`` member)."""
+
+    K: int
+    N: int
+    K_p: int
+    N_p: int
+    bits: float | int
+
+
+EXL3_SLOTS: tuple[TensorSlot, ...] = (
+    TensorSlot(Exl3Slot.TRELLIS, ("I16",), lambda g: (g.K_p // 16, g.N_p // 16, int(16 * g.bits)), _R,
+               "16x16 tiles, each a tail-biting bit ring of 256 * rate bits (rate = last dim / 16: 1..8, 1.5, "
+               "2.5, 3.5)", "(K_p/16, N_p/16, 16*rate)"),
+    TensorSlot(Exl3Slot.SUH, ("F16",), lambda g: (g.K_p,), _O,
+               "input-side signs x scales; required unless the legacy su is present", "(K_p,)"),
+    TensorSlot(Exl3Slot.SVH, ("F16",), lambda g: (g.N_p,), _O,
+               "output-side signs x scales; required unless the legacy sv is present", "(N_p,)"),
+    TensorSlot(Exl3Slot.SU, ("I16",), lambda g: (g.K_p // 16,), _O,
+               "legacy input-side signs, 16 per word LSB first, set bit = -1 (instead of suh)", "(K_p/16,)"),
+    TensorSlot(Exl3Slot.SV, ("I16",), lambda g: (g.N_p // 16,), _O,
+               "legacy output-side signs, packed like su (instead of svh)", "(N_p/16,)"),
+    TensorSlot(Exl3Slot.MCG, ("I32",), lambda g: (), _O,
+               "codebook marker: mcg, value 0xCBAC1FED as int32; at most one marker", "()"),
+    TensorSlot(Exl3Slot.MUL1, ("I32",), lambda g: (), _O,
+               "codebook marker: mul1, value 0x83DCD12D as int32; required at the half rates", "()"),
+    TensorSlot(Exl3Slot.BIAS, ("F16", "F32"), lambda g: (g.N_p,), _O,
+               "bias (F32 is cast to F16), N_p or N long; trimmed to N", "(N_p,) or (N,)"),
+    TensorSlot(Exl3Slot.SCALE, ("F16", "F32"), lambda g: (), SlotStatus.REFUSED,
+               "pre-suh per-tensor scale of early EXL3 files; exllamav3 1.6.5 ignores it, so its weight is "
+               "ambiguous: refused", "()"),
+)
+
 #: The layout table: format -> slots.  The first REQUIRED slot is the one that identifies the format.
 LAYOUTS: dict[Format, tuple[TensorSlot, ...]] = {
     Format.EXL2: EXL2_SLOTS,
     Format.GPTQ: GPTQ_SLOTS,
     Format.DENSE: DENSE_SLOTS,
+    Format.EXL3: EXL3_SLOTS,
 }
 
-#: Detection precedence (ExLlamaV2 ``load_weight`` checks q_weight, then qweight, then weight).
-DETECTION_ORDER: tuple[Format, ...] = (Format.EXL2, Format.GPTQ, Format.DENSE)
+#: Detection precedence (ExLlamaV2 ``load_weight`` checks q_weight, then qweight, then weight; EXL3's trellis
+#: comes before weight, as in the detector).
+DETECTION_ORDER: tuple[Format, ...] = (Format.EXL2, Format.GPTQ, Format.EXL3, Format.DENSE)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -306,15 +372,6 @@ class AwqGeometry:
     G: int
 
 
-@dataclass(frozen=True)
-class Exl3Geometry:
-    """EXL3 layer: K input rows, N output columns, ``bits`` per weight of the trellis codes."""
-
-    K: int
-    N: int
-    bits: int
-
-
 #: AWQ (AutoAWQ "GEMM"): the same tensor names as GPTQ, but qweight is packed along N (interleaved column
 #: order 0,2,4,6,1,3,5,7 within a 4-bit word), qzeros stores z (no -1) and there is no g_idx.  Told apart from
 #: GPTQ by shapes: AWQ qweight has K rows and N*b/32 columns, GPTQ qweight has K*b/32 rows and N columns.
@@ -327,26 +384,11 @@ AWQ_SLOTS: tuple[TensorSlot, ...] = (
     TensorSlot(AwqSlot.BIAS, ("F16", "BF16", "F32"), lambda g: (g.N,), _O, "bias", "(N,)"),
 )
 
-#: EXL3 (ExLlamaV3, QTIP-style trellis codes with Hadamard rotations).  Only ``trellis`` identifies it; the
-#: sign vectors come either as ``suh``/``svh`` or packed as ``su``/``sv``.
-EXL3_SLOTS: tuple[TensorSlot, ...] = (
-    TensorSlot(Exl3Slot.TRELLIS, ("I16",), lambda g: (g.K // 16, g.N // 16, 16 * g.bits), _R,
-               "trellis-coded 16x16 tiles", "(K/16, N/16, 16*bits)"),
-    TensorSlot(Exl3Slot.SUH, ("F16",), lambda g: (g.K,), _O, "input-side signs / scales", "(K,)"),
-    TensorSlot(Exl3Slot.SVH, ("F16",), lambda g: (g.N,), _O, "output-side signs / scales", "(N,)"),
-    TensorSlot(Exl3Slot.SU, ("I16",), lambda g: (g.K // 16,), _O, "input-side signs, bit-packed", "(K/16,)"),
-    TensorSlot(Exl3Slot.SV, ("I16",), lambda g: (g.N // 16,), _O, "output-side signs, bit-packed", "(N/16,)"),
-    TensorSlot(Exl3Slot.MCG, ("I32",), lambda g: (), _O, "codebook multiplier (mcg variant)", "()"),
-    TensorSlot(Exl3Slot.MUL1, ("I32",), lambda g: (), _O, "codebook multiplier (mul1 variant)", "()"),
-    TensorSlot(Exl3Slot.BIAS, ("F16",), lambda g: (g.N,), _O, "bias", "(N,)"),
-)
-
 #: Layouts exl2fmt recognises and names but does not decode or fully validate, keyed by the stable format
 #: string used in JSON output.  The first REQUIRED slot identifies the format (for AWQ it is shared with GPTQ;
 #: the shapes decide).
 RECOGNISED_LAYOUTS: dict[Format, tuple[TensorSlot, ...]] = {
     Format.AWQ: AWQ_SLOTS,
-    Format.EXL3: EXL3_SLOTS,
 }
 
 #: Every layout, decoded or recognised: format -> slots.
@@ -390,7 +432,7 @@ def stored_bits(fmt: Format, geometry, present: dict[str, str]) -> int:
     """
     total = 0
     for s in LAYOUTS[fmt]:
-        if s.status is SlotStatus.DERIVED or s.name not in present:
+        if s.status in (SlotStatus.DERIVED, SlotStatus.REFUSED) or s.name not in present:
             continue
         total += math.prod(s.shape(geometry)) * _DTYPE_BITS[present[s.name]]
     return total
@@ -399,12 +441,13 @@ def stored_bits(fmt: Format, geometry, present: dict[str, str]) -> int:
 def bpw(fmt: Format, geometry, present: dict[str, str]) -> float | None:
     """Bits per weight with all overhead, ExLlamaV2's convention (``QParams.total_bits`` / numel).
 
-    numel = K * N_pad (+ N_pad with a bias) for EXL2, K * N (+ N) for GPTQ and dense layers.  None for a layer of
+    numel = K * N_pad (+ N_pad with a bias) for EXL2, K * N (+ N) for GPTQ, dense and EXL3 layers (EXL3's
+    padding to K_p x N_p, its suh / svh and markers are overhead; its bias is counted N_p long here).  None for a layer of
     no weights (0 rows or 0 columns: an invalid layer that inspect still lists, issue 41).
     """
     if fmt is Format.EXL2:
         n = geometry.N_pad
-    else:
+    else:  # EXL3: the true N, so that the padding counts as overhead
         n = geometry.N
     numel = geometry.K * n + (n if Exl2Slot.BIAS in present else 0)
     if numel <= 0:
@@ -544,6 +587,12 @@ def layout_document() -> dict:
         ],
         "exl2_tier_order": list(EXL2_BITS),
         "gptq_bits": list(GPTQ_BITS),
+        "exl3": {"pad_multiple": EXL3_PAD, "rates": list(EXL3_RATES), "half_rates_need": "mul1",
+                 "trellis_last_dim": {str(d): r for d, r in sorted(EXL3_RATE_OF_LAST_DIM.items())},
+                 "marker_values": dict(EXL3_MARKER_VALUES), "codebooks": list(EXL3_CODEBOOKS),
+                 "codebook_rule": "no marker: 3inst; mcg: mcg; mul1: mul1; at most one marker",
+                 "conventions": {"K_p": "K rounded up to a multiple of 128", "N_p": "N rounded up to a multiple "
+                                 "of 128", "rate": "trellis last dim / 16"}},
         "scale_rule": "s[g][n] = (c[g][n] + 1)^2 * q_scale_max[g] / 256, rounded as fp16(fp16((c+1)^2) * fp16(q_scale_max / 256))",
         "dequant_rule": "w = fp16(fp16(q - 2^(b-1)) * s); W[q_perm[k]][n] = w(k, n); nn.Linear.weight = W[:, :N].T",
         "limits": {"row_multiple": ROW_MULTIPLE, "n_pad_multiple": N_PAD_MULTIPLE, "max_K": MAX_K,

@@ -28,8 +28,8 @@ class LayerRef:
 def find_layers(names, shapes: dict[str, tuple] | None = None) -> dict[str, LayerRef]:
     """Group tensor names into linear layers by the layout table's marker slots.
 
-    A key is a layer when ``<key>.q_weight`` (EXL2), ``<key>.qweight`` (GPTQ) or a 2-D ``<key>.weight`` that
-    is not an embedding or norm (dense) exists.  ``ambiguous`` lists the other formats whose marker is also
+    A key is a layer when ``<key>.q_weight`` (EXL2), ``<key>.qweight`` (GPTQ), ``<key>.trellis`` (EXL3) or a 2-D
+    ``<key>.weight`` that is not an embedding or norm (dense) exists.  ``ambiguous`` lists the other formats whose marker is also
     present for the same key (ExLlamaV2's precedence decides ``format``).
     """
     names = set(names)
@@ -48,7 +48,8 @@ def load_layer(model: ModelFiles, key: str) -> Linear:
     """Build the layer object for ``key`` (lazy memory-mapped arrays)."""
     candidates = [f for f in DETECTION_ORDER if f"{key}.{marker_slot(f)}" in model]
     if not candidates:
-        raise Exl2Error(ErrorCode.LAYER_NOT_FOUND, f"no {key}.q_weight, {key}.qweight or {key}.weight in the model",
+        raise Exl2Error(ErrorCode.LAYER_NOT_FOUND, f"no {key}.q_weight, {key}.qweight, {key}.trellis or {key}.weight "
+                        "in the model",
                         tensor=key, file=str(model.root))
     fmt = candidates[0]
     slots = {s: model.info(f"{key}.{s}") for s in slot_names(fmt, derived=False) if f"{key}.{s}" in model}
@@ -60,8 +61,8 @@ def dequantize_layer(path: str | os.PathLike, key: str) -> np.ndarray:
 
     ``path``: a ``.safetensors`` file or a model directory (sharded or not).  ``key``: the layer prefix, e.g.
     ``model.layers.0.mlp.down_proj``.  Returns float16 [out_features, in_features] (``nn.Linear`` orientation),
-    bit-exact with ExLlamaV2 for EXL2 layers; EXL2 padding columns are dropped using ``config.json`` when it
-    names the layer's true width.  Raises ``Exl2Error`` on any problem: the layer must pass the checks of
+    bit-exact with ExLlamaV2 for EXL2 layers; EXL2 padding columns (EXL3: padding rows and columns) are dropped
+    using ``config.json`` when it names the layer's true width.  Raises ``Exl2Error`` on any problem: the layer must pass the checks of
     ``validate --deep`` and decode to finite values (``Linear.dequantize_finite``), the rule every command that
     decodes applies.
     """

@@ -247,7 +247,7 @@ def test_awq_recognised_by_shapes(tmp_path):
     assert rep["issues"] == []
 
 
-def test_exl3_recognised(tmp_path):
+def test_exl3_layer_row(tmp_path):
     K, N, bits = 64, 128, 3
     t = {"model.layers.0.mlp.up_proj.trellis": np.zeros((K // 16, N // 16, 16 * bits), np.int16),
          "model.layers.0.mlp.up_proj.suh": np.ones(K, np.float16),
@@ -255,7 +255,7 @@ def test_exl3_recognised(tmp_path):
     rep = inspect_model(_write(tmp_path / "e", t, {"quantization_config": {"quant_method": "exl3", "bits": 3.0}}))
     assert rep["format"]["name"] == "exl3"
     r = rep["layers"][0]
-    assert (r["in_features"], r["out_features"], r["plan"]) == (K, N, "3b trellis")
+    assert (r["in_features"], r["out_features"], r["plan"], r["codebook"]) == (K, N, "3b trellis 3inst", "3inst")
     assert r["bpw"] == pytest.approx((K * N * 3 + (K + N) * 16) / (K * N))
 
 

@@ -166,8 +166,8 @@ def test_bit_width_table_matches_2_2():
 
 def test_every_format_has_one_distinct_required_marker():
     assert {f: marker_slot(f) for f in LAYOUTS} == {Format.EXL2: "q_weight", Format.GPTQ: "qweight",
-                                                   Format.DENSE: "weight"}
-    assert DETECTION_ORDER == (Format.EXL2, Format.GPTQ, Format.DENSE)
+                                                   Format.DENSE: "weight", Format.EXL3: "trellis"}
+    assert DETECTION_ORDER == (Format.EXL2, Format.GPTQ, Format.EXL3, Format.DENSE)
     markers = [marker_slot(f) for f in LAYOUTS]
     assert len(set(markers)) == len(markers)
     for f in LAYOUTS:
@@ -269,9 +269,10 @@ def test_layout_document():
         "exl2": ["q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_perm", "bias", "q_group_map"],
         "gptq": ["qweight", "qzeros", "scales", "g_idx", "bias"],
         "dense": ["weight", "bias"],
+        "exl3": ["trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias", "scale"],   # spec/exl3.md 1
     }
     assert json.loads((REPO / "spec" / "layout.json").read_text()) == doc
-    assert set(doc["recognised_only"]) == {"awq", "exl3"}  # keyed by the plain format strings
+    assert set(doc["recognised_only"]) == {"awq"}  # keyed by the plain format strings
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -306,3 +307,24 @@ def test_written_bits_equal_bpw_accounting(br, n_pad, with_bias, seed):
         if s.name in t:
             assert t[s.name].shape == s.shape(geom)
             assert present[s.name] == s.write_dtype
+
+
+def test_exl3_layout():
+    """EXL3 (spec/exl3.md section 1): padded dims, trellis last dim 16 * rate (24 / 40 / 56 at the half rates),
+    the marker values (the uint32 multipliers viewed as int32)."""
+    from exl2fmt.layout import (EXL3_HALF_RATES, EXL3_MARKER_VALUES, EXL3_RATE_OF_LAST_DIM, EXL3_RATES,
+                                Exl3Geometry, pad128)
+
+    assert sorted(EXL3_RATE_OF_LAST_DIM) == [16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128]
+    assert {d: r for d, r in EXL3_RATE_OF_LAST_DIM.items() if r in EXL3_HALF_RATES} == {24: 1.5, 40: 2.5, 56: 3.5}
+    assert len(EXL3_RATES) == 11
+    assert EXL3_MARKER_VALUES == {"mcg": -877912083, "mul1": -2082680531}
+    assert [pad128(n) for n in (1, 128, 129, 4096, 11008)] == [128, 128, 256, 4096, 11008]
+    g = Exl3Geometry(K=300, N=1000, K_p=384, N_p=1024, bits=2.5)
+    assert {s.name: s.shape(g) for s in LAYOUTS[Format.EXL3]} == {
+        "trellis": (24, 64, 40), "suh": (384,), "svh": (1024,), "su": (24,), "sv": (64,), "mcg": (), "mul1": (),
+        "bias": (1024,), "scale": ()}
+    # bpw: every stored bit over the true K x N (padding, suh / svh and the marker count as overhead)
+    present = {"trellis": "I16", "suh": "F16", "svh": "F16", "mul1": "I32"}
+    want = (24 * 64 * 40 * 16 + 384 * 16 + 1024 * 16 + 32) / (300 * 1000)
+    assert bpw(Format.EXL3, g, present) == want

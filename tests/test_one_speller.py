@@ -1,8 +1,8 @@
 """The layout table is the only speller of slot names (issue 13).
 
 Walks the source of ``exl2fmt/``, ``converters/`` and ``kernels/`` and fails when a string literal spells a
-slot name of the layout table (``exl2fmt.layout.ALL_LAYOUTS``: the decoded EXL2 / GPTQ / dense layouts and
-the recognised-only AWQ / EXL3 ones) anywhere but ``exl2fmt/layout.py``.  Other modules name a slot through
+slot name of the layout table (``exl2fmt.layout.ALL_LAYOUTS``: the decoded EXL2 / GPTQ / dense / EXL3 layouts and
+the recognised-only AWQ ones) anywhere but ``exl2fmt/layout.py``.  Other modules name a slot through
 the per-format enums (``Exl2Slot.Q_WEIGHT``, ``f"{key}.{GptqSlot.QZEROS}"``) or lookups derived from the
 table (``marker_slot``, ``slot_names``).
 
@@ -18,6 +18,7 @@ Generic names:
 * ``weight`` and ``bias`` are not checked.  Hugging Face names the parameters of every module so (norms,
   embeddings, ``lm_head``), and the converters copy those tensors by name; a literal ``"weight"`` says
   nothing about the layout table.  The layer classes still name them through ``DenseSlot`` / ``Exl2Slot``.
+  ``scale`` (EXL3's refused legacy slot) likewise: GGUF metadata keys such as ``attention.scale`` end in it.
 * ``su`` as a whole literal is not checked: it is also the rope-scaling type of Phi-3 (LongRoPE) in
   ``config.json``.  Its tensor form ``".su"`` is checked.
 
@@ -41,7 +42,7 @@ SPELLER = "exl2fmt/layout.py"
 PENDING: set[str] = set()
 
 #: Names that are also ordinary words of other vocabularies (see the module docstring).
-NOT_CHECKED = frozenset({"weight", "bias"})
+NOT_CHECKED = frozenset({"weight", "bias", "scale"})
 WHOLE_LITERAL_NOT_CHECKED = frozenset({"su"})
 
 SLOT_NAMES = frozenset(str(s.name) for slots in ALL_LAYOUTS.values() for s in slots) - NOT_CHECKED

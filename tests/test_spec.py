@@ -119,10 +119,16 @@ def _slot_rows(md: str, fmt: Format) -> dict[str, tuple[tuple[str, ...], str, st
     return out
 
 
-@pytest.mark.parametrize("doc,fmt", [("exl2.md", f) for f in LAYOUTS] + [("gptq.md", Format.GPTQ)],
-                         ids=lambda v: getattr(v, "value", v))
+@pytest.mark.parametrize("doc,fmt", [("exl3.md" if f is Format.EXL3 else "exl2.md", f) for f in LAYOUTS]
+                         + [("gptq.md", Format.GPTQ)], ids=lambda v: getattr(v, "value", v))
 def test_slot_tables_match_layout(doc, fmt):
-    md = EXL2_MD if doc == "exl2.md" else GPTQ_MD
+    if doc == "exl3.md":
+        # EXL3's slot table lives in its own spec (issue 39), written alongside the decoder
+        if not (SPEC / doc).exists():
+            pytest.skip("spec/exl3.md is not on this branch yet")
+        md = (SPEC / doc).read_text(encoding="utf-8")
+    else:
+        md = EXL2_MD if doc == "exl2.md" else GPTQ_MD
     want = {s.name: (s.dtypes, s.shape_text, s.status.value) for s in LAYOUTS[fmt]}
     got = _slot_rows(md, fmt)
     assert set(got) == set(want), f"{doc}: slot names differ from exl2fmt.layout.LAYOUTS[{fmt.value}]"

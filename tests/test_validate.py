@@ -517,7 +517,8 @@ def test_progress_callback_covers_all_bytes(sample_dir):
     assert rep.bytes_read == sum(a.nbytes for a in load_file(str(sample_dir / "output.safetensors")).values())
 
 
-def test_exl3_is_recognised_but_not_checked(tmp_path):
+def test_exl3_layers_are_checked(tmp_path):
+    """EXL3 is a decoded format (issue 39): a 64-row trellis is not padded to 128 (tests/test_exl3.py has the rest)."""
     d = tmp_path / "e3"
     d.mkdir()
     write_safetensors(d / "model.safetensors", {
@@ -525,5 +526,10 @@ def test_exl3_is_recognised_but_not_checked(tmp_path):
         "model.layers.0.mlp.up_proj.suh": np.ones(64, np.float16),
         "model.layers.0.mlp.up_proj.svh": np.ones(128, np.float16)})
     rep = validate_model(d / "model.safetensors", deep=True)
-    assert rep.format == "exl3" and codes_of(rep, Status.WARN) == ["FORMAT_UNSUPPORTED"] and not rep.failed
-    assert by_code(rep, "FINITE_OK")[0].count == 2  # its float tensors are still scanned
+    assert rep.format == "exl3" and rep.failed and codes_of(rep, Status.FAIL) == ["EXL3_PADDING"]
+    write_safetensors(d / "model.safetensors", {
+        "model.layers.0.mlp.up_proj.trellis": np.zeros((8, 8, 48), np.int16),
+        "model.layers.0.mlp.up_proj.suh": np.ones(128, np.float16),
+        "model.layers.0.mlp.up_proj.svh": np.ones(128, np.float16)})
+    rep = validate_model(d / "model.safetensors", deep=True)
+    assert rep.format == "exl3" and not rep.failed and by_code(rep, "DECODE_OK")[0].count == 1

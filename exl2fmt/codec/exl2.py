@@ -30,7 +30,7 @@ from .f16 import f16_bits_to_f32, f32_to_f16_bits
 
 __all__ = [
     "pack_q_weight", "unpack_q_weight", "pack_q_scale", "unpack_q_scale", "dequantize",
-    "dequantize_stored", "invert_permutation", "is_permutation",
+    "dequantize_stored", "invert_permutation", "is_permutation", "transpose_store",
 ]
 
 # Per-width constants indexed by bit width (0 where undefined); kept as arrays for Numba.
@@ -256,7 +256,7 @@ def is_permutation(perm: np.ndarray) -> bool:
 # 2. decode _JROWS input features j at a time *in original order* into tmp [_JROWS, _TILE_COLS] (fp16
 #    bits), driven by a per-feature table (packed row, shift, group, bits) built once per call
 #    (_feature_table): every feature is one vectorised pass over the tile's columns;
-# 3. transpose tmp in 32 x 32 blocks held in vector registers (_transpose_store) and write W in 64-byte
+# 3. transpose tmp in 32 x 32 blocks held in vector registers (transpose_store) and write W in 64-byte
 #    row segments.  (Non-temporal stores were tried: they halve the kernel's time into an existing buffer,
 #    but dequantize always writes a fresh array, whose lines the kernel has just zeroed into the cache on
 #    the page faults, and there plain stores are as fast or faster.)
@@ -369,7 +369,7 @@ def _transpose_program(rows, shuffle):
 
 
 @intrinsic
-def _transpose_store(typingctx, src, srow, scol, dst, row0, col0):
+def transpose_store(typingctx, src, srow, scol, dst, row0, col0):
     """dst[row0 + c, col0 + r] = src[srow + r, scol + c] for r, c < 32 (uint16, 2-D, C order).
 
     32 row loads of 64 bytes, the shuffles of _transpose_program, 32 row stores of 64 bytes; no bounds check.
@@ -423,7 +423,7 @@ _NT_ALIGN = 32  # the NT path needs the output's rows to start on 32-byte bounda
 
 @intrinsic
 def _transpose_store_nt(typingctx, src, srow, scol, dst, row0, col0):
-    """``_transpose_store`` with non-temporal stores; ``dst``'s 64-byte row segments must be 32-byte aligned."""
+    """``transpose_store`` with non-temporal stores; ``dst``'s 64-byte row segments must be 32-byte aligned."""
     if not (_is_c_array(src, 2) and _is_c_array(dst, 2) and src.dtype == types.uint16
             and dst.dtype == types.uint16):
         return None
@@ -537,7 +537,7 @@ def _store_transposed(tmp, jn, out, n0, n_rows, j0, nontemporal):
                     _transpose_store_nt(tmp, jb, cb, out, n0 + cb, j0 + jb)
             else:
                 for jb in range(0, full, _BLOCK):
-                    _transpose_store(tmp, jb, cb, out, n0 + cb, j0 + jb)
+                    transpose_store(tmp, jb, cb, out, n0 + cb, j0 + jb)
             c1, i0 = cb + _BLOCK, full  # only the features past the last whole block are left
         else:
             c1, i0 = n_rows, 0  # a partial block of rows (out_features not a multiple of 32)

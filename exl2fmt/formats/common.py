@@ -41,7 +41,7 @@ class LinearBase:
             if s.status is SlotStatus.REQUIRED and s.name not in self.tensors:
                 issues.append(self._issue(ErrorCode.SLOT_MISSING, f"required {self.format.value} tensor "
                                           f"'{s.name}' is missing", s.name))
-            elif s.name in self.tensors and s.status is not SlotStatus.DERIVED:
+            elif s.name in self.tensors and s.status not in (SlotStatus.DERIVED, SlotStatus.REFUSED):
                 dt = self.dtypes[s.name]
                 if dt not in s.dtypes:
                     issues.append(self._issue(ErrorCode.SLOT_DTYPE, f"dtype {dt}; expected "
@@ -51,7 +51,7 @@ class LinearBase:
     def _slot_shapes(self, geometry, skip=()) -> list[Issue]:
         issues = []
         for s in LAYOUTS[self.format]:
-            if s.name in self.tensors and s.name not in skip and s.status is not SlotStatus.DERIVED:
+            if s.name in self.tensors and s.name not in skip and s.status not in (SlotStatus.DERIVED, SlotStatus.REFUSED):
                 want = tuple(s.shape(geometry))
                 got = tuple(self.tensors[s.name].shape)
                 if got != want:

@@ -45,13 +45,15 @@ def reference_threshold(fractions: dict[int, float]) -> float:
 
 
 def _layer_bits_fractions(layer, fmt: str) -> dict[int, float]:
-    """{bits: fraction of the layer's rows} of a loaded layer (``fmt``: "exl2", "gptq" or "dense")."""
+    """{bits: fraction of the layer's rows} of a loaded layer (``fmt``: "exl2", "gptq", "exl3" or "dense")."""
     if fmt == "exl2":
         per = layer.groups.rows_per_bits()
         k = sum(per.values())
         return {b: r / k for b, r in per.items()} if k else {}
     if fmt == "gptq":
         return {int(layer.bits): 1.0}
+    if fmt == "exl3":
+        return {layer.rate: 1.0}
     return {16: 1.0}
 
 
@@ -64,7 +66,7 @@ def deep_pass(rep: Report, model, det, loaded: dict, reference, progress) -> Non
 
     in_layers = set()
     for info in det.layers.values():
-        if info.format in (Format.EXL2, Format.GPTQ, Format.DENSE):
+        if info.format in (Format.EXL2, Format.GPTQ, Format.DENSE, Format.EXL3):
             in_layers.update(t.name for t in info.slots.values())
     floats = [t for n, t in model.tensors.items() if n not in in_layers and t.dtype in ("F16", "BF16", "F32", "F64")]
     layer_bytes = {k: det.layers[k].stored_bytes for k in loaded}

@@ -45,6 +45,12 @@ def structural_checks(rep: Report, model, path: Path, deep: bool) -> tuple:
     _config_shape_checks(rep, config, det, tensors, config_file)
     loaded = _layer_checks(rep, model, det, config, first_file, deep)
     _bits_check(rep, det, config_file)
+    from ..layout import Format
+
+    if det.format is Format.EXL3:
+        from .exl3 import exl3_model_checks
+
+        exl3_model_checks(rep, model, det, config, config_file)
     return det, loaded
 
 
@@ -119,10 +125,6 @@ def _format_checks(rep: Report, model, config, first_file: str, deep: bool):
                 f"no linear layer of a known format ({Exl2Slot.Q_WEIGHT}, {GptqSlot.QWEIGHT}, {Exl3Slot.TRELLIS} or "
                 "a 2-D weight) found",
                 file=first_file)
-    elif det.format is Format.EXL3:
-        rep.add(CheckId.FORMAT, Status.WARN, ErrorCode.FORMAT_UNSUPPORTED,
-                f"EXL3 model ({len(det.layers)} layers): recognised, but exl2fmt does not check EXL3 layers",
-                file=first_file)
     elif not det.issues:
         rep.ok(CheckId.FORMAT, PassCode.FORMAT_OK, f"{det.label}: {len(det.layers)} linear layers, one format each",
                count=len(det.layers))
@@ -155,8 +157,6 @@ def _layer_checks(rep: Report, model, det, config, first_file: str, deep: bool) 
     for key in sorted(det.layers, key=layer_order_key):
         info = det.layers[key]
         fmt = info.format
-        if fmt is Format.EXL3:
-            continue
         issues, layer = _one_layer_issues(model, info, config, gc, first_file, deep)
         if layer is not None and not any(i.severity is Severity.ERROR for i in issues):
             loaded[key] = layer
@@ -173,6 +173,8 @@ def _layer_checks(rep: Report, model, det, config, first_file: str, deep: bool) 
                 rules += f", {Exl2Slot.Q_INVPERM} permutation, {Exl2Slot.Q_SCALE_MAX} finite and >= 0"
         if "gptq" in passed:
             rules += ", GPTQ bits and groups" + (f", {GptqSlot.G_IDX} range, v1 zeros" if deep else "")
+        if "exl3" in passed:
+            rules += ", EXL3 rate, markers, padding" + (", suh/svh finite" if deep else "")
         rep.ok(CheckId.LAYERS, PassCode.LAYERS_OK, f"{what} layer(s) valid ({rules})", count=sum(passed.values()))
     if (not deep and det.format is Format.GPTQ and det.variant.get("sym") is False
             and det.variant.get("version") == 1):
