@@ -25,6 +25,9 @@ from exl2fmt.model import load_layer
 VECTORS = Path(__file__).resolve().parents[1] / "spec" / "vectors"
 EXPECTED_NAMES = ["dense_f16", "exl2_2bit", "exl2_3bit", "exl2_4bit", "exl2_5bit", "exl2_6bit", "exl2_8bit",
                   "exl2_mixed", "gptq_3bit_asym_v2", "gptq_4bit_sym_v1_actorder"]
+#: the EXL3 vectors (same generator and SHA256SUMS; decoded and checked in tests/test_exl3_vectors.py)
+EXL3_NAMES = [f"exl3_{r:g}bit_{cb}" for r in (1, 2, 3, 4, 5, 6, 7, 8, 1.5, 2.5, 3.5) for cb in ("3inst", "mcg", "mul1")
+              if float(r).is_integer() or cb == "mul1"] + ["exl3_padded_2.5bit_mul1", "exl3_legacy_su_sv_3bit_3inst"]
 
 
 def _load_generator():
@@ -74,8 +77,9 @@ def _ours(p: Path) -> bool:
 def test_vector_set_is_complete_and_small():
     names = sorted(p.name for p in VECTORS.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))
                    and p.name not in OWN_SETS)
-    assert names == EXPECTED_NAMES
-    files = [p for p in VECTORS.rglob("*") if p.is_file() and _ours(p)]
+    assert names == sorted(EXPECTED_NAMES + EXL3_NAMES)
+    files = [p for p in VECTORS.rglob("*") if p.is_file() and _ours(p) and not p.relative_to(VECTORS).parts[0]
+             .startswith("exl3_")]  # the EXL3 set has its own size limit (tests/test_exl3_vectors.py)
     assert sum(p.stat().st_size for p in files) < 200_000
 
 
@@ -93,7 +97,7 @@ def test_sha256sums_file():
         listed[rel] = digest
     for rel, digest in listed.items():
         assert _sha256(VECTORS / rel) == digest, rel
-    generated = {p.relative_to(VECTORS).as_posix() for n in EXPECTED_NAMES for p in (VECTORS / n).iterdir()
+    generated = {p.relative_to(VECTORS).as_posix() for n in EXPECTED_NAMES + EXL3_NAMES for p in (VECTORS / n).iterdir()
                  if p.is_file()}
     assert set(listed) == generated
 

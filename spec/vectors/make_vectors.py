@@ -214,6 +214,117 @@ def dense_vector(name, key, N, K, seed):
     return tensors, expected, None
 
 
+def _exl3_oracle():
+    """The slow NumPy EXL3 twin, tests/exl3_oracle.py (loaded by path: tests/ is not a package)."""
+    import importlib.util
+    path = HERE.parents[1] / "tests" / "exl3_oracle.py"
+    spec = importlib.util.spec_from_file_location("exl3_oracle", path)
+    mod = importlib.util.module_from_spec(spec)
+    old, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.dont_write_bytecode = old
+    return mod
+
+
+def _ceil128(n: int) -> int:
+    return -(-n // 128) * 128
+
+
+def _rate_tag(rate) -> str:
+    """1 -> "1bit", 2.5 -> "2.5bit" (folder names)."""
+    return f"{rate:g}bit"
+
+
+def exl3_vector(name, key, rate, codebook, K, N, seed, legacy=False, bias=False, config=None):
+    """One EXL3 linear: random ring words (any bit pattern is a valid ring), tile (0, 1) all zero bits and
+    tile (1, 0) all one bits (states 0x0000 / 0xFFFF), random signed scales with one all-zero output channel
+    (svh = 0, as exllamav3 writes for an all-zero column), or legacy packed su/sv signs."""
+    E = _exl3_oracle()
+    rng = SplitMix64(seed)
+    in_p, out_p = _ceil128(K), _ceil128(N)
+    tk, tn, L = in_p // 16, out_p // 16, E.tile_words(rate)
+    words = np.array([rng.next() & 0xFFFF for _ in range(tk * tn * L)], dtype=np.uint16).reshape(tk, tn, L)
+    words[0, 1, :] = 0x0000
+    words[1, 0, :] = 0xFFFF
+    trellis = words.view(np.int16)
+    tensors = {f"{key}.trellis": trellis}
+    if legacy:
+        for slot, n in (("su", in_p // 16), ("sv", out_p // 16)):
+            tensors[f"{key}.{slot}"] = np.array([rng.next() & 0xFFFF for _ in range(n)], dtype=np.uint16).view(np.int16)
+    else:
+        suh = rng.f16(in_p, 0x1C00, 0x2E00, negative=True)   # |suh| in [2^-8, 0.094]: signs x scales x global scale
+        svh = rng.f16(out_p, 0x3800, 0x4000, negative=True)  # |svh| in [0.5, 2]
+        svh[rng.below(N)] = 0.0                              # one all-zero output channel
+        tensors[f"{key}.suh"], tensors[f"{key}.svh"] = suh, svh
+    if codebook == "mcg":
+        tensors[f"{key}.mcg"] = np.array(E.MCG_MARKER, dtype=np.int32)
+    elif codebook == "mul1":
+        tensors[f"{key}.mul1"] = np.array(E.MUL1_MARKER, dtype=np.int32)
+    bias_f16 = None
+    if bias:
+        bias_f16 = rng.f16(N, 0x0001, 0x5BFF, negative=True)
+        tensors[f"{key}.bias"] = bias_f16
+    w_hat, rate_read, cb_read = E.inner_weight(tensors)
+    assert rate_read == rate and cb_read == codebook, (name, rate_read, cb_read)
+    W = E.dequantize(tensors, K, N)
+    states = E.decode_states(trellis, rate)
+    perm = E.tc_perm()
+    tile0_states = states[:16, :16].reshape(256)[perm]            # ring order: position t
+    tile0_values = w_hat[:16, :16].reshape(256)[perm]
+    expected = {
+        "name": name, "format": "exl3", "key": key, "file": MODEL_FILE,
+        "K": K, "N": N, "in_p": in_p, "out_p": out_p, "rate": rate, "trellis_last_dim": L,
+        "codebook": codebook, "signs": "su/sv" if legacy else "suh/svh",
+        "tile0_words": hex_f16(words[0, 0].view(np.float16)),
+        "tile0_states": ["".join(f"{int(v):04x}" for v in tile0_states[16 * i:16 * i + 16]) for i in range(16)],
+        "tile0_values_f16": hex_rows_f16(tile0_values.reshape(16, 16)),
+        "tile0_inner_f16": hex_rows_f16(w_hat[:16, :16]),
+        "inner_sha256": hashlib.sha256(np.ascontiguousarray(w_hat).view(np.uint16).astype("<u2").tobytes()).hexdigest(),
+        "bias_f16": None if bias_f16 is None else hex_f16(bias_f16),
+        "dequant_f16": hex_rows_f16(W),
+    }
+    return tensors, expected, config
+
+
+#: EXL3 rates and the codebooks each one exists with (half rates: mul1 only, exllamav3 1.6.5 bits_k.cuh).
+EXL3_RATES = (1, 2, 3, 4, 5, 6, 7, 8, 1.5, 2.5, 3.5)
+EXL3_CODEBOOKS = ("3inst", "mcg", "mul1")
+EXL3_PADDED_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 136,
+                      "intermediate_size": 200}
+EXL3_LEGACY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+                      "intermediate_size": 200}
+
+
+def exl3_names() -> list[str]:
+    """Every EXL3 vector folder, in generation order."""
+    names = [f"exl3_{_rate_tag(r)}_{cb}" for r in EXL3_RATES for cb in EXL3_CODEBOOKS
+             if float(r).is_integer() or cb == "mul1"]
+    return names + ["exl3_padded_2.5bit_mul1", "exl3_legacy_su_sv_3bit_3inst"]
+
+
+def build_exl3() -> dict[str, tuple[dict, dict, dict | None]]:
+    v: dict[str, tuple[dict, dict, dict | None]] = {}
+    seed = 500
+    for r in EXL3_RATES:
+        for cb in EXL3_CODEBOOKS:
+            if not float(r).is_integer() and cb != "mul1":
+                continue
+            name = f"exl3_{_rate_tag(r)}_{cb}"
+            v[name] = exl3_vector(name, "model.layers.0.self_attn.q_proj", r, cb, 128, 128, seed)
+            seed += 1
+    # in 200 -> 256 (two input blocks), out 136 -> 256 (two output blocks), bias [N], half rate
+    v["exl3_padded_2.5bit_mul1"] = exl3_vector("exl3_padded_2.5bit_mul1", "model.layers.0.mlp.down_proj", 2.5,
+                                               "mul1", 200, 136, seed=600, bias=True, config=EXL3_PADDED_CONFIG)
+    # legacy packed signs, out 200 -> 256: su [128/16], sv [256/16] (the padded lengths)
+    v["exl3_legacy_su_sv_3bit_3inst"] = exl3_vector("exl3_legacy_su_sv_3bit_3inst", "model.layers.0.mlp.gate_proj",
+                                                    3, "3inst", 128, 200, seed=601, legacy=True,
+                                                    config=EXL3_LEGACY_CONFIG)
+    assert list(v) == exl3_names()
+    return v
+
+
 #: q_scale_max of the single-width EXL2 vectors: 1.0, ~0.1, 12.0, 2^-10 (1 + 2^-10) (q_scale_max / 256 is
 #: subnormal and rounds), 2^-14 (q_scale_max / 256 subnormal, exact), 255.875.
 SINGLE_QSM = {2: 0x3C00, 3: 0x2E66, 4: 0x4A00, 5: 0x1401, 6: 0x0400, 8: 0x5BFF}
@@ -238,6 +349,7 @@ def build() -> dict[str, tuple[dict, dict, dict | None]]:
         "gptq_3bit_asym_v2", "model.layers.0.mlp.up_proj", bits=3, K=64, N=32, group_size=32,
         sym=False, v2=True, act_order=False, with_g_idx=False, seed=301, scale_range=(0x1800, 0x3400))
     v["dense_f16"] = dense_vector("dense_f16", "model.layers.0.mlp.gate_proj", N=24, K=40, seed=400)
+    v.update(build_exl3())
     return v
 
 
