@@ -174,7 +174,8 @@ import numpy as np
 import exl2fmt.codec.f16 as F
 F.HW_HALF = False
 import exl2fmt.codec.exl3 as C, exl3_oracle as R
-assert C._decode_left is C._decode_left_loop
+import exl2fmt.codec.exl3_ops as O
+assert O.decode_left is O._decode_left_loop
 rng = np.random.default_rng(9)
 for k2, cb, mk in ((8, "mcg", {{"mcg": R.MCG_MARKER}}), (5, "mul1", {{"mul1": R.MUL1_MARKER}})):
     tr = rng.integers(-32768, 32768, size=(16, 40, 8 * k2)).astype(np.int16)
