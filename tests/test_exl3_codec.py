@@ -211,3 +211,46 @@ def test_all_states(cb):
     suh = np.ones(256, np.float16)
     svh = np.ones(512, np.float16)
     _same(C.dequantize(tr, suh, svh, 16, cb, 256, 512), _ref_deq(tr, suh, svh, cb, 256, 512))
+
+
+def test_codebook_bound_holds_for_every_state():
+    """``Exl3Linear.CODEBOOK_BOUND`` (the finite proof of formats/exl3.py) bounds |value| of all 65536 states of
+    each codebook, computed by the oracle."""
+    from exl2fmt.formats.exl3 import Exl3Linear
+
+    states = np.arange(65536, dtype=np.uint16).reshape(256, 256)
+    for cb in CODEBOOKS:
+        v = np.asarray(R.codebook_values(states, cb), dtype=np.float32)
+        assert np.isfinite(v).all() and np.abs(v).max() < Exl3Linear.CODEBOOK_BOUND, cb
+
+
+def test_finite_proof_is_sound_and_falls_back_to_counting(tmp_path):
+    """A layer whose scales keep every stage under 65504 skips the output scan; one that can overflow is counted,
+    and an overflowing decode is refused with NONFINITE_VALUES through ``dequantize_layer``."""
+    from safetensors.numpy import save_file
+
+    from exl2fmt import dequantize_layer
+    from exl2fmt.errors import Exl2Error
+    from exl2fmt.container import open_model
+    from exl2fmt.model import load_layer
+
+    rng = np.random.default_rng(5)
+    key = "model.layers.0.mlp.up_proj"
+    tr = rng.integers(-32768, 32768, size=(8, 16, 64)).astype(np.int16)
+    cases = {"small": (np.float16(2.0), np.float16(2.0), True),
+             "huge": (np.float16(60000.0), np.float16(60000.0), False)}
+    for name, (s_u, s_v, proof) in cases.items():
+        f = tmp_path / f"{name}.safetensors"
+        save_file({f"{key}.trellis": tr, f"{key}.suh": np.full(128, s_u, np.float16),
+                   f"{key}.svh": np.full(256, s_v, np.float16)}, str(f))
+        layer = load_layer(open_model(f), key)
+        assert layer._decode_is_finite() is proof
+        w = layer.dequantize()
+        if proof:
+            assert np.isfinite(w.astype(np.float32)).all()
+            assert np.array_equal(dequantize_layer(f, key).view(np.uint16), w.view(np.uint16))
+        else:
+            assert not np.isfinite(w.astype(np.float32)).all()
+            with pytest.raises(Exl2Error) as e:
+                dequantize_layer(f, key)
+            assert e.value.code.value == "NONFINITE_VALUES"

@@ -13,6 +13,8 @@ K = K_p, N = N_p).  The rules (spec/exl3.md section 1), each with its code:
   (EXL3_HALF_RATE);
 * the pre-suh per-tensor ``scale`` is refused (FORMAT_UNSUPPORTED): exllamav3 1.6.5 ignores it, so what such a
   file means is not defined by the reference;
+* a quantized token embedding (``--embed_bits``: a 2-D ``trellis`` [vocab, G x (1 + 16 K)] of rings under an
+  embedding key, spec/exl3.md section 8) is refused (FORMAT_UNSUPPORTED), naming the rate its shape gives;
 * ``deep``: suh / svh / bias finite (NONFINITE_VALUES).  Every bit pattern of a ring decodes, so a layer that passes
   the structural rules is decodable.
 
@@ -26,12 +28,13 @@ from typing import ClassVar, Mapping
 
 from ..lazynp import np  # numpy on first use: inspect reads headers only
 
-from ..errors import ErrorCode, Issue, Severity
+from ..errors import ErrorCode, Exl2Error, Issue, Severity
 from ..layout import (EXL3_CODEBOOKS, EXL3_HALF_RATES, EXL3_MARKER_VALUES, EXL3_PAD, EXL3_RATE_OF_LAST_DIM,
                       EXL3_RATES, Exl3Geometry, Exl3Slot, Format, pad128)
 from .common import LinearBase
 
-__all__ = ["Exl3Linear", "inspect_facts", "codebook_of_slots", "rate_of_last_dim", "fits_padding"]
+__all__ = ["Exl3Linear", "inspect_facts", "codebook_of_slots", "rate_of_last_dim", "fits_padding",
+           "is_quantized_embedding", "embedding_refusal", "refuse_quantized_embedding"]
 
 #: marker slot -> codebook name; no marker is 3inst
 _MARKER_CODEBOOK = {Exl3Slot.MCG: EXL3_CODEBOOKS[1], Exl3Slot.MUL1: EXL3_CODEBOOKS[2]}
@@ -53,6 +56,40 @@ def codebook_of_slots(names) -> str | None:
 def fits_padding(features: int, padded: int) -> bool:
     """``padded`` is the 128-multiple EXL3 pads ``features`` to (0 < features <= padded < features + 128)."""
     return 0 < features <= padded and padded % EXL3_PAD == 0 and padded - features < EXL3_PAD
+
+
+def is_quantized_embedding(key: str, trellis_shape) -> bool:
+    """``<key>.trellis`` is exllamav3's quantized token embedding (spec/exl3.md section 8), not a linear: the
+    trellis is 2-D (rows of rings, [vocab, G x (1 + 16 K)]) under an embedding key (``embed_tokens``, ``wte``,
+    ``word_embeddings`` ...)."""
+    leaf = key.rsplit(".", 1)[-1].lower()
+    return len(tuple(trellis_shape)) == 2 and ("embed" in leaf or leaf == "wte")
+
+
+def _embedding_rates(row_words: int) -> list[int]:
+    """The rates K = 1..8 whose rings (1 + 16 K words each) tile a row of ``row_words`` words."""
+    return [k for k in range(1, 9) if row_words > 0 and row_words % (1 + 16 * k) == 0]
+
+
+def embedding_refusal(key: str, trellis_shape) -> str:
+    """The message of the FORMAT_UNSUPPORTED finding for a quantized embedding: its shape and derived rate."""
+    rows, words = (int(d) for d in trellis_shape)
+    rates = _embedding_rates(words)
+    rate = (f"rate {rates[0]} ({words // (1 + 16 * rates[0])} ring(s) of {1 + 16 * rates[0]} words per row)"
+            if len(rates) == 1 else "rate " + (" or ".join(map(str, rates)) if rates else "unknown") +
+            f" ({words} words per row)")
+    return (f"quantized EXL3 token embedding (exllamav3 --embed_bits ring format, trellis [{rows}, {words}], {rate}) "
+            "is not supported: exl2fmt decodes EXL3 linears only; re-quantize without --embed_bits")
+
+
+def refuse_quantized_embedding(info) -> None:
+    """Raise ``Exl2Error(FORMAT_UNSUPPORTED)`` when the detected layer ``info`` (a ``detect.LayerInfo``) is a
+    quantized embedding: the converters call it while planning, before any tensor data is read."""
+    tr = info.slots.get(Exl3Slot.TRELLIS) if info.format is Format.EXL3 else None
+    if tr is not None and is_quantized_embedding(info.key, tr.shape):
+        raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, embedding_refusal(info.key, tr.shape),
+                        tensor=f"{info.key}.{Exl3Slot.TRELLIS.value}",
+                        file=str(tr.file) if getattr(tr, "file", None) else None)
 
 
 def _rate_text(r) -> str:
@@ -114,6 +151,9 @@ class Exl3Linear(LinearBase):
     # ------------------------------------------------------------------ rules
 
     def validate(self, deep: bool = False) -> list[Issue]:
+        tr = self.tensors.get(Exl3Slot.TRELLIS)
+        if tr is not None and is_quantized_embedding(self.key, tr.shape):
+            return [self._issue(ErrorCode.FORMAT_UNSUPPORTED, embedding_refusal(self.key, tr.shape), Exl3Slot.TRELLIS)]
         issues = self._slot_presence_and_dtypes()
         if Exl3Slot.SCALE in self.tensors:
             issues.append(self._issue(ErrorCode.FORMAT_UNSUPPORTED, "legacy per-tensor 'scale' (EXL3 before suh/svh) "
@@ -207,6 +247,33 @@ class Exl3Linear(LinearBase):
                           self._signs(Exl3Slot.SVH, Exl3Slot.SV), k2, self.codebook, self.in_features,
                           self.out_features)
 
+    #: an upper bound of |codebook value| for all three codebooks and all 65536 states (3INST / MCG: the sum of two
+    #: fp16 halves whose exponent field the lop3 mask keeps below 2.0 each; MUL1: |h x fp16(0x1EEE) + fp16(0xC931)|
+    #: for h in 1024..2044 stays under 3.6; tests/test_exl3_codec.py checks it on every state)
+    CODEBOOK_BOUND: ClassVar[float] = 4.0
+
+    def _decode_is_finite(self) -> bool:
+        """No decoded weight can be NaN or Inf when the stage bounds stay in fp16's range (spec/exl3.md section 5):
+        |A| <= 128 x 4 / sqrt(128) = 4 sqrt(128) after the left Hadamard, |B| <= |A| max|suh|, |C| <= sqrt(128)
+        max|B| = 512 max|suh|, |D| <= |C| max|svh| (a 1 % margin covers the fp32 sums' and the fp16 roundings'
+        relative errors; rounding is monotone).  suh / svh are finite (the deep checks); legacy su / sv are signs.
+        O(K + N), so the output need not be scanned; a layer near the fp16 range is counted in the output."""
+        def amax(fp16: str) -> float:
+            if fp16 not in self.tensors:
+                return 1.0          # legacy signs
+            a = np.asarray(self.tensors[fp16]).astype(np.float32)
+            return float(np.abs(a).max()) if a.size else 0.0
+
+        with np.errstate(over="ignore", invalid="ignore"):
+            su, sv = amax(Exl3Slot.SUH), amax(Exl3Slot.SVH)
+        if not (np.isfinite(su) and np.isfinite(sv)):
+            return False
+        margin, top = 1.01, 65504.0
+        a = self.CODEBOOK_BOUND * 128 ** 0.5 * margin
+        b = a * su * margin
+        d = b * 128 ** 0.5 * sv * margin
+        return b <= top and d <= top
+
     def bias(self) -> np.ndarray | None:
         if Exl3Slot.BIAS not in self.tensors:
             return None
@@ -238,6 +305,12 @@ def inspect_facts(model, info, config, issues: list[Issue], features=None) -> di
     out = {"K": info.in_features, "N": info.out_features, "G": None, "plan": None, "hist": {}, "act": None,
            "bpw": None, "error": None, "codebook": None}
     tr = info.slots.get(Exl3Slot.TRELLIS)
+    if tr is not None and is_quantized_embedding(info.key, tr.shape):
+        msg = embedding_refusal(info.key, tr.shape)
+        out["error"] = "quantized embedding: not supported"
+        issues.append(Issue(ErrorCode.FORMAT_UNSUPPORTED, msg, tensor=f"{info.key}.{Exl3Slot.TRELLIS.value}",
+                            file=str(tr.file) if getattr(tr, "file", None) else None))
+        return out
     if tr is None or len(tr.shape) != 3:
         out["error"] = "trellis missing or not 3-D"
         return out
