@@ -124,6 +124,10 @@ def plan_items(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, rep
         if info.format not in (Format.EXL2, Format.GPTQ, Format.EXL3):
             raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot be converted",
                             tensor=key)
+        if info.format is Format.EXL3:
+            from ..formats.exl3 import refuse_quantized_embedding
+
+            refuse_quantized_embedding(info)
         wname = f"{key}.weight"
         em = _EXPERT.match(wname)
         if em is not None:  # one expert of a stacked tensor: reconstructed, stacked below

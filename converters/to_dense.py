@@ -66,6 +66,10 @@ class QuantToDense(Converter):
         layer_units = []
         for key, info in self.detection.layers.items():
             if info.format in quant:
+                if info.format is Format.EXL3:
+                    from ..formats.exl3 import refuse_quantized_embedding
+
+                    refuse_quantized_embedding(info)
                 layer_units.append(self._layer_unit(info, st))
             elif info.format is not Format.DENSE:
                 raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layers cannot be dequantized",

@@ -116,7 +116,7 @@ class ErrorCode(str, enum.Enum):
     # but does not convert; validate reports it as a check, never as a fatal error
     FORMAT_UNSUPPORTED = ("FORMAT_UNSUPPORTED", Category.UNREADABLE,
                           "layers of a recognised-only format (AWQ data) or variant (EXL3's legacy per-tensor "
-                          "scale) are named but not checked in depth or decoded")
+                          "scale, EXL3's quantized token embeddings) are named but not checked in depth or decoded")
     BITS_MISMATCH = ("BITS_MISMATCH", Category.INVALID,
                      "quantization_config.bits should match the measured average bpw of the decoder linears")
     INDEX_ABSENT = ("INDEX_ABSENT", Category.INVALID,
