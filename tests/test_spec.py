@@ -1,6 +1,6 @@
 """The prose spec (spec/*.md) and spec/layout.json must agree with the code.
 
-The markdown tables of spec/exl2.md and spec/gptq.md are parsed (found by their header rows, see
+The markdown tables of spec/exl2.md, spec/gptq.md and spec/exl3.md are parsed (found by their header rows, see
 spec/README.md) and compared with ``exl2fmt.layout``, ``exl2fmt.errors`` and the codecs, so a change on
 either side that is not carried over to the other fails here.  Worked examples are recomputed with the slow
 NumPy oracle (``exl2fmt.codec.oracle``) *and* the Numba codecs.
@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "spec"
 EXL2_MD = (SPEC / "exl2.md").read_text(encoding="utf-8")
 GPTQ_MD = (SPEC / "gptq.md").read_text(encoding="utf-8")
+EXL3_MD = (SPEC / "exl3.md").read_text(encoding="utf-8") if (SPEC / "exl3.md").exists() else ""
 
 REGENERATE = ".venv/bin/python -m exl2fmt.layout > spec/layout.json"
 
@@ -178,7 +179,9 @@ EXL2_CODES = [c for c in ErrorCode if c.name.startswith(("GROUPS_", "PERM_", "SL
 
 
 def test_rule_codes_exist():
-    for doc, md in (("exl2.md", EXL2_MD), ("gptq.md", GPTQ_MD)):
+    for doc, md in (("exl2.md", EXL2_MD), ("gptq.md", GPTQ_MD), ("exl3.md", EXL3_MD)):
+        if not md:
+            continue  # spec/exl3.md not on this branch
         rules = _rules(md)
         assert rules, f"{doc} has no rule tables"
         for rid, codes in rules.items():
@@ -192,13 +195,25 @@ def test_every_exl2_code_has_a_rule(code):
     assert code.name in named, f"no rule in spec/exl2.md reports {code.name}"
 
 
+@pytest.mark.parametrize("code", [c for c in ErrorCode if c.name.startswith("EXL3_")], ids=lambda c: c.name)
+def test_every_exl3_code_has_a_rule(code):
+    if not EXL3_MD:
+        pytest.skip("spec/exl3.md is not on this branch yet")
+    named = {c for codes in _rules(EXL3_MD).values() for c in codes}
+    assert code.name in named, f"no rule in spec/exl3.md reports {code.name}"
+
+
+def test_exl3_rule_ids_are_x():
+    assert all(rid.startswith("X") for rid in _rules(EXL3_MD)), "spec/exl3.md rule ids are X1, X2, ..."
+
+
 def test_every_gptq_code_has_a_rule():
     named = {c for codes in _rules(GPTQ_MD).values() for c in codes}
     assert {c.name for c in ErrorCode if c.name.startswith("GPTQ_")} <= named
 
 
 def test_rule_ids_cited_in_library_exist():
-    ids = set(_rules(EXL2_MD))
+    ids = set(_rules(EXL2_MD)) | set(_rules(EXL3_MD))
     cited = set()
     for py in (ROOT / "exl2fmt").rglob("*.py"):
         for m in re.finditer(r"\brules? ([A-Z])(\d+)(?:\s*[-–]\s*\1(\d+))?", py.read_text(encoding="utf-8")):

@@ -328,4 +328,21 @@ def inspect_facts(model, info, config, issues: list[Issue], features=None) -> di
     else:
         out["plan"] = f"{_rate_text(rate)}b trellis {cb}"
         out["hist"] = {rate: K * N}
+    # the rules a header shows, as findings (validate checks them all, with the tensor data)
+    file = str(tr.file) if getattr(tr, "file", None) else None
+    where = f"{info.key}.{Exl3Slot.TRELLIS.value}"
+    if rate is None:
+        issues.append(Issue(ErrorCode.EXL3_RATE, f"{out['error']} (1..8, 1.5, 2.5, 3.5)", tensor=where, file=file))
+    elif rate in EXL3_HALF_RATES and cb is not None and cb != EXL3_CODEBOOKS[2]:
+        issues.append(Issue(ErrorCode.EXL3_HALF_RATE, f"rate {_rate_text(rate)} needs the mul1 codebook marker; the "
+                            f"layer's codebook is {cb}", tensor=where, file=file))
+    if cb is None:
+        issues.append(Issue(ErrorCode.EXL3_MARKER, f"{out['error']}: a layer has at most one", tensor=where, file=file))
+    if K_p == 0 or N_p == 0 or K_p % EXL3_PAD or N_p % EXL3_PAD:
+        issues.append(Issue(ErrorCode.EXL3_PADDING, f"padded sizes {K_p} x {N_p} (16 x the trellis tiles) are not "
+                            f"positive multiples of {EXL3_PAD}", tensor=where, file=file))
+    if Exl3Slot.SCALE in info.slots:
+        issues.append(Issue(ErrorCode.FORMAT_UNSUPPORTED, "legacy per-tensor 'scale' (EXL3 before suh/svh) is not "
+                            "supported: exllamav3 1.6.5 ignores it", tensor=f"{info.key}.{Exl3Slot.SCALE.value}",
+                            file=file))
     return out

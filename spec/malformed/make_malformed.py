@@ -562,6 +562,7 @@ a wall-clock limit, an address-space cap, a measured peak RSS, no traceback), an
 | `hostile3_json/` | JSON side inputs: deep nesting, huge numbers, NaN, FIFOs, `/dev/zero`, 99 MB documents, `.npy` headers declaring 10^7 rows, wrong types | `test_hostile3_json.py` |
 | `hostile3_gguf/` | GGUF -> HF: tokenizer metadata of the wrong type or unloadable, non-finite weights, lying expert counts | `test_hostile3_gguf.py` |
 | `hostile3_moe/` | MoE configs whose expert counts or top-k disagree with the tensors (built at test time) | `test_hostile3_moe.py` |
+| `hostile3_exl3/` | EXL3 layers breaking each rule of `spec/exl3.md` §9: trellis last dim and rate, half rate without `mul1`, markers, `suh`/`svh` lengths, padding vs config.json, NaN scales, 2^40-element headers, truncated data, legacy `scale`, quantized embeddings | `test_hostile3_exl3.py` |
 """
 
 
