@@ -297,7 +297,7 @@ def test_ambiguous_and_mixed_layers(tmp_path):
     rng = np.random.default_rng(4)
     t = {"model.layers.0.mlp.up_proj.weight": np.zeros((64, 64), np.float16)}
     t.update({f"model.layers.0.mlp.up_proj.{s}": a for s, a in _gptq_layer(64, 64, 4, 32, rng).items()})
-    t["model.layers.0.mlp.down_proj.trellis"] = np.zeros((4, 4, 48), np.int16)
+    t["model.layers.0.mlp.down_proj.trellis"] = np.zeros((8, 8, 48), np.int16)  # 128 x 128: EXL3 pads to 128
     layers = detect_layers({n: _Info(n, a) for n, a in t.items()})
     assert layers["model.layers.0.mlp.up_proj"].format is Format.GPTQ
     assert layers["model.layers.0.mlp.up_proj"].ambiguous == ("dense",)
