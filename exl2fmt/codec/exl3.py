@@ -27,15 +27,17 @@ over the threads in static chunks that reuse their buffers.
    first word repeated at the end so that a 16-bit window never needs a modulo (32 x 32 register transposes
    of the trellis when 8 K2 is a multiple of 32);
 2. for each tile column c (16): the 128 input rows j of the 32 output columns n = 16 tn + c are decoded
-   (window -> codebook -> fp32) 8 rows at a time straight into the butterflies of widths 1, 2, 4 (registers),
-   then into G [128, 32]; widths 8, 16, 32 run over the rows of G (radix 8, 32 lanes at once) and width 64
-   also forms A = fp16(. * s), B = fp16(A * suh[j]) into
-   G16 [128, 32] uint16, which goes transposed (32 x 32 in registers) into Z [512, 128] (row 32 c + l);
-3. for each 128 output columns x 32 input rows slice: the right Hadamard over n reads Z in its first stage
-   and its last stage forms C = fp16(. * s), D = fp16(C * svh[n]) straight into out[n, j] (64-byte rows).
+   (window -> codebook -> fp32) 16 rows at a time (16 lanes per register) straight into the butterflies of
+   widths 1, 2, 4, 8 (registers), then into G [128, 32]; widths 16, 32, 64 run over the rows of G (radix 8,
+   32 lanes at once) and also form A = fp16(. * s), B = fp16(A * suh[j]) into G16 [128, 32] uint16, which
+   goes transposed (32 x 32 in registers) into Z [512, 128 + 16] (row 32 c + l; the 288-byte rows keep the
+   16 rows a right-Hadamard load reads, 32 Z rows apart, out of one L1 set);
+3. for each 128 output columns x 32 input rows slice: the right Hadamard over n reads Z in its first four
+   stages (radix 16) and its last three (radix 8) form C = fp16(. * s), D = fp16(C * svh[n]) straight into
+   out[n, j] (64-byte rows; non-temporal stores on x86 when in_features % 16 == 0, an sfence per item).
 
 The butterflies run in the oracle's hadamard_128's order (widths 1, 2, 4, ..., 64, each add/sub rounded to fp32, then
-one fp32 multiply by s = fp32(1/sqrt(128))), up to three stages at a time in registers (radix 8; radix 4 in the
+one fp32 multiply by s = fp32(1/sqrt(128))), up to four stages at a time in registers (radix 16 / 8; radix 4 in the
 portable loops): the very same operations in the same order, so the
 result is bit-identical.  Where the CPU has no hardware fp16 conversion (HW_HALF false) the portable loop twins
 of these steps run instead (same bits; test_loop_fallback_path).
@@ -49,7 +51,8 @@ from numba import get_num_threads, njit, prange
 from ..layout import EXL3_CODEBOOKS, Exl3Slot
 from .exl2 import transpose_store  # 32 x 32 uint16 transpose in registers
 from .f16 import f32_to_f16_bits
-from .exl3_ops import (ADD, LANES, MUL1, MULT, SLICE, add32, decode_left, decode_pos, right_had, shl32, window16)
+from .exl3_ops import (ADD, LANES, MUL1, MULT, NT_STORES, SLICE, add32, decode_left, decode_pos, right_had, shl32,
+                       store_fence, window16)
 
 __all__ = ["CODEBOOKS", "decode_states", "inner_weight", "dequantize", "unpack_sign_bits", "check_k2"]
 
@@ -193,7 +196,7 @@ def _inner_kernel(tr, widx, woff, tpos, cbk, mult, add, out):
 
 
 @njit(cache=True, parallel=True)
-def _dequant_kernel(tr, itab, otab, cbk, mult, add, suh, svh, out, n_chunks):
+def _dequant_kernel(tr, itab, otab, cbk, mult, add, suh, svh, out, n_chunks, nt):
     """tr uint16 [tiles_k, tiles_n, 8 K2] (tiles_k, tiles_n multiples of 8); suh float32 [in_p];
     svh float32 [out_p]; out uint16 [out_features, in_features] (fp16 bits), C order.
 
@@ -207,15 +210,15 @@ def _dequant_kernel(tr, itab, otab, cbk, mult, add, suh, svh, out, n_chunks):
         wt = np.empty((8, L // 2 + 1, LANES), dtype=np.uint32)
         G = np.empty((128, LANES), dtype=np.float32)
         G16 = np.empty((128, LANES), dtype=np.uint16)
-        Z = np.empty((16 * LANES, 128), dtype=np.uint16)   # row 32 c + l: output column 16 (tn0 + l) + c
+        Z = np.empty((16 * LANES, 128 + 16), dtype=np.uint16)   # row 32 c + l: output column 16 (tn0 + l) + c
         F = np.empty((128, SLICE), dtype=np.float32)
         T16 = np.empty((L, LANES), dtype=np.uint16)
         for item in range(chunk * n_items // n_chunks, (chunk + 1) * n_items // n_chunks):
-            _dequant_item(tr, itab, otab, cbk, mult, add, suh, svh, out, item, ng, wt, G, G16, Z, F, T16)
+            _dequant_item(tr, itab, otab, cbk, mult, add, suh, svh, out, item, ng, wt, G, G16, Z, F, T16, nt)
 
 
 @njit(cache=True)
-def _dequant_item(tr, itab, otab, cbk, mult, add, suh, svh, out, item, ng, wt, G, G16, Z, F, T16):
+def _dequant_item(tr, itab, otab, cbk, mult, add, suh, svh, out, item, ng, wt, G, G16, Z, F, T16, nt):
     """One work item of _dequant_kernel: input rows 128 bi.., output columns 16 tn0 .. 16 tn0 + 511."""
     tiles_n = tr.shape[1]
     n_out, n_in = out.shape
@@ -242,7 +245,9 @@ def _dequant_item(tr, itab, otab, cbk, mult, add, suh, svh, out, item, ng, wt, G
             ncols = min(SLICE, n_in - j0 - jc)
             if ncols <= 0:
                 break
-            right_had(Z, nb, jc, F, svh, n0, nrows, ncols, out, j0 + jc)
+            right_had(Z, nb, jc, F, svh, n0, nrows, ncols, out, j0 + jc, nt)
+    if nt:
+        store_fence()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,6 +328,7 @@ def dequantize(trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray, K2: int, c
     sv = _scales(svh, out_p, legacy_signs, Exl3Slot.SV if legacy_signs else Exl3Slot.SVH)
     widx, woff, tpos = _ring_tables(k2)
     out = _empty_aligned((out_f, in_f))
+    nt = NT_STORES and in_f % 16 == 0      # every 64-byte row segment then starts on a 32-byte boundary
     _dequant_kernel(tr, widx[tpos], woff[tpos], cbk, np.uint32(MULT[cbk % 2]), np.uint32(ADD[cbk % 2]), su, sv, out,
-                    4 * get_num_threads())
+                    4 * get_num_threads(), nt)
     return out.view(np.float16)

@@ -8,6 +8,8 @@ public API: ``codec.exl3``.
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -17,7 +19,8 @@ from numba.extending import intrinsic
 from ..layout import EXL3_CODEBOOKS
 from .f16 import HW_HALF, f16_bits_to_f32, f32_to_f16_bits
 
-__all__ = ["ADD", "LANES", "MUL1", "MULT", "SLICE", "add32", "decode_left", "decode_pos", "right_had", "shl32", "window16"]
+__all__ = ["ADD", "LANES", "MUL1", "MULT", "NT_STORES", "SLICE", "add32", "decode_left", "decode_pos", "right_had", "shl32",
+           "store_fence", "window16"]
 
 MUL1 = EXL3_CODEBOOKS[2]
 MULT = (89226354, 0xCBAC1FED)      # lop3 codebooks: x = s * mult + add (mod 2^32)
@@ -30,6 +33,7 @@ _HAD_S = np.float32(1.0 / np.sqrt(128.0))                                  # bit
 LANES = 32     # tiles of one tile row decoded side by side (SIMD lanes): 512 output columns
 SLICE = 32     # Z columns per right-Hadamard pass: F = 128 x 32 fp32 = 16 KiB (L1)
 _VEC = 32       # columns of G and F: the butterflies work on <32 x float> rows
+_HALF = 16      # lanes of one register-resident radix-16 / radix-8 pass (16 rows x 16 lanes = 16 zmm)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,10 +281,10 @@ def _store_slice_loop(F, svh, n0, nrows, ncols, out, col0):
 # <32 x half> rows, so nothing depends on the loop vectoriser.  fmul without fast-math flags is the IEEE
 # multiply, fptrunc to half rounds to nearest even: the same numbers as the portable loops above.
 
-def _row_ptr(context, builder, aty, arr, row, col, elem):
+def _row_ptr(context, builder, aty, arr, row, col, elem, width=_VEC):
     a = context.make_array(aty)(context, builder, arr)
     off = builder.add(builder.mul(row, builder.extract_value(a.shape, 1)), col)
-    return builder.bitcast(builder.gep(a.data, [off]), ir.VectorType(elem, _VEC).as_pointer())
+    return builder.bitcast(builder.gep(a.data, [off]), ir.VectorType(elem, width).as_pointer())
 
 
 def _vload(builder, ptr, align):
@@ -294,32 +298,33 @@ def _vstore(builder, v, ptr, align):
     st.align = align
 
 
-def _splat(builder, x):
-    vty = ir.VectorType(ir.FloatType(), _VEC)
+def _splat(builder, x, n=_VEC):
+    vty = ir.VectorType(ir.FloatType(), n)
     v = builder.insert_element(ir.Constant(vty, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), _VEC), [0] * _VEC))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
 
 
 def _round_twice(builder, v, s, m):
-    """fp16 bits of fp16(fp16(v * s) * m), v <_VEC x float>, s and m float scalars."""
-    half = ir.VectorType(ir.HalfType(), _VEC)
-    a = builder.fpext(builder.fptrunc(builder.fmul(v, _splat(builder, s)), half), ir.VectorType(ir.FloatType(), _VEC))
-    return builder.bitcast(builder.fptrunc(builder.fmul(a, _splat(builder, m)), half), ir.VectorType(ir.IntType(16), _VEC))
+    """fp16 bits of fp16(fp16(v * s) * m), v <n x float>, s and m float scalars."""
+    n = v.type.count
+    half = ir.VectorType(ir.HalfType(), n)
+    a = builder.fpext(builder.fptrunc(builder.fmul(v, _splat(builder, s, n)), half), ir.VectorType(ir.FloatType(), n))
+    return builder.bitcast(builder.fptrunc(builder.fmul(a, _splat(builder, m, n)), half), ir.VectorType(ir.IntType(16), n))
 
 
 def _is_c2(t, dtype) -> bool:
     return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == dtype
 
 
-def _decode_value(context, builder, wt_ty, wt_v, b_v, i_v, o_v, mult_v, add_v, mul1):
-    """<_VEC x float>: the fp16 codebook values of the windows (wt[b, i, :] : wt[b, i + 1, :]) << o."""
+def _decode_value(context, builder, wt_ty, wt_v, b_v, i_v, o_v, mult_v, add_v, mul1, col=0, vw=_VEC):
+    """<vw x float>: the fp16 codebook values of the windows (wt[b, i, col:col+vw] : wt[b, i + 1, ..]) << o."""
     i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
-    v32 = ir.VectorType(i32, _VEC)
-    vf = ir.VectorType(f32, _VEC)
-    vh = ir.VectorType(ir.HalfType(), _VEC)
+    v32 = ir.VectorType(i32, vw)
+    vf = ir.VectorType(f32, vw)
+    vh = ir.VectorType(ir.HalfType(), vw)
     a = context.make_array(wt_ty)(context, builder, wt_v)
     nq = builder.extract_value(a.shape, 1)
-    off = builder.mul(builder.add(builder.mul(b_v, nq), i_v), ir.Constant(i64, _VEC))
+    off = builder.add(builder.mul(builder.add(builder.mul(b_v, nq), i_v), ir.Constant(i64, _VEC)), ir.Constant(i64, col))
     p_hi = builder.bitcast(builder.gep(a.data, [off]), v32.as_pointer())
     p_lo = builder.bitcast(builder.gep(a.data, [builder.add(off, ir.Constant(i64, _VEC))]), v32.as_pointer())
     hi, lo = _vload(builder, p_hi, 4), _vload(builder, p_lo, 4)
@@ -327,24 +332,24 @@ def _decode_value(context, builder, wt_ty, wt_v, b_v, i_v, o_v, mult_v, add_v, m
     def splat_i(x):
         v = builder.insert_element(ir.Constant(v32, ir.Undefined), builder.trunc(x, i32) if x.type != i32 else x,
                                    ir.Constant(i32, 0))
-        return builder.shuffle_vector(v, ir.Constant(v32, ir.Undefined), ir.Constant(v32, [0] * _VEC))
+        return builder.shuffle_vector(v, ir.Constant(v32, ir.Undefined), ir.Constant(v32, [0] * vw))
 
     def const_i(c):
-        return ir.Constant(v32, [c] * _VEC)
+        return ir.Constant(v32, [c] * vw)
 
-    fshl = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32, v32, v32]), "llvm.fshl.v%di32" % _VEC)
+    fshl = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32, v32, v32]), "llvm.fshl.v%di32" % vw)
     st = builder.lshr(builder.call(fshl, [hi, lo, splat_i(o_v)]), const_i(16))
     if mul1:
         x = builder.mul(st, const_i(_MUL1_MULT - (1 << 32)))
         m = const_i(0xFF)
         bsum = builder.add(builder.add(builder.and_(x, m), builder.and_(builder.lshr(x, const_i(8)), m)),
                            builder.add(builder.and_(builder.lshr(x, const_i(16)), m), builder.lshr(x, const_i(24))))
-        h = builder.fadd(builder.sitofp(bsum, vf), ir.Constant(vf, [1024.0] * _VEC))
-        v = builder.fadd(builder.fmul(h, ir.Constant(vf, [float(_MUL1_K)] * _VEC)), ir.Constant(vf, [float(_MUL1_C)] * _VEC))
+        h = builder.fadd(builder.sitofp(bsum, vf), ir.Constant(vf, [1024.0] * vw))
+        v = builder.fadd(builder.fmul(h, ir.Constant(vf, [float(_MUL1_K)] * vw)), ir.Constant(vf, [float(_MUL1_C)] * vw))
     else:
         x = builder.add(builder.mul(st, splat_i(mult_v)), splat_i(add_v))
         x = builder.xor(builder.and_(x, const_i(0x8FFF8FFF - (1 << 32))), const_i(0x3B603B60))
-        v16 = ir.VectorType(ir.IntType(16), _VEC)
+        v16 = ir.VectorType(ir.IntType(16), vw)
         lo16 = builder.fpext(builder.bitcast(builder.trunc(x, v16), vh), vf)
         hi16 = builder.fpext(builder.bitcast(builder.trunc(builder.lshr(x, const_i(16)), v16), vh), vf)
         v = builder.fadd(lo16, hi16)
@@ -364,43 +369,43 @@ def _butterflies(builder, x):
     return x
 
 
-def _decode8_codegen(context, builder, sig, args, mul1):
-    wt_v, b_v, it_v, ot_v, c_v, r0_v, mult_v, add_v, dst_v, row_v = args
+def _decode16_codegen(context, builder, sig, args, mul1):
+    wt_v, b_v, it_v, ot_v, c_v, mult_v, add_v, dst_v, row_v = args
     i64 = ir.IntType(64)
     it = context.make_array(sig.args[2])(context, builder, it_v)
     ot = context.make_array(sig.args[3])(context, builder, ot_v)
-    base = builder.add(builder.mul(c_v, builder.extract_value(it.shape, 1)), r0_v)
-    x = []
-    for m in range(8):
+    base = builder.mul(c_v, builder.extract_value(it.shape, 1))
+    io = []
+    for m in range(16):
         k = builder.add(base, ir.Constant(i64, m))
-        i_m = builder.load(builder.gep(it.data, [k]))
-        o_m = builder.load(builder.gep(ot.data, [k]))
-        x.append(_decode_value(context, builder, sig.args[0], wt_v, b_v, i_m, o_m, mult_v, add_v, mul1))
-    for m, v in enumerate(_butterflies(builder, x)):
-        ptr = _row_ptr(context, builder, sig.args[8], dst_v, builder.add(row_v, ir.Constant(i64, m)),
-                       ir.Constant(i64, 0), ir.FloatType())
-        _vstore(builder, v, ptr, 4)
+        io.append((builder.load(builder.gep(it.data, [k])), builder.load(builder.gep(ot.data, [k]))))
+    for col in range(0, _VEC, _HALF):   # two halves of 16 lanes: 16 rows of one half fill 16 registers
+        x = [_decode_value(context, builder, sig.args[0], wt_v, b_v, i_m, o_m, mult_v, add_v, mul1, col, _HALF)
+             for i_m, o_m in io]
+        for m, v in enumerate(_butterflies(builder, x)):
+            ptr = _row_ptr(context, builder, sig.args[7], dst_v, builder.add(row_v, ir.Constant(i64, m)),
+                           ir.Constant(i64, col), ir.FloatType(), _HALF)
+            _vstore(builder, v, ptr, 4)
     return context.get_dummy_value()
 
 
-def _decode8_intrinsic(mul1):
+def _decode16_intrinsic(mul1):
     @intrinsic
-    def f(typingctx, wt, b, itab, otab, c, r0, mult, add, dst, row0):
-        """Decode tile elements (row r0 + m, column c), m < 8, of the _VEC tiles in wt[b] (window word
-        itab[c, r0 + m], offset otab[c, r0 + m]), apply the Hadamard widths 1, 2, 4 to the 8 rows in registers
-        and store them as dst[row0 + m, :_VEC].  itab/otab int64 [16, 16] C, dst float32 2-D C."""
+    def f(typingctx, wt, b, itab, otab, c, mult, add, dst, row0):
+        """Decode the 16 tile elements (row r, column c), r < 16, of the _VEC tiles in wt[b] (window word
+        itab[c, r], offset otab[c, r]), apply the Hadamard widths 1, 2, 4, 8 to the 16 rows in registers
+        and store them as dst[row0 + r, :_VEC].  itab/otab int64 [16, 16] C, dst float32 2-D C."""
         if not (isinstance(wt, types.Array) and wt.ndim == 3 and wt.layout == "C" and wt.dtype == types.uint32
                 and _is_c2(itab, types.int64) and _is_c2(otab, types.int64) and _is_c2(dst, types.float32)):
             return None
-        sig = types.void(wt, types.intp, itab, otab, types.intp, types.intp, types.uint32, types.uint32, dst,
-                         types.intp)
-        return sig, lambda c_, b_, s_, a_: _decode8_codegen(c_, b_, s_, a_, mul1)
+        sig = types.void(wt, types.intp, itab, otab, types.intp, types.uint32, types.uint32, dst, types.intp)
+        return sig, lambda c_, b_, s_, a_: _decode16_codegen(c_, b_, s_, a_, mul1)
 
     return f
 
 
-_decode8_lop3 = _decode8_intrinsic(False)
-_decode8_mul1 = _decode8_intrinsic(True)
+_decode16_lop3 = _decode16_intrinsic(False)
+_decode16_mul1 = _decode16_intrinsic(True)
 
 
 @intrinsic
@@ -424,91 +429,123 @@ def _bfly8_rows(typingctx, arr, i, w):
 
 @njit(cache=True)
 def _decode_left_vec(wt, itab, otab, c, cbk, mult, add, suh, j0, G, G16):
-    """Tile column c of the item: decode + widths 1, 2, 4 (8 rows at a time in registers), widths 8, 16, 32
-    (radix 8), width 64 with the A/B roundings into G16 (fp16 bits of B)."""
+    """Tile column c of the item: decode + widths 1, 2, 4, 8 (16 rows at a time in registers), then widths
+    16, 32, 64 (radix 8) with the A/B roundings into G16 (fp16 bits of B)."""
     for tkl in range(8):
-        for r0 in range(0, 16, 8):
-            if cbk == 2:
-                _decode8_mul1(wt, tkl, itab, otab, c, r0, mult, add, G, 16 * tkl + r0)
-            else:
-                _decode8_lop3(wt, tkl, itab, otab, c, r0, mult, add, G, 16 * tkl + r0)
-    for i in range(8):
-        _bfly8_rows(G, i, 8)
-    for i in range(8):
-        _bfly8_rows(G, 64 + i, 8)
+        if cbk == 2:
+            _decode16_mul1(wt, tkl, itab, otab, c, mult, add, G, 16 * tkl)
+        else:
+            _decode16_lop3(wt, tkl, itab, otab, c, mult, add, G, 16 * tkl)
     s = _HAD_S
-    for i in range(64):
-        _bfly2_round(G, i, 64, s, suh[j0 + i], suh[j0 + i + 64], G16, i, i + 64, 0)
+    for i in range(16):
+        _bfly8_round(G, i, s, suh, j0 + i, G16, i, 0)
 
 
-# Fused passes (HW_HALF): the decode feeds the first three butterfly stages in registers, the first pass of
-# the right Hadamard reads Z itself, and the last pass of either Hadamard rounds and stores.
+# Fused passes (HW_HALF): the decode feeds the first four butterfly stages in registers, the first pass of
+# the right Hadamard reads Z itself (four stages), and the last pass of either Hadamard (three stages) rounds
+# and stores.
 
 @intrinsic
-def _bfly8_widen(typingctx, Z, zr0, zstep, zc, F, i):
-    """F[i + m, :] for m < 8 = widths 1, 2, 4 of the butterflies (in registers) applied to the float32 of
-    Z[zr0 + m zstep, zc : zc + _VEC] (fp16 bits). Z uint16, F float32 2-D C."""
+def _bfly16_widen(typingctx, Z, zr0, zstep, zc, F, i):
+    """F[i + m, :] for m < 16 = widths 1, 2, 4, 8 of the butterflies (in registers, 16 lanes at a time) applied
+    to the float32 of Z[zr0 + m zstep, zc : zc + _VEC] (fp16 bits). Z uint16, F float32 2-D C."""
     if not (_is_c2(Z, types.uint16) and _is_c2(F, types.float32)):
         return None
 
     def codegen(context, builder, sig, args):
         zv, r0, rs, zc_, fv, i_ = args
         i64 = ir.IntType(64)
-        vf = ir.VectorType(ir.FloatType(), _VEC)
-        x = []
-        for m in range(8):
-            row = builder.add(r0, builder.mul(rs, ir.Constant(i64, m)))
-            h = _vload(builder, _row_ptr(context, builder, sig.args[0], zv, row, zc_, ir.IntType(16)), 2)
-            x.append(builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), _VEC)), vf))
-        for m, v in enumerate(_butterflies(builder, x)):
-            ptr = _row_ptr(context, builder, sig.args[4], fv, builder.add(i_, ir.Constant(i64, m)), ir.Constant(i64, 0), ir.FloatType())
-            _vstore(builder, v, ptr, 4)
+        vf = ir.VectorType(ir.FloatType(), _HALF)
+        for col in range(0, _VEC, _HALF):
+            zcol = builder.add(zc_, ir.Constant(i64, col))
+            x = []
+            for m in range(16):
+                row = builder.add(r0, builder.mul(rs, ir.Constant(i64, m)))
+                h = _vload(builder, _row_ptr(context, builder, sig.args[0], zv, row, zcol, ir.IntType(16), _HALF), 2)
+                x.append(builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), _HALF)), vf))
+            for m, v in enumerate(_butterflies(builder, x)):
+                ptr = _row_ptr(context, builder, sig.args[4], fv, builder.add(i_, ir.Constant(i64, m)),
+                               ir.Constant(i64, col), ir.FloatType(), _HALF)
+                _vstore(builder, v, ptr, 4)
         return context.get_dummy_value()
 
     return types.void(Z, types.intp, types.intp, types.intp, F, types.intp), codegen
 
 
-@intrinsic
-def _bfly2_round(typingctx, src, i, w, s, m0, m1, dst, d0, d1, dcol):
-    """Last butterfly stage fused with the rounding: a = src[i], b = src[i + w] (float32 rows of _VEC);
-    dst[d0, dcol:+_VEC] = fp16(fp16((a + b) s) m0), dst[d1, dcol:+_VEC] = fp16(fp16((a - b) s) m1)."""
-    if not (_is_c2(src, types.float32) and _is_c2(dst, types.uint16)):
-        return None
+def _bfly8_round_intrinsic(nontemporal):
+    @intrinsic
+    def f(typingctx, src, i, s, scl, k0, dst, d0, dcol):
+        """The last three butterfly stages (widths 16, 32, 64, radix 8 in registers) on rows i + 16 m, m < 8,
+        of src (float32 rows of _VEC) fused with the rounding: dst[d0 + 16 m, dcol:+_VEC] = fp16(fp16(x_m s)
+        scl[k0 + 16 m]).  scl float32 1-D, dst uint16 2-D C (``nontemporal``: the 64-byte row segments must
+        start on 32-byte boundaries)."""
+        if not (_is_c2(src, types.float32) and _is_c2(dst, types.uint16)
+                and isinstance(scl, types.Array) and scl.ndim == 1 and scl.dtype == types.float32):
+            return None
 
-    def codegen(context, builder, sig, args):
-        sv, i_, w_, sc, m0_, m1_, dv, d0_, d1_, dc = args
-        i64 = ir.IntType(64)
-        z = ir.Constant(i64, 0)
-        a = _vload(builder, _row_ptr(context, builder, sig.args[0], sv, i_, z, ir.FloatType()), 4)
-        b = _vload(builder, _row_ptr(context, builder, sig.args[0], sv, builder.add(i_, w_), z, ir.FloatType()), 4)
-        _vstore(builder, _round_twice(builder, builder.fadd(a, b), sc, m0_),
-                _row_ptr(context, builder, sig.args[6], dv, d0_, dc, ir.IntType(16)), 2)
-        _vstore(builder, _round_twice(builder, builder.fsub(a, b), sc, m1_),
-                _row_ptr(context, builder, sig.args[6], dv, d1_, dc, ir.IntType(16)), 2)
+        def codegen(context, builder, sig, args):
+            sv, i_, sc, scl_v, k0_, dv, d0_, dc = args
+            i64 = ir.IntType(64)
+            sa = context.make_array(sig.args[3])(context, builder, scl_v)
+            ms = [builder.load(builder.gep(sa.data, [builder.add(k0_, ir.Constant(i64, 16 * m))])) for m in range(8)]
+            z = ir.Constant(i64, 0)
+            x = [_vload(builder, _row_ptr(context, builder, sig.args[0], sv, builder.add(i_, ir.Constant(i64, 16 * m)),
+                                          z, ir.FloatType()), 4) for m in range(8)]
+            nt = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]) if nontemporal else None
+            for m, v in enumerate(_butterflies(builder, x)):
+                ptr = _row_ptr(context, builder, sig.args[5], dv, builder.add(d0_, ir.Constant(i64, 16 * m)), dc,
+                               ir.IntType(16))
+                st = builder.store(_round_twice(builder, v, sc, ms[m]), ptr)
+                st.align = 2
+                if nt is not None:
+                    st.align = 32
+                    st.set_metadata("nontemporal", nt)
+            return context.get_dummy_value()
+
+        sig = types.void(src, types.intp, types.float32, scl, types.intp, dst, types.intp, types.intp)
+        return sig, codegen
+
+    return f
+
+
+# Non-temporal stores (x86: movntdq) write the output's whole lines straight to memory, without first reading
+# each line into the cache (the read-for-ownership of a plain store; as codec.exl2).  They are weakly
+# ordered: each work item ends with store_fence().
+NT_STORES = platform.machine().lower() in ("x86_64", "amd64")
+_bfly8_round = _bfly8_round_intrinsic(False)
+_bfly8_round_nt = _bfly8_round_intrinsic(NT_STORES)
+
+
+@intrinsic
+def store_fence(typingctx):
+    """sfence where NT_STORES (orders the non-temporal stores); nothing elsewhere."""
+    def codegen(context, builder, signature, args):
+        if NT_STORES:
+            builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                        "llvm.x86.sse.sfence"), [])
         return context.get_dummy_value()
 
-    sig = types.void(src, types.intp, types.intp, types.float32, types.float32, types.float32, dst, types.intp,
-                     types.intp, types.intp)
-    return sig, codegen
+    return types.void(), codegen
 
 
 @njit(cache=True)
-def _right_had_vec(Z, nb, jc, F, svh, n0, nrows, ncols, out, col0):
+def _right_had_vec(Z, nb, jc, F, svh, n0, nrows, ncols, out, col0, nt):
     """The right Hadamard of one 128 x _VEC slice and the stores: out[n0 + n, col0 + jj] = D of output column
-    n0 + n (n < nrows, jj < ncols), from Z rows LANES (n % 16) + 8 nb + n // 16, columns jc.. (see _load_slice)."""
-    for i in range(0, 128, 8):   # rows i..i+7: same n // 16, n % 16 = i % 16 + m
-        _bfly8_widen(Z, LANES * (i & 15) + 8 * nb + (i >> 4), LANES, jc, F, i)
-    for i in range(8):
-        _bfly8_rows(F, i, 8)
-    for i in range(8):
-        _bfly8_rows(F, 64 + i, 8)
+    n0 + n (n < nrows, jj < ncols), from Z rows LANES (n % 16) + 8 nb + n // 16, columns jc.. (see _load_slice);
+    ``nt``: non-temporal stores (out's 64-byte row segments start on 32-byte boundaries; store_fence after)."""
+    for i in range(0, 128, 16):   # rows i..i+15: same n // 16, n % 16 = m
+        _bfly16_widen(Z, 8 * nb + (i >> 4), LANES, jc, F, i)
     if nrows == 128 and ncols == _VEC:
         s = _HAD_S
-        for i in range(64):
-            _bfly2_round(F, i, 64, s, svh[n0 + i], svh[n0 + i + 64], out, n0 + i, n0 + i + 64, col0)
+        if nt:
+            for i in range(16):
+                _bfly8_round_nt(F, i, s, svh, n0 + i, out, n0 + i, col0)
+        else:
+            for i in range(16):
+                _bfly8_round(F, i, s, svh, n0 + i, out, n0 + i, col0)
     else:
-        for i in range(64):
-            _bfly2_rows(F, i, 64)
+        for i in range(16):
+            _bfly8_rows(F, i, 16)
         _store_slice_loop(F, svh, n0, nrows, ncols, out, col0)
 
 
@@ -522,7 +559,7 @@ def _decode_left_loop(wt, itab, otab, c, cbk, mult, add, suh, j0, G, G16):
 
 
 @njit(cache=True)
-def _right_had_loop(Z, nb, jc, F, svh, n0, nrows, ncols, out, col0):
+def _right_had_loop(Z, nb, jc, F, svh, n0, nrows, ncols, out, col0, nt):
     _load_slice_loop(Z, nb, jc, F)
     _wht128_rows(F)
     _store_slice_loop(F, svh, n0, nrows, ncols, out, col0)
