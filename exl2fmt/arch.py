@@ -74,7 +74,11 @@ def expected_features(config: dict | None, key: str) -> tuple[int | None, int | 
     shared experts (``...shared_experts.``) ``moe_intermediate_size x n_shared_experts`` (DeepSeek).  Fused
     projections: Phi-3's ``qkv_proj`` (q + 2 kv heads) and ``gate_up_proj`` (2 x intermediate); Mixtral's expert
     ``w1``/``w3``/``w2``; Starcoder2's MLP ``c_fc``/``c_proj``.  Attention with low-rank q/kv (``kv_lora_rank``,
-    DeepSeek MLA) is not checked.  ``features_of(config)`` answers the same for many keys of one config.
+    DeepSeek MLA) is not checked.  Multi-token-prediction layers (``names.is_mtp``) have the text sizes, and their
+    ``eh_proj`` / ``fc`` join two hidden states (2 x hidden -> hidden).  A vision tower or projector
+    (``names.is_vision``) takes its sizes from ``vision_config`` (hidden_size, intermediate_size, heads;
+    SigLIP's ``fc1``/``fc2``/``out_proj`` too), never from the text model's: unknown without one.
+    ``features_of(config)`` answers the same for many keys of one config.
     """
     return features_of(config)(key)
 
@@ -83,12 +87,33 @@ def features_of(config: dict | None) -> Callable[[str], tuple[int | None, int | 
     """``key -> expected_features(config, key)``, reading ``config`` once (inspect asks for every layer of a
     model): the sizes are taken from the config here, each key then costs a few substring tests and a table
     lookup.  The config must not change while the function is in use."""
+    from .names import is_mtp, is_vision
+
     cfg = _text_config(config)
     if not cfg:
         return lambda key: (None, None)
+    text = _features_of_config(cfg)
+    vcfg = config.get("vision_config") if isinstance(config, dict) else None
+    vision = _features_of_config(vcfg, vision=True) if isinstance(vcfg, dict) else (lambda key: (None, None))
+    nl, nextn = _int(cfg, "num_hidden_layers"), _int(cfg, "num_nextn_predict_layers")
+    hidden = _int(cfg, "hidden_size", "n_embd", "d_model")
+    join = (2 * hidden if hidden else None, hidden)
+
+    def features(key: str) -> tuple[int | None, int | None]:
+        if is_vision(key):
+            return vision(key)
+        if key.rsplit(".", 1)[-1] in ("eh_proj", "fc") and is_mtp(key, nl, nextn):
+            return join
+        return text(key)
+
+    return features
+
+
+def _features_of_config(cfg: dict, vision: bool = False) -> Callable[[str], tuple[int | None, int | None]]:
+    """``features_of`` for one (text or vision) config dict."""
     hidden = _int(cfg, "hidden_size", "n_embd", "d_model")
     inter_dense = _int(cfg, "intermediate_size", "n_inner", "ffn_dim")
-    heads = _int(cfg, "num_attention_heads", "n_head")
+    heads = _int(cfg, "num_attention_heads", "n_head", *(("num_heads",) if vision else ()))
     kv_heads = _int(cfg, "num_key_value_heads") or heads
     head_dim = _int(cfg, "head_dim")
     if head_dim is None and hidden and heads and hidden % heads == 0:
@@ -124,6 +149,9 @@ def features_of(config: dict | None) -> Callable[[str], tuple[int | None, int | 
             t.update({"w1": (hidden, inter), "w3": (hidden, inter), "w2": (inter, hidden)})
         if mlp:
             t.update({"c_fc": (hidden, inter), "c_proj": (inter, hidden)})
+        if vision:  # SigLIP / CLIP encoder layers; the text head is not a vision layer
+            t.update({"fc1": (hidden, inter), "fc2": (inter, hidden), "out_proj": (q_out, hidden)})
+            t.pop("lm_head")
         return t
 
     def features(key: str) -> tuple[int | None, int | None]:

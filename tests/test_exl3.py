@@ -66,8 +66,9 @@ def encode_linear(rng, w: np.ndarray, rate, cb: str, bias: np.ndarray | None = N
     return t
 
 
-def make_exl3(src: Path, dst: Path, seed: int) -> dict:
-    """An EXL3 copy of the dense model ``src`` in ``dst``; returns {layer key: (rate, codebook, K, N)}."""
+def make_exl3(src: Path, dst: Path, seed: int, keep_dense=lambda key: False) -> dict:
+    """An EXL3 copy of the dense model ``src`` in ``dst``; returns {layer key: (rate, codebook, K, N)}.
+    ``keep_dense(key)``: layers left unquantized (exllamav3 keeps MoE routers in float16)."""
     from safetensors.numpy import load_file, save_file
 
     from exl2fmt.model import find_layers
@@ -80,7 +81,7 @@ def make_exl3(src: Path, dst: Path, seed: int) -> dict:
     layers = find_layers(tensors, {n: a.shape for n, a in tensors.items()})
     rng = np.random.default_rng(seed)
     out, plan, storage = {}, {}, {}
-    for i, key in enumerate(sorted(layers)):
+    for i, key in enumerate(sorted(k for k in layers if not keep_dense(k))):
         w = tensors.pop(f"{key}.weight")
         b = tensors.pop(f"{key}.bias", None)
         rate, cb = HEAD if key == "lm_head" else PLAN[i % len(PLAN)]
@@ -94,7 +95,12 @@ def make_exl3(src: Path, dst: Path, seed: int) -> dict:
                         **({f"{cb}_multiplier": int(MARKER[cb][cb].view(np.uint32))} if cb != "3inst" else {})}
     out.update(tensors)
     save_file(out, str(dst / "model.safetensors"))
-    dec = [(r, K, N) for k, (r, _, K, N) in plan.items() if k != "lm_head"]
+    from exl2fmt.names import is_mtp, is_vision
+
+    # bits: the text decoder's linears (exllamav3 reports vision and MTP rates apart)
+    nl, nextn = cfg.get("num_hidden_layers"), cfg.get("num_nextn_predict_layers")
+    dec = [(r, K, N) for k, (r, _, K, N) in plan.items()
+           if k != "lm_head" and not is_vision(k) and not is_mtp(k, nl, nextn)]
     bits = sum(r * pad128(K) * pad128(N) for r, K, N in dec) / sum(pad128(K) * pad128(N) for _, K, N in dec)
     qc = {"quant_method": "exl3", "version": "0.0.18", "bits": round(bits, 2), "head_bits": HEAD[0],
           "codebook": "mul1"}

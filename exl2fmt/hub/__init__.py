@@ -2,7 +2,8 @@
 
 EXL2 models are published as one branch per bitrate (``4.0bpw``, ``6.5bpw``, ...) of tens of GB each.
 ``inspect`` and the structural checks of ``validate`` only need the safetensors headers, ``config.json``, the
-index and - for the EXL2 group plans - the tiny ``q_groups`` tables, so this module fetches exactly those bytes
+index and - for the EXL2 group plans - the tiny ``q_groups`` tables (for EXL3: the 4-byte codebook markers and
+``quantization_config.json``), so this module fetches exactly those bytes
 with HTTP range requests and nothing else.
 
 How a model is read (``fetch_snapshot``)
@@ -14,11 +15,14 @@ How a model is read (``fetch_snapshot``)
    ``hf_hub_url``: its size (``X-Linked-Size``), the commit (``X-Repo-Commit``) and where the bytes are (the CDN
    location of a redirect).  The first answer pins the commit: every later file is read at that commit, so a
    branch that moves during the read cannot mix two versions.
-3. ``config.json``, ``quantize_config.json`` and ``*.safetensors.index.json`` are read whole (at most
-   ``MAX_JSON_BYTES`` each).  Each ``*.safetensors`` file is read with two range requests: bytes ``[0, 8)`` (the
-   header length ``n``, checked against ``exl2fmt.container.MAX_HEADER_BYTES`` and the file size before anything
-   is allocated) and ``[8, 8 + n)``; the header is then validated by ``exl2fmt.container.parse_header`` (the one
-   parser of the project).  EXL2 ``*.q_groups`` tensors (I16, at most ``MAX_GROUPS_BYTES``) are read by range too.
+3. ``config.json``, ``quantize_config.json``, ``*.safetensors.index.json`` and EXL3's ``quantization_config.json``
+   are read whole (at most ``MAX_JSON_BYTES`` each; a larger ``quantization_config.json`` is left out and its
+   ``tensor_storage`` checks with it).  Each ``*.safetensors`` file is read with two range requests: bytes
+   ``[0, 8)`` (the header length ``n``, checked against ``exl2fmt.container.MAX_HEADER_BYTES`` and the file size
+   before anything is allocated) and ``[8, 8 + n)``; the header is then validated by
+   ``exl2fmt.container.parse_header`` (the one parser of the project).  EXL2 ``*.q_groups`` tensors (I16, at
+   most ``MAX_GROUPS_BYTES``) and EXL3 ``*.mcg`` / ``*.mul1`` markers (I32 scalars, whose value validate checks)
+   are read by range too.
    A ``.gguf`` file (``hf://ORG/REPO/x.gguf``) is read in growing prefixes until the project's GGUF pre-scan
    finds its whole header inside bytes actually fetched (``_fetch_gguf``; GGUF does not state its header length).
 4. The bytes land in a *sparse* local image of each file (its real size, holes everywhere else) in a temporary

@@ -1,5 +1,6 @@
 """The model reader: ``fetch_snapshot`` lists a Hub folder, pins one commit, reads the JSON files whole and each
-safetensors header (and the EXL2 ``q_groups`` tables) by range into a sparse local image; a ``.gguf`` file's
+safetensors header (and the EXL2 ``q_groups`` tables and the EXL3 codebook markers) by range into a sparse local
+image; a ``.gguf`` file's
 header is read in growing prefixes (the package docstring of ``exl2fmt.hub`` has the steps)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ..errors import ErrorCode, Exl2Error
-from ..layout import Exl2Slot
+from ..layout import Exl2Slot, Exl3Slot
 from .client import MAX_JSON_BYTES, HubClient, HubStats
 from .paths import HubRef, hub_error
 
@@ -26,7 +27,11 @@ MAX_GROUPS_BYTES = 4 * 32767
 """Largest ``q_groups`` tensor fetched: shape (2G,) I16 is 4 bytes a group, G <= 32767."""
 MAX_BYTES_PER_FILE = 8 + 100_000_000 + (16 << 20)
 """Most bytes fetched from one file: the largest header the parser accepts plus the q_groups tables."""
-_JSON_FILES = ("config.json", "quantize_config.json")
+_JSON_FILES = ("config.json", "quantize_config.json", "quantization_config.json")
+#: JSON side files that are read when they fit under ``MAX_JSON_BYTES`` and left out (their checks skipped, as for a
+#: local model without them) when they do not: EXL3's ``quantization_config.json`` (a tensor map of every module)
+_OPTIONAL_JSON = ("quantization_config.json",)
+_EXL3_MARKERS = (f".{Exl3Slot.MCG}", f".{Exl3Slot.MUL1}")
 
 
 @dataclass
@@ -95,7 +100,8 @@ def _sparse_image(path: Path, size: int, head: bytes, where: str) -> None:
 
 def fetch_snapshot(ref: HubRef, *, groups: bool = True) -> HubSnapshot:
     """Read the headers of the safetensors model (or ``.safetensors`` file) at ``ref`` into a sparse local image;
-    see the module docstring.  ``groups`` also fetches the EXL2 ``q_groups`` tables."""
+    see the module docstring.  ``groups`` also fetches the EXL2 ``q_groups`` tables and the EXL3 codebook
+    markers (I32 scalars whose value validate checks)."""
     from ..container import MAX_HEADER_BYTES, parse_header
 
     cl = HubClient(ref)
@@ -147,6 +153,8 @@ def fetch_snapshot(ref: HubRef, *, groups: bool = True) -> HubSnapshot:
             files.append({"path": ref.uri(prefix + n), "size": size})
         for n in jsons:
             size, loc = metas[n]
+            if size > MAX_JSON_BYTES and n in _OPTIONAL_JSON:
+                continue
             if size > MAX_JSON_BYTES:
                 raise hub_error(ErrorCode.HUB_FETCH_LIMIT, f"{n} is {size} bytes, above the cap of {MAX_JSON_BYTES}",
                                ref.uri(prefix + n))
@@ -183,11 +191,13 @@ def fetch_snapshot(ref: HubRef, *, groups: bool = True) -> HubSnapshot:
             for n, hdr in headers.items():
                 budget = MAX_BYTES_PER_FILE - 8 - hdr.header_len
                 for t in hdr.tensors.values():
-                    if (t.name.endswith(f".{Exl2Slot.Q_GROUPS}") and t.dtype == "I16"
-                            and 0 < t.nbytes <= MAX_GROUPS_BYTES):
+                    groups_table = (t.name.endswith(f".{Exl2Slot.Q_GROUPS}") and t.dtype == "I16"
+                                    and 0 < t.nbytes <= MAX_GROUPS_BYTES)
+                    marker = t.name.endswith(_EXL3_MARKERS) and t.dtype == "I32" and t.nbytes == 4
+                    if groups_table or marker:
                         budget -= t.nbytes
                         if budget < 0:
-                            raise hub_error(ErrorCode.HUB_FETCH_LIMIT, f"the q_groups tables of {n} exceed the "
+                            raise hub_error(ErrorCode.HUB_FETCH_LIMIT, f"the q_groups tables and markers of {n} exceed "
                                            f"per-file cap of {MAX_BYTES_PER_FILE} bytes", ref.uri(prefix + n))
                         jobs.append((n, t))
             _fetch_ranges(cl, jobs, metas, mirror, ref, prefix)

@@ -32,7 +32,11 @@ _CONFIG_FIELDS = {
 
 def _config_fields(key: str) -> tuple[str, str]:
     """The config.json fields that ``expected_features`` used for ``key`` (named in messages)."""
+    from ..names import is_vision
+
     f_in, f_out = _CONFIG_FIELDS.get(key.rsplit(".", 1)[-1], ("in_features", "out_features"))
+    if is_vision(key):
+        f_in, f_out = (f"vision_config.{x}" if x[0].islower() and "_features" not in x else x for x in (f_in, f_out))
     for part, field in ((".experts.", "moe_intermediate_size"), (".shared_expert.", "shared_expert_intermediate_size"),
                         (".shared_experts.", "moe_intermediate_size x n_shared_experts")):
         if part in key:
@@ -47,7 +51,7 @@ _EMBED = ("embed_tokens", "wte", "word_embeddings", "tok_embeddings")
 def config_issues(config: dict, det, tensors, config_file: str) -> tuple[list[Issue], int]:
     """config.json <-> tensor shapes.  Returns (issues, number of comparisons made)."""
     from ..arch import expected_features
-    from ..names import block_of
+    from ..names import block_of, is_mtp, is_vision
     from ..layout import DenseSlot, pad32
 
     issues: list[Issue] = []
@@ -98,7 +102,10 @@ def config_issues(config: dict, det, tensors, config_file: str) -> tuple[list[Is
                 issues.append(Issue(ErrorCode.CONFIG_MISMATCH, f"out_features {info.out_features} but config.json "
                                     f"{f_out} = {n_exp}", tensor=key, file=config_file))
     if nl is not None:
-        blocks = {block_of(k) for k in det.layers if block_of(k) is not None}
+        nextn = cint("num_nextn_predict_layers")
+        # the text decoder's blocks: a vision tower's and the multi-token-prediction layers are not counted
+        blocks = {block_of(k) for k in det.layers if block_of(k) is not None and not is_vision(k)
+                  and not is_mtp(k, nl, nextn)}
         if blocks:
             n += 1
             if len(blocks) != nl:

@@ -21,20 +21,25 @@ _MAX_LISTED = 20
 
 
 def exl3_model_checks(rep: Report, model, det, config, config_file: str) -> None:
-    _rate_checks(rep, det, config_file)
+    _rate_checks(rep, det, config_file, config)
     _tensor_storage_checks(rep, model, det)
 
 
-def _rate_checks(rep: Report, det, config_file: str) -> None:
+def _rate_checks(rep: Report, det, config_file: str, config=None) -> None:
     """``bits``: the trellis rates of the decoder linears averaged with their padded sizes as weights (the head,
-    suh / svh and dense layers left out), as exllamav3's converter computes it; ``head_bits``: the head's rate,
-    16 for a dense head."""
+    suh / svh, dense layers, vision and MTP linears left out), as exllamav3's converter computes it;
+    ``head_bits``: the head's rate, 16 for a dense head."""
     from ..layout import Format
-    from ..names import block_of, is_head
+    from ..names import block_of, is_head, is_mtp, is_vision
 
+    cfg = config if isinstance(config, dict) else {}
+    cfg = {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
+    nl, nextn = (v if isinstance(v, int) and not isinstance(v, bool) else None
+                 for v in (cfg.get("num_hidden_layers"), cfg.get("num_nextn_predict_layers")))
     layers = list(det.layers.values())
+    # exllamav3 counts the text decoder only: a vision tower's and the MTP layers' rates are vision_bits / mtp_bits
     dec = [l for l in layers if l.format is Format.EXL3 and block_of(l.key) is not None and l.bits
-           and l.in_features and l.out_features]
+           and l.in_features and l.out_features and not is_vision(l.key) and not is_mtp(l.key, nl, nextn)]
     target = det.variant.get("target_bits")
     if target is not None and dec:
         numel = sum(l.in_features * l.out_features for l in dec)

@@ -37,10 +37,13 @@ _CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_la
 def reference_shape_checks(rep, path: str | os.PathLike, uri: str, *, revision: str | None = None) -> dict:
     """``validate --reference hf://...``: compare the local quantized model at ``path`` with its FP16/BF16 source
     on the Hub from headers alone: every linear layer's (out, in) against the source's ``{key}.weight`` (EXL2:
-    out padded to 32), every other tensor's shape, and the architecture fields of config.json.  Adds
-    ``reference`` checks to the validate ``Report`` ``rep``; returns the snapshot's ``hub`` dict."""
+    out padded to 32; EXL3: the sizes config.json gives, else any that pad to the stored 128-multiples), every
+    other tensor's shape, and the architecture fields of config.json.  Adds ``reference`` checks to the validate
+    ``Report`` ``rep``; returns the snapshot's ``hub`` dict."""
+    from ..arch import features_of
     from ..container import open_model
     from ..detect import detect_model
+    from ..formats.exl3 import fits_padding
     from ..layout import Format
     from ..layout import pad32
     from .report import CheckId, PassCode, Status
@@ -59,6 +62,7 @@ def reference_shape_checks(rep, path: str | os.PathLike, uri: str, *, revision: 
             except Exl2Error:
                 cfg = {}
             det = detect_model(model.tensors, cfg or None, root=model.root)
+            features = features_of(cfg if isinstance(cfg, dict) else None)
             try:
                 scfg = src.config or {}
             except Exl2Error as e:
@@ -79,15 +83,25 @@ def reference_shape_checks(rep, path: str | os.PathLike, uri: str, *, revision: 
                 if len(w.shape) != 2 or K is None or N is None:
                     continue
                 rn, rk = w.shape
-                ok = rk == K and (rn == N or (info.format is Format.EXL2 and pad32(rn) == N))
+                note = ", out padded to 32" if info.format is Format.EXL2 else ""
+                if info.format is Format.EXL3:
+                    # the tensors hold K_p x N_p (padded to 128); config.json gives the true sizes when it names
+                    # the layer, else any size that pads to the stored one matches
+                    hk, hn = features(key)
+                    kt = hk if hk is not None and fits_padding(hk, K) else None
+                    nt = hn if hn is not None and fits_padding(hn, N) else None
+                    ok = (rk == kt if kt else fits_padding(rk, K)) and (rn == nt if nt else fits_padding(rn, N))
+                    note = f"; stored {N} x {K}, padded to 128"
+                    K, N = kt or K, nt or N
+                else:
+                    ok = rk == K and (rn == N or (info.format is Format.EXL2 and pad32(rn) == N))
                 if ok:
                     n_ok += 1
                 else:
                     bad += 1
                     rep.add(CheckId.REFERENCE, Status.FAIL, ErrorCode.REFERENCE_MISMATCH, f"{info.format.value} "
-                            f"layer is {N} x {K} (out x in{', out padded to 32' if info.format is Format.EXL2 else ''}"
-                            f") but the reference's {key}.weight is {rn} x {rk} ({sfile(w)})", tensor=key,
-                            file=str(next(iter(info.slots.values())).file))
+                            f"layer is {N} x {K} (out x in{note}) but the reference's {key}.weight is {rn} x {rk} "
+                            f"({sfile(w)})", tensor=key, file=str(next(iter(info.slots.values())).file))
             for name, t in model.tensors.items():
                 if name in covered:
                     continue
