@@ -42,7 +42,6 @@ never fails because of config.json.
 from __future__ import annotations
 
 import collections
-import json
 import mmap
 import os
 from pathlib import Path

@@ -24,7 +24,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..errors import ErrorCode, Exl2Error
 from ..runner.weights import Linear

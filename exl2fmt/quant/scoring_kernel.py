@@ -13,7 +13,6 @@ or ``scoring._u16``); every array is C-ordered and 2-D, rows run in parallel.
 
 from __future__ import annotations
 
-import numpy as np
 from numba import njit, prange
 
 from ..codec.f16 import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits
