@@ -14,6 +14,8 @@ in numba, torch or triton before they are needed):
 * ``open_model(path) -> ModelFiles``                hardened safetensors container (file or directory)
 * ``load_layer(model, key)``                        ``Exl2Linear`` / ``GptqLinear`` / ``DenseLinear`` / ``Exl3Linear``
 * ``Exl2Error``, ``ErrorCode``, ``Issue``           the one exception type and its stable codes
+* ``load_model(path, device=None, dtype=None)``     a transformers model, EXL2 / GPTQ linears kept packed (needs torch
+                                                    and transformers; ``exl2fmt.runtime``); ``load_tokenizer(path)``
 * ``Format``                                        layer formats (``exl2``, ``gptq``, ``dense``, ``exl3``; ``awq`` recognised only)
 
 Example (the bundled sample model: 15 EXL2 layers of a tiny Llama)::
@@ -55,6 +57,8 @@ _LAZY = {
     "GptqLinear": ("exl2fmt.formats", "GptqLinear"),
     "DenseLinear": ("exl2fmt.formats", "DenseLinear"),
     "Format": ("exl2fmt.layout", "Format"),
+    "load_model": ("exl2fmt.runtime.loading", "load_model"),
+    "load_tokenizer": ("exl2fmt.runtime.loading", "load_tokenizer"),
 }
 
 __all__ = ["__version__", "ErrorCode", "Exl2Error", "Issue", "Severity", *_LAZY]

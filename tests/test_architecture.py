@@ -47,7 +47,7 @@ TIERS: list[tuple[str, tuple[str, ...]]] = [
     # (transformers' modeling code over weights read through the core: the model, its layers, MoE, weight source)
     ("runner", ("exl2fmt.runner",)),
     ("checks", ("exl2fmt.inspect", "exl2fmt.validate", "exl2fmt.hub", "exl2fmt.modelcard", "exl2fmt.sample")),
-    ("converters/quant", ("exl2fmt.converters", "exl2fmt.quant")),
+    ("converters/quant", ("exl2fmt.converters", "exl2fmt.quant", "exl2fmt.runtime", "exl2fmt.hf")),
     ("cli", ("exl2fmt.cli",)),
 ]
 #: what the kernels may import besides themselves: the layout (layout.py and its q_groups table)
