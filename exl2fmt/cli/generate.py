@@ -63,8 +63,8 @@ def generate_command(
                                                 show_default=False)] = None,
     repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", metavar="R", help="Divide the "
                                                       "logits of tokens already seen by R (CTRL rule; 1 = off).")] = 1.0,
-    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-sequence tokens (always "
-                                             "--max-new-tokens tokens: benchmarks).")] = False,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Give end-of-sequence tokens no probability: "
+                                             "always --max-new-tokens new tokens (benchmarks).")] = False,
     device: Annotated[Optional[str], typer.Option("--device", metavar="cpu|cuda[:N]|...", help="Where the model "
                                                   "runs (default: the loader's choice).", show_default=False)] = None,
     dtype: Annotated[Dtype, typer.Option("--dtype", case_sensitive=False, help="Compute dtype of the model (auto: "

@@ -11,7 +11,8 @@ Token choice (``GenerationOptions``), in transformers' order: repetition penalty
 already in the prompt or output is divided by the penalty when positive, multiplied when negative), then greedy
 argmax, or sampling: temperature, top-k, top-p (nucleus, keeping at least one token), one draw from a
 ``torch.Generator`` seeded with ``seed`` (same seed, same model, same device -> same tokens).  Generation stops at
-an end-of-sequence id (the tokenizer's, the generation config's and the model config's; not with ``ignore_eos``),
+an end-of-sequence id (the tokenizer's, the generation config's and the model config's; ``ignore_eos`` gives
+them no probability instead, like transformers' ``min_new_tokens`` and llama.cpp's ``--ignore-eos``),
 after ``max_new_tokens``, or at the model's ``max_position_embeddings``.
 
 Greedy output equals ``model.generate(ids, do_sample=False)`` token for token (tests/test_generate.py): the same
@@ -161,7 +162,7 @@ class Generation:
         self.options = options.check()
         if not self.prompt_ids:
             raise Exl2Error(ErrorCode.USAGE, "the prompt is empty (no tokens): give some text")
-        self.eos = [] if options.ignore_eos else eos_ids(model, tokenizer)
+        self.eos = eos_ids(model, tokenizer)
         self.timings = Timings()
         self.state = _State()
         self.decoder = StreamDecoder(tokenizer)
@@ -177,6 +178,9 @@ class Generation:
 
         o = self.options
         logits = logits.float()
+        eos = [e for e in self.eos if e < logits.numel()] if o.ignore_eos else None
+        if eos:   # as transformers' min_new_tokens and llama.cpp's --ignore-eos do
+            logits = logits.index_fill(0, torch.tensor(eos, device=logits.device), float("-inf"))
         if o.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(self.prompt_ids + self.state.new_ids)), device=logits.device)
             vals = logits.gather(0, seen)
