@@ -1,7 +1,7 @@
 """The house rules of the package, checked on the source (no import is executed): no import cycle, no private name
 crossing a module boundary, and arrows that point one way (spec/architecture.md):
 
-    core  <-  formats  <-  runner  <-  checks (inspect, validate, ...)  <-  converters / quant  <-  CLI
+    core  <-  formats  <-  runner  <-  checks (inspect, validate, ...)  <-  converters / quant  <-  runtime  <-  CLI
     kernels import the layout only
 
 The graph is built from the AST of every module of ``exl2fmt/``, ``converters/`` (importable as
@@ -48,6 +48,8 @@ TIERS: list[tuple[str, tuple[str, ...]]] = [
     ("runner", ("exl2fmt.runner",)),
     ("checks", ("exl2fmt.inspect", "exl2fmt.validate", "exl2fmt.hub", "exl2fmt.modelcard", "exl2fmt.sample")),
     ("converters/quant", ("exl2fmt.converters", "exl2fmt.quant")),
+    # running models in transformers: load_model / load_tokenizer and the generation loop (issue 35)
+    ("runtime", ("exl2fmt.runtime",)),
     ("cli", ("exl2fmt.cli",)),
 ]
 #: what the kernels may import besides themselves: the layout (layout.py and its q_groups table)
