@@ -202,6 +202,17 @@ class ErrorCode(str, enum.Enum):
                     "EXL3 padded sizes (16 x trellis tiles) must be multiples of 128 that exceed the layer's "
                     "features by less than 128")
 
+    # --- the runtime (appended; issue 35, see exl2fmt/runtime/ and exl2fmt/validate/structural.py) ---------
+    TOKENIZER_MISSING = ("TOKENIZER_MISSING", Category.UNREADABLE,
+                         "exl2fmt generate needs the model's tokenizer (tokenizer.json, or tokenizer.model with "
+                         "tokenizer_config.json) in the model directory")
+    CHAT_TEMPLATE_MISSING = ("CHAT_TEMPLATE_MISSING", Category.USAGE,
+                             "--chat needs a tokenizer with a chat template")
+    HF_NEEDS_IMPORT = ("HF_NEEDS_IMPORT", Category.INVALID,
+                       "a quant_method transformers has no quantizer for loads only after the import that "
+                       "registers one (import exl2fmt.hf); without it from_pretrained leaves the quantized "
+                       "linears randomly initialised")
+
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol
         return None

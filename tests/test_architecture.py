@@ -1,7 +1,7 @@
 """The house rules of the package, checked on the source (no import is executed): no import cycle, no private name
 crossing a module boundary, and arrows that point one way (spec/architecture.md):
 
-    core  <-  formats  <-  runner  <-  checks (inspect, validate, ...)  <-  converters / quant  <-  CLI
+    core  <-  formats  <-  runner  <-  checks (inspect, validate, ...)  <-  converters / quant  <-  runtime  <-  CLI
     kernels import the layout only
 
 The graph is built from the AST of every module of ``exl2fmt/``, ``converters/`` (importable as

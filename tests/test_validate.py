@@ -311,7 +311,9 @@ def test_index_problems_and_fix_index_round_trip(tmp_path, sample_tensors, sampl
     assert info["replaced"] and info["tensors"] == len(sample_tensors) and info["shards"] == len(before)
     assert _digest(d) == before  # tensor files untouched
     rep = validate_model(d)
-    assert not [c for c in rep.checks if c.status is not Status.PASS] or codes_of(rep, Status.WARN) == ["BITS_MISMATCH"]
+    # the loader note (HF_NEEDS_IMPORT: quant_method exl2 needs import exl2fmt.hf in transformers) is about the runtime
+    assert (not [c for c in rep.checks if c.status is not Status.PASS and c.check != "loader"]
+            or [c for c in codes_of(rep, Status.WARN) if c != "HF_NEEDS_IMPORT"] == ["BITS_MISMATCH"])
     assert "INDEX_OK" in codes_of(rep, Status.PASS)
     # the new index against the safetensors library's own view of each shard
     new = json.loads((d / INDEX_NAME).read_text())

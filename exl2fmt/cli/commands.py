@@ -393,6 +393,11 @@ from .convert import convert_command  # noqa: E402
 
 app.command("convert")(convert_command)   # its own exit-code paragraph (in its help) replaces the epilog
 
+# The generate command (cli/generate.py); importing it loads neither torch nor transformers.
+from .generate import generate_command  # noqa: E402
+
+app.command("generate")(generate_command)
+
 
 # ------------------------------------------------------------------------------------------------ entry
 

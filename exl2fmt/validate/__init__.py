@@ -20,6 +20,9 @@ Structural checks (headers only, plus each EXL2 layer's tiny ``q_groups``):
                bits/order/qrow/rows/limits, K), GPTQ (bits and group size vs shapes), AWQ shapes
 ``bits``       ``quantization_config.bits`` (the EXL2 target) vs the measured decoder bpw: a WARN outside
                +-``BITS_TOLERANCE``
+``loader``     a WARN (``HF_NEEDS_IMPORT``) when ``quantization_config.quant_method`` is one transformers has no
+               quantizer for (``exl2``, ``exl3``), naming the import that registers one (``import exl2fmt.hf``);
+               ``--strict`` does not escalate it (it is about the runtime, not the files)
 =============  ===============================================================================================
 
 ``deep=True`` reads the data: ``q_invperm`` is a permutation, ``q_scale_max`` finite and > 0, ``g_idx`` in range,

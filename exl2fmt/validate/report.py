@@ -15,7 +15,7 @@ from typing import Callable
 
 from ..errors import Issue, Severity
 
-__all__ = ["Status", "CheckId", "PassCode", "Check", "LayerResult", "Report", "Progress"]
+__all__ = ["Status", "CheckId", "PassCode", "Check", "LayerResult", "Report", "Progress", "NOT_ESCALATED"]
 
 
 class Status(str, enum.Enum):
@@ -39,10 +39,17 @@ class CheckId(str, enum.Enum):
     REFERENCE = "reference"
     KERNEL = "kernel"
     RUN = "run"
+    LOADER = "loader"
+
+
+#: checks whose warnings ``--strict`` leaves warnings: they are about the software that reads the model, not about
+#: the files (``loader``: the import transformers needs for a quant_method; a valid EXL2 model must pass --strict)
+NOT_ESCALATED = frozenset({CheckId.LOADER.value})
 
 
 class PassCode(str, enum.Enum):
-    """The ``code`` of a passing check (one per check id; never an ErrorCode value)."""
+    """The ``code`` of a passing check (one per check id, except ``loader``, which only warns; never an ErrorCode
+    value)."""
 
     CONTAINER_OK = "CONTAINER_OK"
     INDEX_OK = "INDEX_OK"
@@ -145,7 +152,7 @@ class Report:
         if not self.strict:
             return
         for c in self.checks:
-            if c.status is Status.WARN:
+            if c.status is Status.WARN and c.check not in NOT_ESCALATED:
                 c.status = Status.FAIL
                 c.escalated = True
 

@@ -11,7 +11,7 @@ from .awq import awq_issues
 from .config_checks import config_issues
 from .report import CheckId, PassCode, Report, Status
 
-__all__ = ["structural_checks", "container_check_for", "BITS_TOLERANCE"]
+__all__ = ["structural_checks", "container_check_for", "BITS_TOLERANCE", "NEEDS_IMPORT"]
 
 #: |quantization_config.bits - measured decoder bpw| above this is a BITS_MISMATCH warning (anchors §4.6).
 BITS_TOLERANCE = 0.05
@@ -105,10 +105,30 @@ def _config_checks(rep: Report, model, path: Path) -> tuple:
     from ..detect import quantization_config
 
     _qc, _qc_src = quantization_config(config, model.root)
-    for i in config_value_issues(config, _qc, config_file if _qc_src in (None, "config.json") else
-                                 str(Path(model.root) / _qc_src)):
+    qc_file = config_file if _qc_src in (None, "config.json") else str(Path(model.root) / _qc_src)
+    for i in config_value_issues(config, _qc, qc_file):
         rep.add_issue(CheckId.CONFIG, i)
+    _loader_check(rep, _qc, _qc_src, qc_file)
     return config, config_file
+
+
+#: quant_method -> the import that registers a transformers quantizer for it (transformers has none of its own:
+#: ``from_pretrained`` logs an unknown quantization type, loads the model unquantized and leaves every quantized
+#: linear randomly initialised)
+NEEDS_IMPORT = {"exl2": "import exl2fmt.hf", "exl3": "import exl2fmt.hf"}
+
+
+def _loader_check(rep: Report, qc, qc_src, qc_file: str) -> None:
+    """``loader``: a WARN (never escalated by --strict) when the quant_method needs an import to load in
+    transformers, naming it."""
+    from ..detect import config_quant_method
+
+    method = config_quant_method(qc, qc_src)
+    if method in NEEDS_IMPORT:
+        rep.add(CheckId.LOADER, Status.WARN, ErrorCode.HF_NEEDS_IMPORT,
+                f"quant_method {method!r}: transformers has no quantizer for it and would load the quantized "
+                f"linears as random weights; `{NEEDS_IMPORT[method]}` before AutoModelForCausalLM.from_pretrained "
+                "(or exl2fmt.load_model, exl2fmt generate) loads it packed", file=qc_file)
 
 
 def _format_checks(rep: Report, model, config, first_file: str, deep: bool):
