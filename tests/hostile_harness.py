@@ -3,7 +3,8 @@
 Import with ``from hostile_harness import run_bounded`` (pytest puts ``tests/`` on ``sys.path``).  Each call
 starts a fresh ``python -m exl2fmt.cli.app`` process with ``RLIMIT_AS`` set (so a run that tries to size
 memory by a number from the file dies instead of swapping the machine), kills its whole process group at
-the wall-clock limit, and reads the child's own peak RSS from ``wait4`` (not the sum over all children).
+the wall-clock limit, and reads the CLI process's own peak RSS from ``wait4`` in a small trampoline parent (not
+the sum over all children, and not the pages a fork of a large test process would inherit: ``_TRAMPOLINE``).
 """
 
 from __future__ import annotations
@@ -50,13 +51,24 @@ class BoundedRun:
         assert not self.traceback, self.stderr[-4000:]
 
 
-def _limit_child() -> None:  # runs in the child between fork and exec
-    os.setsid()
-    # a suite started in the background by a shell without job control inherits SIGINT ignored, and Python then
-    # installs no handler of its own: the interrupt tests need the disposition a terminal user has
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT_BYTES, AS_LIMIT_BYTES))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+#: The CLI runs as the grandchild of the test process, under a small trampoline: a child forked from a large
+#: pytest worker (one that loaded torch and a model) inherits its resident pages, and Linux reports that size as
+#: the child's peak RSS even after exec.  The trampoline (a fresh interpreter, ~10 MB) sets the limits, forks the
+#: CLI, reaps it with wait4 and writes its child's wait status and peak RSS to a report file: the CLI's own numbers.
+_TRAMPOLINE = r"""
+import os, resource, signal, sys
+os.setsid()
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[1]), int(sys.argv[1])))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.executable, [sys.executable, "-m", "exl2fmt.cli.app", *sys.argv[3:]])
+_, status, ru = os.wait4(pid, 0)
+with open(sys.argv[2], "w") as f:
+    f.write(f"{status} {ru.ru_maxrss}")
+os._exit(0)
+"""
 
 
 def run_bounded(*args, timeout: float = TIME_LIMIT_S, env_extra: dict | None = None,
@@ -68,36 +80,42 @@ def run_bounded(*args, timeout: float = TIME_LIMIT_S, env_extra: dict | None = N
     env.setdefault("NUMBA_CACHE_DIR", os.path.join(tempfile.gettempdir(), "exl2fmt-numba-cache"))
     env.update(env_extra or {})
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        fd, report_path = tempfile.mkstemp(prefix="exl2fmt-bounded-")
+        os.close(fd)
         t0 = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "exl2fmt.cli.app", *map(str, args)], stdout=out,
-                                stderr=err, stdin=subprocess.DEVNULL, cwd=str(cwd or ROOT), env=env,
-                                preexec_fn=_limit_child)
+        proc = subprocess.Popen([sys.executable, "-c", _TRAMPOLINE, str(AS_LIMIT_BYTES), report_path,
+                                 *map(str, args)], stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                cwd=str(cwd or ROOT), env=env)
         timed_out = False
-        status = rusage = None
         deadline = t0 + timeout
         while True:
-            pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
+            pid, _, _ = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
             if time.monotonic() > deadline:
                 timed_out = True
                 try:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    os.killpg(proc.pid, signal.SIGKILL)   # the trampoline leads the CLI's process group
                 except ProcessLookupError:
                     pass
-                _, status, rusage = os.wait4(proc.pid, 0)
+                os.wait4(proc.pid, 0)
                 break
             time.sleep(0.02)
         proc.returncode = 0  # reaped by wait4 above; keep Popen from waiting again
+        try:
+            report = Path(report_path).read_text().split()
+        finally:
+            os.unlink(report_path)
         wall = time.monotonic() - t0
         out.seek(0)
         err.seek(0)
         stdout = out.read().decode("utf-8", "replace")
         stderr = err.read().decode("utf-8", "replace")
-    if timed_out:
+    status, maxrss = (int(report[0]), int(report[1])) if len(report) == 2 else (0, 0)
+    if timed_out or len(report) != 2:   # killed at the limit (or the trampoline itself died)
         rc = None
     elif os.WIFSIGNALED(status):
         rc = -os.WTERMSIG(status)
     else:
         rc = os.WEXITSTATUS(status)
-    return BoundedRun(rc, stdout, stderr, wall, int(rusage.ru_maxrss) * 1024, timed_out)
+    return BoundedRun(rc, stdout, stderr, wall, maxrss * 1024, timed_out)
