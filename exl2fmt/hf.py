@@ -30,7 +30,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .layout import Format
+from .layout import Exl2Slot, Format, GptqSlot
 from .runtime.linear import Exl2PackedLinear, FusedLinear, GptqPackedLinear, PackedLinear, packed_modules
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -130,16 +130,16 @@ class Exl2HfQuantizer(_PackedQuantizer):
         for key, ref in find_layers(mf.names()).items():
             if ref.format is not Format.EXL2:
                 continue
-            qw = mf.info(f"{key}.q_weight")
+            qw = mf.info(f"{key}.{Exl2Slot.Q_WEIGHT}")
             q_rows, n_pad = (int(s) for s in qw.shape)
-            groups = decode_q_groups(mf.get(f"{key}.q_groups"), q_rows)
+            groups = decode_q_groups(mf.get(f"{key}.{Exl2Slot.Q_GROUPS}"), q_rows)
             n = expected_features(config, key)[1]
             n = n if n is not None and pad32(n) == n_pad else n_pad
-            inv = mf.info(f"{key}.q_invperm")
+            inv = mf.info(f"{key}.{Exl2Slot.Q_INVPERM}")
             with torch.device("meta"):
                 out[key] = Exl2PackedLinear(groups.K, n, n_pad, groups.G, q_rows, bias="bias" in ref.slots,
                                             invperm_dtype=torch.int16 if inv.dtype == "I16" else torch.int32,
-                                            has_perm="q_perm" in ref.slots)
+                                            has_perm=Exl2Slot.Q_PERM in ref.slots)
         return out
 
 
@@ -157,12 +157,12 @@ class GptqCpuHfQuantizer(_PackedQuantizer):
         for key, ref in find_layers(mf.names()).items():
             if ref.format is not Format.GPTQ:
                 continue
-            qw, qz = mf.info(f"{key}.qweight").shape, mf.info(f"{key}.qzeros").shape
+            qw, qz = mf.info(f"{key}.{GptqSlot.QWEIGHT}").shape, mf.info(f"{key}.{GptqSlot.QZEROS}").shape
             N = int(qw[1])
             bits = gc.bits or int(qz[1]) * 32 // N
             with torch.device("meta"):
                 out[key] = GptqPackedLinear(int(qw[0]) * 32 // bits, N, bits, int(qz[0]), bias="bias" in ref.slots,
-                                            g_idx="g_idx" in ref.slots, v2=bool(gc.v2), group_size=gc.group_size)
+                                            g_idx=GptqSlot.G_IDX in ref.slots, v2=bool(gc.v2), group_size=gc.group_size)
         return out
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..groups import decode_q_groups
-from ..layout import BIT_WIDTHS
+from ..layout import BIT_WIDTHS, Exl2Slot, GptqSlot
 from . import cpu
 
 __all__ = ["PackedLinear", "Exl2PackedLinear", "GptqPackedLinear", "FusedLinear", "SMALL_M", "SCRATCH_ELEMENTS",
@@ -146,21 +146,21 @@ class Exl2PackedLinear(PackedLinear):
         super().__init__(in_features, out_features)
         self.n_pad = int(n_pad)
         kw = {"device": device}
-        self.register_buffer("q_weight", torch.empty((q_rows, n_pad), dtype=torch.int32, **kw))
-        self.register_buffer("q_scale", torch.empty((groups, n_pad // 8), dtype=torch.int32, **kw))
-        self.register_buffer("q_scale_max", torch.empty((groups,), dtype=torch.float16, **kw))
-        self.register_buffer("q_groups", torch.empty((2 * groups,), dtype=torch.int16, **kw))
-        self.register_buffer("q_invperm", torch.empty((in_features,), dtype=invperm_dtype, **kw))
+        self.register_buffer(str(Exl2Slot.Q_WEIGHT), torch.empty((q_rows, n_pad), dtype=torch.int32, **kw))
+        self.register_buffer(str(Exl2Slot.Q_SCALE), torch.empty((groups, n_pad // 8), dtype=torch.int32, **kw))
+        self.register_buffer(str(Exl2Slot.Q_SCALE_MAX), torch.empty((groups,), dtype=torch.float16, **kw))
+        self.register_buffer(str(Exl2Slot.Q_GROUPS), torch.empty((2 * groups,), dtype=torch.int16, **kw))
+        self.register_buffer(str(Exl2Slot.Q_INVPERM), torch.empty((in_features,), dtype=invperm_dtype, **kw))
         if has_perm:
-            self.register_buffer("q_perm", torch.empty((in_features,), dtype=invperm_dtype, **kw))
+            self.register_buffer(str(Exl2Slot.Q_PERM), torch.empty((in_features,), dtype=invperm_dtype, **kw))
         self.register_buffer("bias", torch.empty((n_pad,), dtype=torch.float16, **kw) if bias else None)
 
     @classmethod
     def from_layer(cls, layer: Any, device: Any = None) -> "Exl2PackedLinear":
         """From an ``exl2fmt.formats.Exl2Linear`` (its arrays copied into the buffers)."""
         t = layer.tensors
-        inv = np.asarray(t["q_invperm"])
-        m = cls(layer.in_features, layer.out_features, layer.n_pad, layer.groups.G, int(t["q_weight"].shape[0]),
+        inv = np.asarray(t[Exl2Slot.Q_INVPERM])
+        m = cls(layer.in_features, layer.out_features, layer.n_pad, layer.groups.G, int(t[Exl2Slot.Q_WEIGHT].shape[0]),
                 bias="bias" in t, invperm_dtype=torch.int16 if inv.dtype == np.int16 else torch.int32,
                 has_perm=False)
         m.load_arrays(t)
@@ -173,7 +173,7 @@ class Exl2PackedLinear(PackedLinear):
             if buf is None or name not in t:
                 continue
             a = np.array(t[name])
-            if name in ("q_scale_max", "bias"):
+            if name in (Exl2Slot.Q_SCALE_MAX, "bias"):
                 a = a.astype(np.float16)
             self._buffers[name] = torch.from_numpy(a).to(buf.dtype)
 
@@ -237,19 +237,19 @@ class GptqPackedLinear(PackedLinear):
         self.group_size = group_size if group_size and group_size > 0 else math.ceil(in_features / max(groups, 1))
         kw = {"device": device}
         K, N = in_features, out_features
-        self.register_buffer("qweight", torch.empty((K * bits // 32, N), dtype=torch.int32, **kw))
-        self.register_buffer("qzeros", torch.empty((groups, N * bits // 32), dtype=torch.int32, **kw))
-        self.register_buffer("scales", torch.empty((groups, N), dtype=torch.float16, **kw))
-        self.register_buffer("g_idx", torch.empty((K,), dtype=torch.int32, **kw) if g_idx else None)
+        self.register_buffer(str(GptqSlot.QWEIGHT), torch.empty((K * bits // 32, N), dtype=torch.int32, **kw))
+        self.register_buffer(str(GptqSlot.QZEROS), torch.empty((groups, N * bits // 32), dtype=torch.int32, **kw))
+        self.register_buffer(str(GptqSlot.SCALES), torch.empty((groups, N), dtype=torch.float16, **kw))
+        self.register_buffer(str(GptqSlot.G_IDX), torch.empty((K,), dtype=torch.int32, **kw) if g_idx else None)
         self.register_buffer("bias", torch.empty((N,), dtype=torch.float16, **kw) if bias else None)
 
     @classmethod
     def from_layer(cls, layer: Any, device: Any = None) -> "GptqPackedLinear":
         """From an ``exl2fmt.formats.GptqLinear``."""
         t = layer.tensors
-        m = cls(layer.K, layer.N, layer.bits, layer.G, bias="bias" in t, g_idx="g_idx" in t, v2=layer.v2,
+        m = cls(layer.K, layer.N, layer.bits, layer.G, bias="bias" in t, g_idx=GptqSlot.G_IDX in t, v2=layer.v2,
                 group_size=layer.group_size)
-        for name in ("qweight", "qzeros", "g_idx"):
+        for name in map(str, (GptqSlot.QWEIGHT, GptqSlot.QZEROS, GptqSlot.G_IDX)):
             if name in t:
                 m._buffers[name] = torch.from_numpy(np.array(t[name])).to(torch.int32)
         m.scales = torch.from_numpy(np.array(layer.scales_f16()))
