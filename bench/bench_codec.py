@@ -266,7 +266,7 @@ def main() -> None:
              ("faults", fault_fresh_output, None)]
     # issue 18: dequantize into a caller's buffer (out=; 64-byte aligned like the fresh outputs, so the kernel
     # uses non-temporal stores), and the kernel as it was before (plain stores into a fresh np.empty)
-    out_buf = exl2._empty_aligned((N, K)).view(np.float16)
+    out_buf = exl2.empty_aligned((N, K)).view(np.float16)
     out_buf[...] = 0
     args_ = exl2._common_args(qw, qs, qsm, g)
     tab_ = exl2._features(args_, inv.astype(np.int64))

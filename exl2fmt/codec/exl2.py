@@ -30,7 +30,8 @@ from .f16 import f16_bits_to_f32, f32_to_f16_bits
 
 __all__ = [
     "pack_q_weight", "unpack_q_weight", "pack_q_scale", "unpack_q_scale", "dequantize",
-    "dequantize_stored", "invert_permutation", "is_permutation", "transpose_store",
+    "dequantize_stored", "invert_permutation", "is_permutation", "transpose_store", "empty_aligned", "NT_STORES",
+    "store_fence",
 ]
 
 # Per-width constants indexed by bit width (0 where undefined); kept as arrays for Numba.
@@ -417,7 +418,7 @@ def _transpose_store_codegen(context, builder, signature, args, *, nontemporal: 
 # Non-temporal stores (x86: movntdq) write whole lines straight to memory, without first reading each line
 # of the output into the cache (the read-for-ownership a plain store costs).  They are weakly ordered, so
 # each work item ends with an sfence.  Other targets get plain stores.
-_NT_STORES = platform.machine().lower() in ("x86_64", "amd64")
+NT_STORES = platform.machine().lower() in ("x86_64", "amd64")
 _NT_ALIGN = 32  # the NT path needs the output's rows to start on 32-byte boundaries (one ymm store)
 
 
@@ -430,16 +431,16 @@ def _transpose_store_nt(typingctx, src, srow, scol, dst, row0, col0):
     sig = types.void(src, types.intp, types.intp, dst, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
-        return _transpose_store_codegen(context, builder, signature, args, nontemporal=_NT_STORES)
+        return _transpose_store_codegen(context, builder, signature, args, nontemporal=NT_STORES)
 
     return sig, codegen
 
 
 @intrinsic
-def _store_fence(typingctx):
+def store_fence(typingctx):
     """sfence on x86 (orders the non-temporal stores before the work item ends); nothing elsewhere."""
     def codegen(context, builder, signature, args):
-        if _NT_STORES:
+        if NT_STORES:
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
                                                 "llvm.x86.sse.sfence")
             builder.call(fn, [])
@@ -562,7 +563,7 @@ def _dequant_linear(q_weight_u32, q_scale_u32, qsm_bits, gbits, tab, n_out, out,
             _decode_features(qt, scale, tab, j0, jn, tmp)
             _store_transposed(tmp, jn, out, n0, n_rows, j0, nontemporal)
         if nontemporal:
-            _store_fence()
+            store_fence()
 
 
 @njit(cache=True, parallel=True)
@@ -629,7 +630,7 @@ def _features(args, rows: np.ndarray) -> np.ndarray:
 
 
 
-def _empty_aligned(shape: tuple[int, int]) -> np.ndarray:
+def empty_aligned(shape: tuple[int, int]) -> np.ndarray:
     """np.empty uint16 ``shape`` (C order) whose data starts on a 64-byte boundary (malloc gives 16)."""
     n = shape[0] * shape[1]
     raw = np.empty(n + 32, dtype=np.uint16)
@@ -658,7 +659,7 @@ def dequantize(q_weight: np.ndarray, q_scale: np.ndarray, q_scale_max: np.ndarra
     if inv.shape != (groups.K,) or not is_permutation(inv):
         raise ValueError(f"q_invperm must be a permutation of 0..{groups.K - 1}")
     if out is None:
-        res = _empty_aligned((n_out, groups.K))
+        res = empty_aligned((n_out, groups.K))
     else:
         if not (isinstance(out, np.ndarray) and out.dtype == np.float16 and out.shape == (n_out, groups.K)
                 and out.flags.c_contiguous and out.flags.writeable):
@@ -668,7 +669,7 @@ def dequantize(q_weight: np.ndarray, q_scale: np.ndarray, q_scale_max: np.ndarra
     # non-temporal stores only into a caller's buffer: a fresh output's pages are zeroed into the cache by their
     # first-touch faults, and streaming past those lines writes each one twice (measured: bench/RESULTS.md,
     # 2026-12-03, and "Figures moved out of code comments")
-    nontemporal = (out is not None and _NT_STORES and res.ctypes.data % _NT_ALIGN == 0
+    nontemporal = (out is not None and NT_STORES and res.ctypes.data % _NT_ALIGN == 0
                    and (groups.K * 2) % _NT_ALIGN == 0)
     if n_out and groups.K:
         _dequant_linear(*args[:4], _features(args, inv), n_out, res, nontemporal)

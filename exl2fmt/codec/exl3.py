@@ -49,10 +49,9 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 
 from ..layout import EXL3_CODEBOOKS, Exl3Slot
-from .exl2 import transpose_store  # 32 x 32 uint16 transpose in registers
+from .exl2 import NT_STORES, empty_aligned, store_fence, transpose_store  # shared with the EXL2 decoder
 from .f16 import f32_to_f16_bits
-from .exl3_ops import (ADD, LANES, MUL1, MULT, NT_STORES, SLICE, add32, decode_left, decode_pos, right_had, shl32,
-                       store_fence, window16)
+from .exl3_ops import ADD, LANES, MUL1, MULT, SLICE, add32, decode_left, decode_pos, right_had, shl32, window16
 
 __all__ = ["CODEBOOKS", "decode_states", "inner_weight", "dequantize", "unpack_sign_bits", "check_k2"]
 
@@ -297,15 +296,6 @@ def _scales(v, n: int, legacy: bool, name: str) -> np.ndarray:
     return v.astype(np.float32)
 
 
-def _empty_aligned(shape: tuple[int, int]) -> np.ndarray:
-    """np.empty uint16 ``shape`` (C order) starting on a 64-byte boundary, so that the 64-byte row segments the
-    kernel stores are whole cache lines when the row length allows (as exl2fmt.codec.exl2)."""
-    n = shape[0] * shape[1]
-    raw = np.empty(n + 32, dtype=np.uint16)
-    off = (-raw.ctypes.data % 64) // 2
-    return raw[off:off + n].reshape(shape)
-
-
 def dequantize(trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray, K2: int, codebook: str,
                in_features: int, out_features: int, *, legacy_signs: bool = False) -> np.ndarray:
     """One EXL3 linear -> float16 [out_features, in_features], C order (nn.Linear.weight).
@@ -327,7 +317,7 @@ def dequantize(trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray, K2: int, c
     su = _scales(suh, in_p, legacy_signs, Exl3Slot.SU if legacy_signs else Exl3Slot.SUH)
     sv = _scales(svh, out_p, legacy_signs, Exl3Slot.SV if legacy_signs else Exl3Slot.SVH)
     widx, woff, tpos = _ring_tables(k2)
-    out = _empty_aligned((out_f, in_f))
+    out = empty_aligned((out_f, in_f))   # 64-byte aligned rows: whole cache lines for the stores
     nt = NT_STORES and in_f % 16 == 0      # every 64-byte row segment then starts on a 32-byte boundary
     _dequant_kernel(tr, widx[tpos], woff[tpos], cbk, np.uint32(MULT[cbk % 2]), np.uint32(ADD[cbk % 2]), su, sv, out,
                     4 * get_num_threads(), nt)

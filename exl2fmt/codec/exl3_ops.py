@@ -8,8 +8,6 @@ public API: ``codec.exl3``.
 
 from __future__ import annotations
 
-import platform
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -17,10 +15,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..layout import EXL3_CODEBOOKS
+from .exl2 import NT_STORES  # the one x86 check, shared with the EXL2 decoder
 from .f16 import HW_HALF, f16_bits_to_f32, f32_to_f16_bits
 
-__all__ = ["ADD", "LANES", "MUL1", "MULT", "NT_STORES", "SLICE", "add32", "decode_left", "decode_pos", "right_had", "shl32",
-           "store_fence", "window16"]
+__all__ = ["ADD", "LANES", "MUL1", "MULT", "SLICE", "add32", "decode_left", "decode_pos", "right_had", "shl32",
+           "window16"]
 
 MUL1 = EXL3_CODEBOOKS[2]
 MULT = (89226354, 0xCBAC1FED)      # lop3 codebooks: x = s * mult + add (mod 2^32)
@@ -511,21 +510,8 @@ def _bfly8_round_intrinsic(nontemporal):
 # Non-temporal stores (x86: movntdq) write the output's whole lines straight to memory, without first reading
 # each line into the cache (the read-for-ownership of a plain store; as codec.exl2).  They are weakly
 # ordered: each work item ends with store_fence().
-NT_STORES = platform.machine().lower() in ("x86_64", "amd64")
 _bfly8_round = _bfly8_round_intrinsic(False)
 _bfly8_round_nt = _bfly8_round_intrinsic(NT_STORES)
-
-
-@intrinsic
-def store_fence(typingctx):
-    """sfence where NT_STORES (orders the non-temporal stores); nothing elsewhere."""
-    def codegen(context, builder, signature, args):
-        if NT_STORES:
-            builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                                        "llvm.x86.sse.sfence"), [])
-        return context.get_dummy_value()
-
-    return types.void(), codegen
 
 
 @njit(cache=True)
