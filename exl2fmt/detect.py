@@ -383,6 +383,7 @@ def detect_model(tensors: Mapping[str, Any], config: dict | None, *, root: str |
     elif fmt is Format.EXL3:
         ls = by_fmt.get(Format.EXL3, [])
         variant = {"target_bits": _bits(q.get("bits")), "head_bits": _bits(q.get("head_bits")),
+                   "vision_bits": _bits(q.get("vision_bits")), "mtp_bits": _bits(q.get("mtp_bits")),
                    "trellis_bits": sorted({l.bits for l in ls if l.bits})}
         label = "EXL3" + (f" {variant['target_bits']} bpw target" if variant["target_bits"] is not None else "")
         if from_config:

@@ -27,6 +27,7 @@ TINY = ROOT / "tests" / "fixtures" / "tiny-llama"
 PLAN = [(4, "mul1"), (2.5, "mul1"), (3, "mcg"), (2, "3inst"), (1.5, "mul1"), (5, "mcg"), (3.5, "mul1"),
         (6, "3inst"), (8, "mul1"), (1, "mcg"), (7, "3inst")]
 HEAD = (6, "mul1")
+VISION = (5, "mcg")  # exllamav3 gives a vision tower one fixed rate (vision_bits)
 MARKER = {"3inst": {}, "mcg": {"mcg": np.array(R.MCG_MARKER, np.int32)}, "mul1": {"mul1": np.array(R.MUL1_MARKER, np.int32)}}
 
 
@@ -77,6 +78,8 @@ def make_exl3(src: Path, dst: Path, seed: int, keep_dense=lambda key: False) -> 
     tensors = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
+    from exl2fmt.names import is_mtp, is_vision
+
     cfg = json.loads((src / "config.json").read_text())
     layers = find_layers(tensors, {n: a.shape for n, a in tensors.items()})
     rng = np.random.default_rng(seed)
@@ -84,7 +87,7 @@ def make_exl3(src: Path, dst: Path, seed: int, keep_dense=lambda key: False) -> 
     for i, key in enumerate(sorted(k for k in layers if not keep_dense(k))):
         w = tensors.pop(f"{key}.weight")
         b = tensors.pop(f"{key}.bias", None)
-        rate, cb = HEAD if key == "lm_head" else PLAN[i % len(PLAN)]
+        rate, cb = HEAD if key == "lm_head" else VISION if is_vision(key) else PLAN[i % len(PLAN)]
         t = encode_linear(rng, w.astype(np.float32), rate, cb, b)
         plan[key] = (rate, cb, w.shape[1], w.shape[0])
         for s, a in t.items():
@@ -95,8 +98,6 @@ def make_exl3(src: Path, dst: Path, seed: int, keep_dense=lambda key: False) -> 
                         **({f"{cb}_multiplier": int(MARKER[cb][cb].view(np.uint32))} if cb != "3inst" else {})}
     out.update(tensors)
     save_file(out, str(dst / "model.safetensors"))
-    from exl2fmt.names import is_mtp, is_vision
-
     # bits: the text decoder's linears (exllamav3 reports vision and MTP rates apart)
     nl, nextn = cfg.get("num_hidden_layers"), cfg.get("num_nextn_predict_layers")
     dec = [(r, K, N) for k, (r, _, K, N) in plan.items()
@@ -104,6 +105,13 @@ def make_exl3(src: Path, dst: Path, seed: int, keep_dense=lambda key: False) -> 
     bits = sum(r * pad128(K) * pad128(N) for r, K, N in dec) / sum(pad128(K) * pad128(N) for _, K, N in dec)
     qc = {"quant_method": "exl3", "version": "0.0.18", "bits": round(bits, 2), "head_bits": HEAD[0],
           "codebook": "mul1"}
+    # exllamav3 writes vision_bits (one fixed rate for the tower) only when it is not 16, mtp_bits (a floor: --hq
+    # promotes some MTP linears) for MTP models
+    if any(is_vision(k) for k in plan):
+        qc["vision_bits"] = VISION[0]
+    mtp = [r for k, (r, _, _, _) in plan.items() if is_mtp(k, nl, nextn)]
+    if mtp:
+        qc["mtp_bits"] = min(mtp)
     cfg["quantization_config"] = qc
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     (dst / "quantization_config.json").write_text(json.dumps({**qc, "tensor_storage": storage}, indent=2))

@@ -303,3 +303,55 @@ def test_phi3_fused_fp16_convert_loads_with_the_oracle_weights(named, tmp_path):
     d, plan, _ = named["phi3"]
     assert {k.split(".")[-1] for k in plan} >= {"qkv_proj", "gate_up_proj"}
     _convert_and_compare(d, plan, tmp_path)
+
+
+def _qc_edit(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _warnings(d: Path) -> list[dict]:
+    code, out = _cli("validate", d, "--json")
+    doc = json.loads(out)
+    assert code == 0, doc
+    return [c for c in doc["checks"] if c["status"] == "WARN" and c["check"] != "loader"]
+
+
+def test_vision_and_mtp_rates_against_quantization_config(named, tmp_path):
+    """X17: every EXL3 vision linear at exactly vision_bits, every MTP linear at least mtp_bits (exllamav3's
+    allocation); the good copy passes both checks, each broken config gets one BITS_MISMATCH warning naming it."""
+    from exl2fmt.names import is_mtp, is_vision
+
+    d, plan, _ = named["qwen2"]
+    assert _warnings(d) == []
+    code, out = _cli("validate", d, "--json")
+    oks = [c["message"] for c in json.loads(out)["checks"] if c["code"] == "BITS_OK"]
+    n_vis = sum(is_vision(k) for k in plan)
+    n_mtp = sum(is_mtp(k, 2, 1) for k in plan)
+    assert n_vis == 4 and n_mtp >= 3
+    assert any(f"vision_bits = 5 matches the {n_vis} linears" in m for m in oks), oks
+    assert any(f"mtp_bits = " in m and f"the {n_mtp} linears" in m for m in oks), oks
+    mtp_rates = sorted(r for k, (r, _, _, _) in plan.items() if is_mtp(k, 2, 1))
+    cases = {
+        "vision-other": (lambda c: c["quantization_config"].update(vision_bits=4), "vision_bits = 4", n_vis),
+        "vision-absent": (lambda c: c["quantization_config"].pop("vision_bits"), "has no vision_bits", n_vis),
+        "mtp-above": (lambda c: c["quantization_config"].update(mtp_bits=mtp_rates[-1]), "mtp_bits",
+                      sum(r < mtp_rates[-1] for r in mtp_rates)),
+        "mtp-16": (lambda c: c["quantization_config"].update(mtp_bits=16), "mtp_bits = 16", n_mtp),
+    }
+    for name, (edit, words, n_bad) in cases.items():
+        w = _warnings(_qc_edit(d, tmp_path / name, edit))
+        assert len(w) == 1 and w[0]["code"] == "BITS_MISMATCH" and words in w[0]["message"], (name, w)
+        assert f"{n_bad} of the" in w[0]["message"], (name, w)
+
+
+def test_unknown_true_sizes_are_a_warning(named, tmp_path):
+    """X18: without vision_config the vision linears' true sizes are unknown; validate says so once (the padded
+    sizes are used), naming one of them, and still passes."""
+    d, plan, _ = named["qwen2"]
+    w = _warnings(_qc_edit(d, tmp_path / "novc", lambda c: c.pop("vision_config")))
+    assert [c["code"] for c in w] == ["EXL3_PADDING"], w
+    assert "4 EXL3 linears" in w[0]["message"] and "vision_tower" in w[0]["tensor"]

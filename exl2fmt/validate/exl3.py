@@ -22,7 +22,67 @@ _MAX_LISTED = 20
 
 def exl3_model_checks(rep: Report, model, det, config, config_file: str) -> None:
     _rate_checks(rep, det, config_file, config)
+    _side_rate_checks(rep, det, config_file, config)
+    _unknown_size_check(rep, det, config, config_file)
     _tensor_storage_checks(rep, model, det)
+
+
+def _side_rate_checks(rep: Report, det, config_file: str, config=None) -> None:
+    """``vision_bits``: exllamav3 quantizes every eligible vision-tower linear at this one fixed rate, and writes the
+    key only when it is not 16 (so EXL3 vision linears without it are a mismatch too); ``mtp_bits``: MTP linears
+    get at least this rate (``--hq`` may promote some), and none is quantized when it is 16.  Warnings."""
+    from ..layout import Format
+    from ..names import is_mtp, is_vision
+
+    nl, nextn = _layer_counts(config)
+    layers = [l for l in det.layers.values() if l.format is Format.EXL3 and l.bits]
+    for name, pick, ok, rule in (
+            ("vision_bits", lambda k: is_vision(k), lambda b, want: b == want, "exactly"),
+            ("mtp_bits", lambda k: is_mtp(k, nl, nextn), lambda b, want: b >= want, "at least")):
+        picked = [l for l in layers if pick(l.key)]
+        want = det.variant.get(name)
+        if not picked:
+            continue
+        if want is None or want == 16:
+            bad = picked
+            why = (f"quantization_config has no {name} (the sides are then stored unquantized)" if want is None else
+                   f"quantization_config.{name} = 16 (stored unquantized)")
+        else:
+            bad = [l for l in picked if not ok(l.bits, want)]
+            why = f"quantization_config.{name} = {want:g} asks for {rule} that rate"
+        if bad:
+            shown = ", ".join(f"{l.key} ({l.bits:g})" for l in bad[:3]) + (f" and {len(bad) - 3} more"
+                                                                            if len(bad) > 3 else "")
+            rep.add(CheckId.BITS, Status.WARN, ErrorCode.BITS_MISMATCH, f"{why}, but {len(bad)} of the "
+                    f"{len(picked)} EXL3 linears it covers are stored at other rates: {shown}", tensor=bad[0].key,
+                    file=config_file)
+        else:
+            rep.ok(CheckId.BITS, PassCode.BITS_OK, f"quantization_config.{name} = {want:g} matches the {len(picked)} "
+                   "linears it covers", file=config_file)
+
+
+def _unknown_size_check(rep: Report, det, config, config_file: str) -> None:
+    """EXL3 linears whose true in/out features config.json does not give (an unknown architecture's projector,
+    low-rank attention, no config.json): their padded sizes are used, so a dequantized or converted weight may
+    keep up to 127 padding rows / columns of zeros-by-construction.  One warning for the model."""
+    from ..arch import features_of
+    from ..layout import Format
+
+    sizes = features_of(config if isinstance(config, dict) else None)
+    unknown = [l for l in det.layers.values() if l.format is Format.EXL3 and None in sizes(l.key)]
+    if unknown:
+        shown = ", ".join(l.key for l in unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+        rep.add(CheckId.CONFIG, Status.WARN, ErrorCode.EXL3_PADDING, f"config.json does not give the true sizes of "
+                f"{len(unknown)} EXL3 linears ({shown}): their padded sizes (multiples of 128) are used, so "
+                "dequantize / convert may keep padding rows or columns there", tensor=unknown[0].key,
+                file=config_file)
+
+
+def _layer_counts(config) -> tuple[int | None, int | None]:
+    cfg = config if isinstance(config, dict) else {}
+    cfg = {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
+    return tuple(v if isinstance(v, int) and not isinstance(v, bool) else None
+                 for v in (cfg.get("num_hidden_layers"), cfg.get("num_nextn_predict_layers")))
 
 
 def _rate_checks(rep: Report, det, config_file: str, config=None) -> None:
@@ -32,10 +92,7 @@ def _rate_checks(rep: Report, det, config_file: str, config=None) -> None:
     from ..layout import Format
     from ..names import block_of, is_head, is_mtp, is_vision
 
-    cfg = config if isinstance(config, dict) else {}
-    cfg = {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
-    nl, nextn = (v if isinstance(v, int) and not isinstance(v, bool) else None
-                 for v in (cfg.get("num_hidden_layers"), cfg.get("num_nextn_predict_layers")))
+    nl, nextn = _layer_counts(config)
     layers = list(det.layers.values())
     # exllamav3 counts the text decoder only: a vision tower's and the MTP layers' rates are vision_bits / mtp_bits
     dec = [l for l in layers if l.format is Format.EXL3 and block_of(l.key) is not None and l.bits
