@@ -333,7 +333,7 @@ def test_vision_and_mtp_rates_against_quantization_config(named, tmp_path):
     n_mtp = sum(is_mtp(k, 2, 1) for k in plan)
     assert n_vis == 4 and n_mtp >= 3
     assert any(f"vision_bits = 5 matches the {n_vis} linears" in m for m in oks), oks
-    assert any(f"mtp_bits = " in m and f"the {n_mtp} linears" in m for m in oks), oks
+    assert any("mtp_bits = " in m and f"the {n_mtp} linears" in m for m in oks), oks
     mtp_rates = sorted(r for k, (r, _, _, _) in plan.items() if is_mtp(k, 2, 1))
     cases = {
         "vision-other": (lambda c: c["quantization_config"].update(vision_bits=4), "vision_bits = 4", n_vis),
