@@ -289,3 +289,14 @@ def test_validate_warns_when_transformers_needs_an_import(tmp_path):
     assert not [c for c in dense["checks"] if c["check"] == "loader"]
     r = runner.invoke(app, ["validate", str(tmp_path / "s"), "--json"])
     check_schema(json.loads(r.stdout))
+
+
+def test_no_redrawn_progress_bar_in_a_log():
+    """stderr to a pipe (a CI log): transformers' "Loading weights" bar, a line redrawn with carriage returns, is
+    off; the one summary line stays."""
+    exe = Path(sys.executable).with_name("exl2fmt")
+    r = subprocess.run([str(exe), "generate", str(FIXTURE), "--prompt", "The", "-n", "2"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Loading weights" not in r.stderr and "\r" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "decode" in r.stderr

@@ -170,10 +170,16 @@ def _tokenizer(p: Path):
     return tok
 
 
-def _load(p: Path, device, dt):
+def _load(p: Path, device, dt, quiet: bool):
+    """``quiet``: transformers' own "Loading weights" bar is turned off (``--json``, or stderr not a terminal,
+    where a bar redrawn with carriage returns is one long garbled log line)."""
     from ..errors import ErrorCode, Exl2Error
     from ..runtime import load_model
 
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         return load_model(p, device=device, dtype=dt)
     except (ValueError, KeyError) as e:
@@ -203,7 +209,9 @@ def _generate(out, path: str, prompt: str, *, chat: bool, dtype: str, device: st
 
     ids = chat_prompt(tok, prompt) if chat else encode_prompt(tok, prompt)
     t0 = time.perf_counter()
-    model = _load(p, dev, dt)
+    import sys
+
+    model = _load(p, dev, dt, quiet=out.mode == "json" or not sys.stderr.isatty())
     load_s = time.perf_counter() - t0
     gen = Generation(model, tok, ids, opts)
     gen.timings.load_s = round(load_s, 6)
