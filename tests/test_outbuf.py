@@ -100,3 +100,12 @@ def test_small_outputs_are_plain_aligned_arrays():
     assert a.shape == (7, 33) and a.dtype == np.uint16 and a.flags.c_contiguous and a.ctypes.data % 64 == 0
     del a
     assert len(outbuf._pool) == 0
+
+
+def test_pool_size_zero_keeps_nothing(monkeypatch):
+    monkeypatch.setattr(outbuf, "POOL_SIZE", 0)
+    a = outbuf.empty_aligned((N, K))
+    del a
+    assert len(outbuf._pool) == 0
+    b = outbuf.empty_aligned((N, K))
+    assert not outbuf.is_reused(b)

@@ -110,10 +110,13 @@ def _unpack_units(q_weight_u32, ubits, urow, uqrow, unit_rows, out):
 def _check_groups_fit(groups: GroupTable, K: int, what: str) -> None:
     if groups.K != K:
         raise ValueError(f"{what}: groups cover {groups.K} rows but the array has {K}")
-    for g, (b, r) in enumerate(zip(groups.bits.tolist(), groups.rows.tolist())):
-        if r % int(_UNIT_ROWS[b]):
-            raise ValueError(f"{what}: group {g} has {r} rows, not a multiple of the {b}-bit unit "
-                             f"({int(_UNIT_ROWS[b])} rows)")
+    units = _UNIT_ROWS[np.asarray(groups.bits, dtype=np.int64)]   # one vector test: called on every decode
+    bad = np.flatnonzero((units == 0) | (np.asarray(groups.rows, dtype=np.int64) % np.maximum(units, 1) != 0))
+    if bad.size:
+        g = int(bad[0])
+        b, r = int(groups.bits[g]), int(groups.rows[g])
+        raise ValueError(f"{what}: group {g} has {r} rows, not a multiple of the {b}-bit unit "
+                         f"({int(_UNIT_ROWS[b])} rows)")
 
 
 def pack_q_weight(codes: np.ndarray, groups: GroupTable) -> np.ndarray:

@@ -20,9 +20,12 @@ import mmap
 
 import numpy as np
 
-__all__ = ["empty_aligned", "is_reused", "release_pool", "POOL_MIN_BYTES"]
+__all__ = ["empty_aligned", "is_reused", "release_pool", "POOL_MIN_BYTES", "POOL_SIZE"]
 
 POOL_MIN_BYTES = 4 << 20  # NumPy's own threshold for asking for huge pages
+#: how many dropped output mappings are kept for reuse: 1, or 0 for none (every output then is a fresh mapping
+#: and is unmapped when its last array dies; the benchmarks' "fresh output" rows set it)
+POOL_SIZE = 1
 _HUGE = 2 << 20
 _pool: list[mmap.mmap] = []  # at most one mapping; list.pop / append are atomic under the GIL
 
@@ -44,8 +47,10 @@ class _Mapping:
 
 
 def _put(mm: mmap.mmap) -> None:
+    if POOL_SIZE < 1:
+        return  # mm is unmapped when its last reference goes
     _pool.append(mm)
-    while len(_pool) > 1:  # keep the newest; an older one is unmapped when its last reference goes
+    while len(_pool) > POOL_SIZE:  # keep the newest; an older one is unmapped when its last reference goes
         try:
             _pool.pop(0)
         except IndexError:  # pragma: no cover - a concurrent pop emptied it
@@ -53,6 +58,8 @@ def _put(mm: mmap.mmap) -> None:
 
 
 def _take(length: int) -> mmap.mmap | None:
+    if POOL_SIZE < 1:
+        return None
     try:
         mm = _pool.pop()
     except IndexError:
