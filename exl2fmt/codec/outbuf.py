@@ -41,9 +41,10 @@ class _Mapping:
         self.__array_interface__ = {"shape": shape, "typestr": "<u2", "data": (addr, False), "version": 3}
 
     def __del__(self):
-        mm = getattr(self, "mm", None)
-        if mm is not None and _pool is not None:
-            _put(mm)
+        try:
+            _put(self.mm)
+        except Exception:  # pragma: no cover - interpreter shutdown (module globals already gone): just unmap
+            pass
 
 
 def _put(mm: mmap.mmap) -> None:
