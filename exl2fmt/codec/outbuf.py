@@ -32,8 +32,8 @@ _pool: list[mmap.mmap] = []  # at most one mapping; list.pop / append are atomic
 
 class _Mapping:
     """Owns one anonymous mapping and exposes ``shape`` uint16 at a 2 MiB aligned address through
-    ``__array_interface__`` (so every array over it, views included, has this object as its base); when the last
-    one dies the mapping returns to the pool."""
+    ``__array_interface__`` (every array over it, views included, keeps it alive through its chain of bases);
+    when the last one dies the mapping returns to the pool."""
 
     def __init__(self, mm: mmap.mmap, addr: int, shape: tuple[int, int], reused: bool):
         self.mm = mm
