@@ -17,6 +17,9 @@ NumPy on one thread:
 * ``numpy.copyto`` of an fp16 [4096, 11008] into an existing array (the floor the issue names), and
   ``np.empty`` + ``copyto`` (the floor of a function that returns a new array);
 * ``dequantize_layer(file, key)`` per format (opens the file, builds the layer, deep checks, decode, finiteness);
+  its output reuses the mapping of the result the previous call dropped (``exl2fmt.codec.outbuf``); for EXL2
+  also the same call with that reuse switched off (``outbuf.POOL_SIZE = 0``: a fresh output every time, the
+  situation of a caller that still holds the previous result);
 * for EXL2 also the rule as it was before (``layer.dequantize()`` then NumPy's float16 ``isfinite`` count), to
   show what the change removed;
 * the CLI ``exl2fmt dequantize FILE KEY --json`` per format in fresh processes (best of ``--cli-repeats``),
@@ -46,6 +49,7 @@ from bench_codec import load_average, time_side_by_side  # noqa: E402
 
 from exl2fmt import dequantize_layer  # noqa: E402
 from exl2fmt.codec import exl2 as X  # noqa: E402
+from exl2fmt.codec import outbuf  # noqa: E402
 from exl2fmt.formats.exl2 import exl2_tensors  # noqa: E402
 from exl2fmt.formats.gptq import gptq_layer_tensors  # noqa: E402
 from exl2fmt.layout import Tier, plan_rows  # noqa: E402
@@ -115,9 +119,17 @@ def main() -> None:
 
         for f in ("exl2", "gptq", "dense"):  # the outputs agree with the layer objects' own decode
             assert dequantize_layer(files[f], KEY).shape == (N, K)
+        def fresh_output():  # no reusable output mapping: fresh pages, faulted and zeroed by the kernel
+            outbuf.POOL_SIZE = 0
+            try:
+                dequantize_layer(files["exl2"], KEY)
+            finally:
+                outbuf.POOL_SIZE = 1
+
         cases = [("copyto", lambda: np.copyto(dst, src), 1),
                  ("empty+copyto", lambda: np.copyto(np.empty_like(src), src), 1),
                  ("dequantize_layer exl2", lambda: dequantize_layer(files["exl2"], KEY), None),
+                 ("dequantize_layer exl2, fresh output (no reuse)", fresh_output, None),
                  ("dequantize_layer gptq", lambda: dequantize_layer(files["gptq"], KEY), None),
                  ("dequantize_layer dense", lambda: dequantize_layer(files["dense"], KEY), None),
                  ("exl2 decode + isfinite (before)", old_rule, None)]

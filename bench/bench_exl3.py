@@ -11,7 +11,9 @@ Two levels, side by side in one run, cases interleaved round by round after one 
 * the user's path: ``exl2fmt.dequantize_layer(file, key)`` on one-layer ``.safetensors`` files of the same layers
   (open, header, deep checks, decode, the finite rule).
 
-``--extra`` adds MUL1 at K = 4 and 3INST at K = 2.  Not part of the test suite; files go to a temporary directory.
+``--extra`` adds MUL1 at K = 4 and 3INST at K = 2.  Each decoder's output reuses the mapping of the result its
+previous call dropped (``exl2fmt.codec.outbuf``, both decoders alike); ``--no-reuse`` gives every call a fresh
+output instead (``outbuf.POOL_SIZE = 0``).  Not part of the test suite; files go to a temporary directory.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from exl2fmt import dequantize_layer  # noqa: E402
 from exl2fmt.codec import exl2 as X  # noqa: E402
 from exl2fmt.codec import exl3 as E3  # noqa: E402
+from exl2fmt.codec import outbuf  # noqa: E402
 from exl2fmt.formats.exl2 import exl2_tensors  # noqa: E402
 from exl2fmt.groups import group_table_from_rows  # noqa: E402
 from exl2fmt.layout import EXL3_MARKER_VALUES, Exl2Slot, Exl3Slot, Tier, plan_rows  # noqa: E402
@@ -79,7 +82,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=numba.config.NUMBA_NUM_THREADS)
     ap.add_argument("--extra", action="store_true", help="also time MUL1 K=4 and 3INST K=2")
+    ap.add_argument("--no-reuse", action="store_true", help="a fresh output mapping for every call")
     a = ap.parse_args()
+    if a.no_reuse:
+        outbuf.POOL_SIZE = 0
     numba.set_num_threads(a.threads)
     layers = [("exl2 ~4.3 bpw", exl2_layer()), ("exl3 K=4 3inst", exl3_layer(8, "3inst", 1)),
               ("exl3 K=4 mcg", exl3_layer(8, "mcg", 2))]
@@ -104,6 +110,7 @@ def main() -> None:
                 samples[k].append(time.perf_counter() - t)
         load1 = open("/proc/loadavg").read().split()[:3]
     print(f"# {IN} x {OUT} -> fp16 [{OUT}, {IN}]; numba threads {a.threads}; {a.repeats} interleaved rounds; "
+          f"output reuse {'off' if a.no_reuse else 'on'}; "
           f"load {' '.join(load0)} -> {' '.join(load1)}")
     print("| case | min | median | M weights/s (min) | min / EXL2 min (same level) |")
     print("|---|---:|---:|---:|---:|")

@@ -27,6 +27,7 @@ from numba.extending import intrinsic
 from ..groups import GroupTable
 from ..layout import BIT_WIDTHS
 from .f16 import f16_bits_to_f32, f32_to_f16_bits
+from .outbuf import empty_aligned, is_reused
 
 __all__ = [
     "pack_q_weight", "unpack_q_weight", "pack_q_scale", "unpack_q_scale", "dequantize",
@@ -109,10 +110,13 @@ def _unpack_units(q_weight_u32, ubits, urow, uqrow, unit_rows, out):
 def _check_groups_fit(groups: GroupTable, K: int, what: str) -> None:
     if groups.K != K:
         raise ValueError(f"{what}: groups cover {groups.K} rows but the array has {K}")
-    for g, (b, r) in enumerate(zip(groups.bits.tolist(), groups.rows.tolist())):
-        if r % int(_UNIT_ROWS[b]):
-            raise ValueError(f"{what}: group {g} has {r} rows, not a multiple of the {b}-bit unit "
-                             f"({int(_UNIT_ROWS[b])} rows)")
+    units = _UNIT_ROWS[np.asarray(groups.bits, dtype=np.int64)]   # one vector test: called on every decode
+    bad = np.flatnonzero((units == 0) | (np.asarray(groups.rows, dtype=np.int64) % np.maximum(units, 1) != 0))
+    if bad.size:
+        g = int(bad[0])
+        b, r = int(groups.bits[g]), int(groups.rows[g])
+        raise ValueError(f"{what}: group {g} has {r} rows, not a multiple of the {b}-bit unit "
+                         f"({int(_UNIT_ROWS[b])} rows)")
 
 
 def pack_q_weight(codes: np.ndarray, groups: GroupTable) -> np.ndarray:
@@ -630,14 +634,6 @@ def _features(args, rows: np.ndarray) -> np.ndarray:
 
 
 
-def empty_aligned(shape: tuple[int, int]) -> np.ndarray:
-    """np.empty uint16 ``shape`` (C order) whose data starts on a 64-byte boundary (malloc gives 16)."""
-    n = shape[0] * shape[1]
-    raw = np.empty(n + 32, dtype=np.uint16)
-    off = (-raw.ctypes.data % 64) // 2
-    return raw[off:off + n].reshape(shape)
-
-
 def dequantize(q_weight: np.ndarray, q_scale: np.ndarray, q_scale_max: np.ndarray, groups: GroupTable,
                q_invperm: np.ndarray, out_features: int | None = None, *, out: np.ndarray | None = None) -> np.ndarray:
     """Full dequantization to the ``nn.Linear`` weight: float16 [out_features, K], C order.
@@ -666,10 +662,10 @@ def dequantize(q_weight: np.ndarray, q_scale: np.ndarray, q_scale_max: np.ndarra
             raise ValueError(f"out must be a writable C-order float16 array of shape {(n_out, groups.K)}, got "
                              f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
         res = out.view(np.uint16)
-    # non-temporal stores only into a caller's buffer: a fresh output's pages are zeroed into the cache by their
-    # first-touch faults, and streaming past those lines writes each one twice (measured: bench/RESULTS.md,
-    # 2026-12-03, and "Figures moved out of code comments")
-    nontemporal = (out is not None and NT_STORES and res.ctypes.data % _NT_ALIGN == 0
+    # non-temporal stores only into a caller's buffer or a reused output mapping (codec.outbuf): a fresh output's
+    # pages are zeroed into the cache by their first-touch faults, and streaming past those lines writes each one
+    # twice (measured: bench/RESULTS.md, 2026-12-03, and "Figures moved out of code comments")
+    nontemporal = ((out is not None or is_reused(res)) and NT_STORES and res.ctypes.data % _NT_ALIGN == 0
                    and (groups.K * 2) % _NT_ALIGN == 0)
     if n_out and groups.K:
         _dequant_linear(*args[:4], _features(args, inv), n_out, res, nontemporal)

@@ -355,15 +355,35 @@ def _decode_value(context, builder, wt_ty, wt_v, b_v, i_v, o_v, mult_v, add_v, m
     return builder.fpext(builder.fptrunc(v, vh), vf)   # RN16, kept in fp32
 
 
+def _opaque_minus_one(builder, vty):
+    """A <n x float> of -1.0 that LLVM cannot see through (an empty inline asm, x86 only): fma(b, it, a) then stays
+    an fma instead of being folded back into a - b."""
+    f32 = ir.FloatType()
+    m1 = builder.asm(ir.FunctionType(f32, [f32]), "", "=v,0", [ir.Constant(f32, -1.0)], False)
+    return _splat(builder, m1, vty.count)
+
+
 def _butterflies(builder, x):
     """Radix-len(x) butterflies on rows x[m] = row i + m w: stages w, 2w, ... in order, each pairing
-    (x[m], x[m + h]) -> (a + b, a - b) -- exactly the operations of consecutive radix-2 passes."""
+    (x[m], x[m + h]) -> (a + b, a - b) -- exactly the operations of consecutive radix-2 passes.
+
+    On x86 the difference is computed as fma(b, -1, a): one rounding of the exact a - b, the very same value
+    (signed zeros included), but issued to the multiply-add units, so the adders and the multiply-add units share
+    the butterflies' work (on AMD Zen 4 each kind has two 256-bit pipes)."""
     x = list(x)
+    fma = m1 = None
+    if NT_STORES:  # x86
+        vty = x[0].type
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty, vty, vty]),
+                                             "llvm.fma.v%df32" % vty.count)
+        m1 = _opaque_minus_one(builder, vty)
     h = 1
     while h < len(x):
         for m in range(len(x)):
             if not m & h:
-                x[m], x[m + h] = builder.fadd(x[m], x[m + h]), builder.fsub(x[m], x[m + h])
+                a, b = x[m], x[m + h]
+                x[m] = builder.fadd(a, b)
+                x[m + h] = builder.call(fma, [b, m1, a]) if fma is not None else builder.fsub(a, b)
         h *= 2
     return x
 
