@@ -24,14 +24,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["register", "Exl2Config", "Exl2HfQuantizer", "GptqCpuHfQuantizer"]
+__all__ = ["register", "Exl2Config", "Exl2HfQuantizer", "Exl3Config", "Exl3HfQuantizer", "GptqCpuHfQuantizer"]
 
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .layout import Exl2Slot, Format, GptqSlot
+from .arch import expected_features
+from .layout import Exl2Slot, Exl3Slot, Format, GptqSlot
 from .runtime.linear import Exl2PackedLinear, FusedLinear, GptqPackedLinear, PackedLinear, packed_modules
+from .runtime.moe import install_packed_experts
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -93,8 +95,10 @@ class _PackedQuantizer(HfQuantizer):
             raise ValueError(f"exl2fmt's {self.fmt.value} quantizer needs local safetensors checkpoint files")
         with open_model(root) as mf:
             built = self._modules(mf, mf.config)
+        in_experts = install_packed_experts(model, built)
         for key, module in built.items():
-            _place(model, key, module)
+            if key not in in_experts:
+                _place(model, key, module)
         _fuse(model)
         if "lm_head" in built:
             model.config.tie_word_embeddings = False
@@ -121,7 +125,6 @@ class Exl2HfQuantizer(_PackedQuantizer):
     fmt = Format.EXL2
 
     def _modules(self, mf, config):
-        from .arch import expected_features
         from .groups import decode_q_groups
         from .layout import pad32
         from .model import find_layers
@@ -166,6 +169,50 @@ class GptqCpuHfQuantizer(_PackedQuantizer):
         return out
 
 
+class Exl3Config(QuantizationConfigMixin):
+    """``quantization_config`` of an EXL3 model (ExLlamaV3's keys kept as given)."""
+
+    def __init__(self, bits: float | None = None, head_bits: int | None = None, **kwargs: Any):
+        self.quant_method = "exl3"
+        self.bits, self.head_bits = bits, head_bits
+        for k, v in kwargs.items():
+            if k != "quant_method":
+                setattr(self, k, v)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Exl3HfQuantizer(_PackedQuantizer):
+    """transformers quantizer of the ``exl3`` method: ``Exl3PackedLinear`` for every EXL3 linear (CPU decode)."""
+
+    fmt = Format.EXL3
+
+    def _modules(self, mf, config):
+        from .formats.exl3 import codebook_of_slots, fits_padding, rate_of_last_dim
+        from .model import find_layers
+        from .runtime.exl3 import Exl3PackedLinear
+
+        out = {}
+        for key, ref in find_layers(mf.names()).items():
+            if ref.format is not Format.EXL3:
+                continue
+            tk, tn, last = (int(v) for v in mf.info(f"{key}.{Exl3Slot.TRELLIS}").shape)
+            K_p, N_p = 16 * tk, 16 * tn
+            hint = expected_features(config, key)
+            K = hint[0] if hint[0] is not None and fits_padding(hint[0], K_p) else K_p
+            N = hint[1] if hint[1] is not None and fits_padding(hint[1], N_p) else N_p
+            rate = rate_of_last_dim(last)
+            if rate is None:
+                raise ValueError(f"{key}.trellis: last dim {last} is not 16 x an EXL3 rate")
+            b = f"{key}.{Exl3Slot.BIAS}"
+            with torch.device("meta"):
+                out[key] = Exl3PackedLinear(K, N, K_p, N_p, int(2 * rate), codebook=codebook_of_slots(ref.slots),
+                                            legacy_signs=Exl3Slot.SUH not in ref.slots,
+                                            bias=int(mf.info(b).shape[0]) if b in mf else None)
+        return out
+
+
 def _own_gptq_missing() -> bool:
     return not any(importlib.util.find_spec(m) for m in ("gptqmodel", "optimum"))
 
@@ -183,6 +230,10 @@ def register(gptq: bool | None = None) -> None:
         register_quantization_config("exl2")(Exl2Config)
     if "exl2" not in AUTO_QUANTIZER_MAPPING:
         register_quantizer("exl2")(Exl2HfQuantizer)
+    if "exl3" not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config("exl3")(Exl3Config)
+    if "exl3" not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer("exl3")(Exl3HfQuantizer)
     if gptq if gptq is not None else _own_gptq_missing():
         AUTO_QUANTIZER_MAPPING["gptq"] = GptqCpuHfQuantizer
     _registered = True

@@ -21,6 +21,7 @@ import torch.nn as nn
 from ..errors import ErrorCode, Exl2Error
 from ..layout import Format
 from .linear import Exl2PackedLinear, FusedLinear, GptqPackedLinear, PackedLinear, packed_modules
+from .moe import install_packed_experts, stored_param
 
 __all__ = ["load_model", "load_tokenizer", "model_format", "default_dtype"]
 
@@ -82,8 +83,8 @@ def load_model(path: str | os.PathLike, device: "str | torch.device | None" = No
         model.to(dev).eval()
         model.exl2fmt_format = "dense"
         return model
-    if fmt not in (Format.EXL2, Format.GPTQ):
-        raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"the runtime runs EXL2, GPTQ and dense models, not "
+    if fmt not in PACKED_FORMATS:
+        raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"the runtime runs EXL2, GPTQ, EXL3 and dense models, not "
                         f"{fmt.value}", file=str(root))
     model = _load_packed(root, dt)
     model.to(dev).eval()
@@ -115,9 +116,17 @@ def _skeleton(root: Path, config: dict, dtype: torch.dtype):
     return model
 
 
+#: the formats the runtime keeps packed
+PACKED_FORMATS = (Format.EXL2, Format.GPTQ, Format.EXL3)
+
+
 def _packed_of(layer: Any) -> PackedLinear:
     if layer.format is Format.EXL2:
         return Exl2PackedLinear.from_layer(layer)
+    if layer.format is Format.EXL3:
+        from .exl3 import Exl3PackedLinear
+
+        return Exl3PackedLinear.from_layer(layer)
     return GptqPackedLinear.from_layer(layer)
 
 
@@ -146,10 +155,12 @@ def _load_packed(root: Path, dtype: torch.dtype):
         refs = find_layers(mf.names())
         names = set(mf.names())
         placed: set[str] = set()
-        for key, ref in refs.items():
-            if ref.format not in (Format.EXL2, Format.GPTQ):
+        built = {key: _packed_of(load_layer(mf, key)) for key, ref in refs.items() if ref.format in PACKED_FORMATS}
+        in_experts = install_packed_experts(model, built)
+        for key, lin in built.items():
+            if key in in_experts:
                 continue
-            lin = _packed_of(load_layer(mf, key))
+            ref = refs[key]
             if not _set_module(model, key, lin):
                 raise Exl2Error(ErrorCode.ARCH_UNSUPPORTED, f"the {type(model).__name__} skeleton has no place for "
                                 f"the stored linear {key}", tensor=key, file=str(root))
@@ -160,8 +171,8 @@ def _load_packed(root: Path, dtype: torch.dtype):
         for name, p in list(model.named_parameters()):
             if p.device.type != "meta":
                 continue
-            if name in names:
-                t = src.get(name, dtype=dtype)
+            t = stored_param(name, names, lambda n: src.get(n, dtype=dtype))
+            if t is not None:
                 owner, _, leaf = name.rpartition(".")
                 model.get_submodule(owner)._parameters[leaf] = nn.Parameter(t, requires_grad=False)
             else:
