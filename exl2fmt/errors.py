@@ -213,6 +213,10 @@ class ErrorCode(str, enum.Enum):
                        "registers one (import exl2fmt.hf); without it from_pretrained leaves the quantized "
                        "linears randomly initialised")
 
+    PLACEMENT_INFEASIBLE = ("PLACEMENT_INFEASIBLE", Category.USAGE,
+                            "a device_map must place every module on a device this machine has (or on 'disk' "
+                            "with an offload folder), within max_memory")
+
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol
         return None

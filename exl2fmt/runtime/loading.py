@@ -62,15 +62,32 @@ def load_tokenizer(path: str | os.PathLike, **kw: Any):
 
 
 def load_model(path: str | os.PathLike, device: "str | torch.device | None" = None,
-               dtype: "torch.dtype | str | None" = None):
+               dtype: "torch.dtype | str | None" = None, *, device_map: "str | dict | None" = None,
+               max_memory: dict | None = None, offload_folder: "str | os.PathLike | None" = None):
     """A ``*ForCausalLM`` for the model directory ``path``, in eval mode on ``device``.
 
     ``device`` None: CUDA when torch sees one, else the CPU.  ``dtype`` None: ``default_dtype(device)``; the
-    activations and every unquantized tensor use it.  EXL2 and GPTQ linears stay packed (``PackedLinear``);
-    ``model.exl2fmt_format`` names the format.  Raises ``Exl2Error`` for an unreadable directory or an
-    architecture transformers does not know, ``FORMAT_UNSUPPORTED`` for EXL3 / AWQ.
+    activations and every unquantized tensor use it.  EXL2, GPTQ and EXL3 linears stay packed (``PackedLinear``;
+    MoE experts in a ``PackedExperts``); ``model.exl2fmt_format`` names the format.
+
+    ``device_map`` (instead of ``device``): ``"auto"`` / ``"balanced"`` / ``"sequential"``, a dict module ->
+    device or ``"disk"``, or one device; ``max_memory`` device -> bytes bounds it, ``offload_folder`` receives
+    the tensors of modules placed on ``"disk"`` (``runtime.placement``; dtype None then means float16 when the
+    map uses an accelerator, else float32).
+
+    Raises ``Exl2Error``: an unreadable directory, ``ARCH_UNSUPPORTED`` for an architecture transformers does
+    not know, ``FORMAT_UNSUPPORTED`` for AWQ, ``PLACEMENT_INFEASIBLE`` for a device_map this machine cannot
+    honour.
     """
-    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device_map is not None:
+        from .placement import AUTO_MAPS
+
+        accel = torch.cuda.is_available() and (
+            str(device_map) in AUTO_MAPS or any(str(v) not in ("cpu", "disk") for v in (
+                device_map.values() if isinstance(device_map, dict) else [device_map])))
+        dev = torch.device("cuda" if accel else "cpu")
+    else:
+        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dt = dtype or default_dtype(dev)
@@ -79,15 +96,26 @@ def load_model(path: str | os.PathLike, device: "str | torch.device | None" = No
     if fmt is Format.DENSE:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dt)
-        model.to(dev).eval()
+        if device_map is not None:
+            model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dt, device_map=device_map,
+                                                         max_memory=max_memory, offload_folder=offload_folder)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dt)
+            model.to(dev)
+        model.eval()
         model.exl2fmt_format = "dense"
         return model
     if fmt not in PACKED_FORMATS:
         raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"the runtime runs EXL2, GPTQ, EXL3 and dense models, not "
                         f"{fmt.value}", file=str(root))
     model = _load_packed(root, dt)
-    model.to(dev).eval()
+    if device_map is not None:
+        from .placement import place_model
+
+        place_model(model, device_map, max_memory=max_memory, offload_folder=offload_folder)
+    else:
+        model.to(dev)
+    model.eval()
     model.exl2fmt_format = fmt.value
     return model
 
