@@ -45,16 +45,25 @@ class _Expert(nn.Module):
         return down(act(gate(x)) * up(x))
 
 
-class PackedExperts(nn.ModuleList):
-    """Drop-in for a stacked experts module: ``self[e]`` is expert e (``.gate_proj`` ... or ``.w1`` ...).
+class PackedExperts(nn.Module):
+    """Drop-in for a stacked experts module: child ``"e"`` (``self[e]``) is expert e (``.gate_proj`` ... or
+    ``.w1`` ...), ``act_fn`` the stacked module's activation.
 
     forward(hidden_states float [T, H], top_k_index int64 [T, k], top_k_weights float [T, k]) -> float [T, H]
     (the dtype of ``hidden_states``)."""
 
     def __init__(self, experts: list[_Expert], act_fn: Any):
-        super().__init__(experts)
+        super().__init__()
+        for e, ex in enumerate(experts):
+            self.add_module(str(e), ex)
         self.num_experts = len(experts)
         self.act_fn = act_fn
+
+    def __getitem__(self, e: int) -> _Expert:
+        return self._modules[str(int(e))]
+
+    def __len__(self) -> int:
+        return self.num_experts
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 *args: Any, **kwargs: Any) -> torch.Tensor:
