@@ -108,7 +108,10 @@ class _PackedQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         for m in packed_modules(model).values():
-            m.prepare()
+            # a module offloaded with its buffers (device_map with offload_buffers=True) holds meta tensors
+            # until accelerate's hook brings them in: it builds its tables in its first forward
+            if not any(b.device.type == "meta" for b in m.buffers(recurse=False)):
+                m.prepare()
         return model
 
     def is_serializable(self, **kwargs) -> bool:

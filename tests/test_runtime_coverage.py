@@ -293,18 +293,26 @@ def test_device_map_auto_offloads_layers_to_disk(rtn, tmp_path):
     import exl2fmt
     from exl2fmt.runtime import weight_bytes
 
+    import exl2fmt.hf  # noqa: F401
+
     exl2, fp16, _ = rtn("mixtral")
     total = weight_bytes(exl2fmt.load_model(exl2, device="cpu"))
-    off = tmp_path / "offload"
-    m = exl2fmt.load_model(exl2, device_map="auto", max_memory={"cpu": int(0.7 * total)}, offload_folder=off)
-    dm = m.hf_device_map
-    assert "disk" in dm.values() and "cpu" in dm.values(), dm
-    on_disk = [k for k, v in dm.items() if v == "disk"]
-    q = [b for k in on_disk for n, b in m.get_submodule(k).named_buffers() if n.endswith("q_weight")]
-    assert q and all(b.device.type == "meta" for b in q)
-    assert (off / "index.json").exists() and any(p.name.endswith("q_weight.dat") for p in off.iterdir())
+    mem = {"cpu": int(0.7 * total)}
     ref = _reference(fp16)
-    _check_equal_to_fp16(m, ref)
+    off = tmp_path / "offload"
+    m = exl2fmt.load_model(exl2, device_map="auto", max_memory=mem, offload_folder=off)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(_hf_copy(exl2, tmp_path / "hf")), dtype=torch.float32, device_map="auto", max_memory=mem,
+        offload_folder=str(tmp_path / "hf-off"), offload_buffers=True).eval()
+    for model, folder in ((m, off), (hf, tmp_path / "hf-off")):
+        dm = model.hf_device_map
+        assert "disk" in dm.values() and "cpu" in dm.values(), dm
+        on_disk = [k for k, v in dm.items() if v == "disk"]
+        q = [b for k in on_disk for n, b in model.get_submodule(k).named_buffers() if n.endswith("q_weight")]
+        assert q and all(b.device.type == "meta" for b in q)
+        if model is m:   # (transformers reads offloaded tensors straight from the checkpoint's safetensors)
+            assert any(p.name.endswith("q_weight.dat") for p in folder.iterdir())
+        _check_equal_to_fp16(model, ref)
     g = m.generate(torch.tensor([IDS[0][:4]]), max_new_tokens=6, do_sample=False)
     assert torch.equal(g, ref.generate(torch.tensor([IDS[0][:4]]), max_new_tokens=6, do_sample=False))
 
