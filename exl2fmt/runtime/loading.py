@@ -196,7 +196,8 @@ def _load_packed(root: Path, dtype: torch.dtype):
         _fuse(model)
         src = WeightSource(mf)
         missing = []
-        for name, p in list(model.named_parameters()):
+        # remove_duplicate=False: a head the skeleton tied to the embeddings is listed (and tied again below)
+        for name, p in list(model.named_parameters(remove_duplicate=False)):
             if p.device.type != "meta":
                 continue
             t = stored_param(name, names, lambda n: src.get(n, dtype=dtype))
@@ -213,8 +214,8 @@ def _load_packed(root: Path, dtype: torch.dtype):
             missing.remove("lm_head.weight")
         elif isinstance(head, PackedLinear):
             model.config.tie_word_embeddings = False
-        missing = [n for n in missing if dict(model.named_parameters()).get(n) is not None
-                   and dict(model.named_parameters())[n].device.type == "meta"]
+        params = dict(model.named_parameters(remove_duplicate=False))
+        missing = [n for n in missing if params.get(n) is not None and params[n].device.type == "meta"]
         if missing:
             raise Exl2Error(ErrorCode.TENSOR_NOT_FOUND, f"{len(missing)} tensors of the model are not in the files "
                             f"(first: {missing[0]})", tensor=missing[0], file=str(root))
