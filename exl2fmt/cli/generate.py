@@ -43,7 +43,7 @@ GENERATE_HELP_EXAMPLES = """
 
 def generate_command(
     model: Annotated[str, typer.Argument(metavar="MODEL", help="A local model directory (config.json, "
-                                         ".safetensors weights, tokenizer files): EXL2, GPTQ or dense.",
+                                         ".safetensors weights, tokenizer files): EXL2, GPTQ, EXL3 or dense.",
                                          show_default=False)],
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="The text to continue (with --chat: the user's "
                                         "message).", show_default=False)],
@@ -76,7 +76,7 @@ def generate_command(
 ) -> None:
     """Generate text with a model: streamed as it comes, greedy by default, KV-cached; tokens/s at the end.
 
-    Loads the model with `exl2fmt.load_model` (EXL2 and GPTQ packed, dense as they are) and its tokenizer, runs
+    Loads the model with `exl2fmt.load_model` (EXL2, GPTQ and EXL3 packed, dense as they are) and its tokenizer, runs
     the prompt once (prefill), then one token at a time until an end-of-sequence token, `--max-new-tokens` or the
     model's context length.  The last line (stderr) reports prefill and decode speed separately.  Ctrl-C stops
     cleanly: the text so far stays, exit code 130.
