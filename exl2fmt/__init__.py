@@ -14,8 +14,10 @@ in numba, torch or triton before they are needed):
 * ``open_model(path) -> ModelFiles``                hardened safetensors container (file or directory)
 * ``load_layer(model, key)``                        ``Exl2Linear`` / ``GptqLinear`` / ``DenseLinear`` / ``Exl3Linear``
 * ``Exl2Error``, ``ErrorCode``, ``Issue``           the one exception type and its stable codes
-* ``load_model(path, device=None, dtype=None)``     a transformers model, EXL2 / GPTQ linears kept packed (needs torch
-                                                    and transformers; ``exl2fmt.runtime``); ``load_tokenizer(path)``
+* ``load_model(path, device=None, dtype=None)``     a transformers model, EXL2 / GPTQ / EXL3 linears kept packed (needs
+                                                    torch and transformers; ``exl2fmt.runtime``; ``device_map=``
+                                                    ``max_memory=`` ``offload_folder=`` spread it over devices and
+                                                    disk); ``load_tokenizer(path)``
 * ``Format``                                        layer formats (``exl2``, ``gptq``, ``dense``, ``exl3``; ``awq`` recognised only)
 
 Example (the bundled sample model: 15 EXL2 layers of a tiny Llama)::
