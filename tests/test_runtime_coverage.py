@@ -231,8 +231,10 @@ def exl3_models(tmp_path_factory):
     out = {}
     for i, arch in enumerate(("qwen2", "mixtral")):
         base = tmp_path_factory.mktemp(f"x3-{arch}")
-        src = make_tiny(arch, base / "src", tokenizer=None)
+        src = make_tiny(arch, base / "src", tokenizer="bpe" if arch == "qwen2" else None)
         make_exl3(src, base / "exl3", seed=70 + i, keep_dense=lambda key: key.endswith(ROUTERS))
+        for f in src.glob("*token*"):
+            shutil.copy(f, base / "exl3" / f.name)
         convert(base / "exl3", base / "fp16", "fp16")
         out[arch] = (base / "exl3", base / "fp16")
     return out
@@ -256,6 +258,24 @@ def test_exl3_runs_packed(exl3_models, arch):
             assert isinstance(m.model.layers[1].mlp.experts, PackedExperts)
         _check_equal_to_fp16(m, ref)
     assert exl2fmt.load_model(d, device="cpu").exl2fmt_format == "exl3"
+
+
+def test_generate_cli_runs_an_exl3_model(exl3_models):
+    """``exl2fmt generate --json`` on an EXL3 model: the greedy tokens of transformers' own generate on the fp16
+    conversion."""
+    from typer.testing import CliRunner
+
+    from exl2fmt.cli.app import app
+
+    d, fp16 = exl3_models["qwen2"]
+    tok = transformers.AutoTokenizer.from_pretrained(str(d))
+    r = CliRunner().invoke(app, ["generate", str(d), "--prompt", "the quick brown", "-n", "8", "--ignore-eos",
+                                 "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output[-2000:]
+    doc = json.loads(r.stdout)
+    ids = tok("the quick brown")["input_ids"]
+    want = _reference(fp16).generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert doc["token_ids"] == want[0, len(ids):].tolist()
 
 
 @pytest.mark.parametrize("legacy", [False, True])
