@@ -4,9 +4,9 @@ float32, and the packed decoder's bytes against FP16's; then one layer's batch-1
 
     .venv/bin/python bench/runtime_coverage.py [--calibrated] [--archs llama,phi3] [--repeats N]
 
-* models: each architecture made EXL2 by round-to-nearest (tests/test_runtime_coverage.py ``_rtn_exl2``: every
+* models: each architecture (and OLMoE) made EXL2 by round-to-nearest (tests/test_runtime_coverage.py ``_rtn_exl2``: every
   linear incl. MoE experts and the untied head) or, with ``--calibrated``, by the calibrated quantizer (EXL2 4.0
-  bpw, 4 x 32 calibration tokens); EXL3 qwen2 / mixtral by the test-side encoder (tests/test_exl3.py);
+  bpw, 5.0 for Qwen-MoE, 4 x 32 calibration tokens); EXL3 qwen2 / mixtral by the test-side encoder (tests/test_exl3.py);
 * per model: max |logit diff| / logit scale over 20 prompt tokens, top-1 agreement, packed decoder bytes / FP16;
 * per layer (4096 x 4096, M = 1): ``nn.Linear`` fp32, ``Exl2PackedLinear`` 4-bit g32, ``Exl3PackedLinear`` 4-bit
   MCG, interleaved, min of N (EXL3 decodes the whole trellis per call: its cost is ``convert --to fp16``'s).
@@ -44,6 +44,21 @@ def _compare(packed_dir: Path, fp16_dir: Path) -> tuple[float, bool, float, int]
     return rel, bool(torch.equal(a.argmax(-1), b.argmax(-1))), ratio, len(packed_modules(m))
 
 
+def _olmoe(dst: Path) -> None:
+    """A seeded tiny OLMoE (hidden 64, 2 layers, 4 experts of 32, top 2) saved in fp16."""
+    import transformers
+
+    cfg = transformers.OlmoeConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=160, num_experts=4, num_experts_per_tok=2,
+                                   max_position_embeddings=256, eos_token_id=2, pad_token_id=0, bos_token_id=1)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_((1.0 if "norm" in n else 0.0) + 0.05 * torch.randn(p.shape))
+    m.to(torch.float16).save_pretrained(dst)
+
+
 def _models(root: Path, archs: list[str], calibrated: bool):
     from test_runtime_coverage import _rtn_exl2
     from tiny_models import make_tiny
@@ -59,12 +74,19 @@ def _models(root: Path, archs: list[str], calibrated: bool):
             from exl2fmt.quant.options import QuantOptions
             from exl2fmt.quant.pipeline import quantize_model
 
-            quantize_model(src, d / "q", QuantOptions(target="exl2", bits=4.0, calibration=str(ids), rows=4,
+            bits = 5.0 if arch.endswith("_moe") else 4.0   # 32-wide Qwen-MoE experts cannot reach 4.0
+            quantize_model(src, d / "q", QuantOptions(target="exl2", bits=bits, calibration=str(ids), rows=4,
                                                       length=32, device="cpu"))
         else:
             _rtn_exl2(src, d / "q")
         convert(d / "q", d / "fp16", "fp16")
-        yield f"{arch} EXL2 {'4.0 calibrated' if calibrated else 'RTN'}", d / "q", d / "fp16"
+        yield f"{arch} EXL2 {'calibrated' if calibrated else 'RTN'}", d / "q", d / "fp16"
+    if not calibrated:   # OLMoE (stacked experts like Qwen2-MoE's, not in the quantizer's test set): RTN only
+        d = root / "olmoe"
+        _olmoe(d / "src")
+        _rtn_exl2(d / "src", d / "q")
+        convert(d / "q", d / "fp16", "fp16")
+        yield "olmoe EXL2 RTN", d / "q", d / "fp16"
     from test_exl3 import make_exl3
     from tiny_hf import make_tiny as make_tiny_hf
 
