@@ -30,11 +30,11 @@ ROUTERS = (".gate", ".shared_expert_gate")
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def _rtn_exl2(src: Path, out: Path, seed: int = 0) -> list[str]:
+def _rtn_exl2(src: Path, out: Path, seed: int = 0, keep_dense=lambda key: False) -> list[str]:
     """An EXL2 copy of the dense tiny model ``src``: every linear (Phi-3's fused qkv / gate_up split as ExLlamaV2
     stores them, every MoE expert projection, an untied head) round-to-nearest in a random permutation: 4-bit
-    g32, the head 6-bit g32 and each down projection 3/5-bit tiers; routers and everything else as stored.
-    Returns the quantized keys."""
+    g32, the head 6-bit g32 and each down projection 3/5-bit tiers; routers, the linears ``keep_dense(key)``
+    names and everything else as stored.  Returns the quantized keys."""
     from exl2fmt.container import open_model, write_sharded
     from exl2fmt.formats.exl2 import quantize_rtn
     from exl2fmt.layout import Tier
@@ -49,7 +49,8 @@ def _rtn_exl2(src: Path, out: Path, seed: int = 0) -> list[str]:
     out_t, linears = {}, {}
     for name, arr in dense.items():
         key = name[:-len(".weight")]
-        if not name.endswith(".weight") or arr.ndim != 2 or "embed" in name or key.endswith(ROUTERS):
+        if not name.endswith(".weight") or arr.ndim != 2 or "embed" in name or key.endswith(ROUTERS) \
+                or keep_dense(key):
             out_t[name] = arr
         elif key.endswith("qkv_proj"):
             base = key[:-len("qkv_proj")]
@@ -214,6 +215,28 @@ def test_incomplete_packed_experts_are_refused(rtn, tmp_path):
     with pytest.raises(Exl2Error) as e:
         exl2fmt.load_model(bad, device="cpu")
     assert e.value.code is ErrorCode.ARCH_UNSUPPORTED and "expert 2 up_proj" in str(e.value), str(e.value)
+
+
+def test_dense_experts_beside_packed_linears_are_stacked(tmp_path):
+    """A MoE checkpoint whose attention and head are EXL2 but whose experts stay 16-bit: the stacked 3-D
+    parameters are built from the per-expert tensors (load_model) or by transformers' merge (from_pretrained)."""
+    from tiny_models import make_tiny
+
+    import exl2fmt
+    import exl2fmt.hf  # noqa: F401
+    from exl2fmt import convert
+
+    src = make_tiny("mixtral", tmp_path / "src")
+    keys = _rtn_exl2(src, tmp_path / "q", keep_dense=lambda key: ".experts." in key)
+    assert keys and not [k for k in keys if ".experts." in k]
+    convert(tmp_path / "q", tmp_path / "fp16", "fp16")
+    ref = _reference(tmp_path / "fp16")
+    for m in (exl2fmt.load_model(tmp_path / "q", device="cpu", dtype=torch.float32),
+              transformers.AutoModelForCausalLM.from_pretrained(str(_hf_copy(tmp_path / "q", tmp_path / "hf")),
+                                                                dtype=torch.float32).eval()):
+        ex = m.model.layers[0].mlp.experts
+        assert ex.gate_up_proj.dim() == 3 and ex.gate_up_proj.device.type == "cpu"
+        _check_equal_to_fp16(m, ref)
 
 
 # ------------------------------------------------------------------------------------------------ EXL3
