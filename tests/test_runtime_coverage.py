@@ -393,7 +393,8 @@ def _every_arch():
 @pytest.mark.parametrize("arch,fmt", _every_arch())
 def test_every_quantizer_architecture_runs_packed(tmp_path, arch, fmt):
     """The calibrated quantizer's output for every architecture it handles (EXL2 4.0 bpw, 5.0 for Qwen-MoE; GPTQ
-    4-bit g32 for the fused and MoE ones): packed logits equal the fp16 conversion's; every stored quantized linear is packed."""
+    4-bit g32 for the fused and MoE ones): packed logits equal the fp16 conversion's; every stored quantized
+    linear is packed."""
     from tiny_models import make_tiny
 
     import exl2fmt
