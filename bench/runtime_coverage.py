@@ -5,8 +5,9 @@ float32, and the packed decoder's bytes against FP16's; then one layer's batch-1
     .venv/bin/python bench/runtime_coverage.py [--calibrated] [--archs llama,phi3] [--repeats N]
 
 * models: each architecture (and OLMoE) made EXL2 by round-to-nearest (tests/test_runtime_coverage.py
-  ``_rtn_exl2``: every linear incl. MoE experts and the untied head) or, with ``--calibrated``, by the calibrated quantizer (EXL2 4.0
-  bpw, 5.0 for Qwen-MoE, 4 x 32 calibration tokens); EXL3 qwen2 / mixtral by the test-side encoder (tests/test_exl3.py);
+  ``_rtn_exl2``: every linear incl. MoE experts and the untied head) or, with ``--calibrated``, by the calibrated
+  quantizer (EXL2 4.0 bpw, 5.0 for Qwen-MoE, 4 x 32 calibration tokens); EXL3 qwen2 / mixtral by the test-side
+  encoder (tests/test_exl3.py);
 * per model: max |logit diff| / logit scale over 20 prompt tokens, top-1 agreement, packed decoder bytes / FP16;
 * per layer (4096 x 4096, M = 1): ``nn.Linear`` fp32, ``Exl2PackedLinear`` 4-bit g32, ``Exl3PackedLinear`` 4-bit
   MCG, interleaved, min of N (EXL3 decodes the whole trellis per call: its cost is ``convert --to fp16``'s).
