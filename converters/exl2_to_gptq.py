@@ -44,7 +44,7 @@ from ..formats.gptq import gptq_layer_tensors
 from .slots import BIAS, G_IDX, GPTQ_BIAS, Q_GROUPS, Q_INVPERM, Q_SCALE, Q_SCALE_MAX, Q_WEIGHT, QWEIGHT, QZEROS, SCALES, WEIGHT
 
 __all__ = ["Exl2ToGptq", "exl2_layer_to_gptq", "auto_group_size", "sized_bits_group", "gptq_stored_bits",
-           "gptq_compatibility", "static_order_command"]
+           "gptq_compatibility", "static_order_command", "vllm_group_size"]
 
 _AUTO_SIZES = (128, 64, 32)
 
@@ -329,11 +329,11 @@ class Exl2ToGptq(Converter):
     def finish(self) -> None:
         self.report.quantization_config = self.quant_config()
         act = bool(self.act_order and self.group_size != -1)
-        self.report.compatibility = gptq_compatibility(self.bits, self.group_size, self.sym, self.act_order,
-                                                       [l.shape for l in self.report.layers
-                                                        if l.target_format == "gptq"])
+        shapes = [l.shape for l in self.report.layers if l.target_format == "gptq"]
+        self.report.compatibility = gptq_compatibility(self.bits, self.group_size, self.sym, self.act_order, shapes)
         if act:
-            cmd = static_order_command(self.report.source, self.report.destination)
+            cmd = static_order_command(self.report.source, self.report.destination,
+                                       vllm_group_size(k for _, k in shapes))
             self.report.compatibility["vllm"]["fix"] = cmd
             self.report.warnings.append(
                 "needs activation order: desc_act true (g_idx follows EXL2's input permutation, so groups are not "
@@ -363,14 +363,22 @@ class Exl2ToGptq(Converter):
         return {"quantize_config.json": json.dumps(qc, indent=2) + "\n"}
 
 
-def static_order_command(src: str, dst: str) -> str:
-    """The command line that re-quantizes the EXL2 model ``src`` into a GPTQ that vLLM loads: 4-bit, 128-row
-    groups, static order (desc_act false), next to ``dst`` as ``DST-static``; quoted for a POSIX shell."""
+def vllm_group_size(in_features) -> int:
+    """The largest of 128/64/32 rows that divides every layer's K (``in_features``, ints): vLLM sizes a layer's
+    scales as K // group size, so a group that does not divide K cannot load (SmolLM2's K = 576 takes 64)."""
+    ks = list(in_features)
+    return next((g for g in _AUTO_SIZES if all(k % g == 0 for k in ks)), 32)
+
+
+def static_order_command(src: str, dst: str, group_size: int = 128) -> str:
+    """The command line that re-quantizes the EXL2 model ``src`` into a GPTQ that vLLM loads: 4-bit, groups of
+    ``group_size`` rows, static order (desc_act false), next to ``dst`` as ``DST-static``; quoted for a POSIX
+    shell."""
     import shlex
 
     out = str(dst).rstrip("/\\") + "-static"
-    return (f"exl2fmt convert {shlex.quote(str(src))} {shlex.quote(out)} --to gptq --bits 4 --group-size 128 "
-            "--order static")
+    return (f"exl2fmt convert {shlex.quote(str(src))} {shlex.quote(out)} --to gptq --bits 4 --group-size "
+            f"{int(group_size)} --order static")
 
 
 #: vLLM (0.32) loads GPTQ only as 4- or 8-bit symmetric (``AutoGPTQConfig.TYPE_MAP``) and refuses desc_act with
@@ -415,6 +423,10 @@ def gptq_compatibility(bits: int, group_size: int, sym: bool, act_order: bool, s
     if bits not in (4, 8) or not sym:
         vllm.append(f"{bits}-bit {'symmetric' if sym else 'asymmetric'}: vLLM's GPTQ loader takes 4- or 8-bit "
                     "symmetric only")
+    bad_k = sorted({k for _, k in shapes if group_size != -1 and k % group_size})
+    if bad_k:
+        vllm.append(f"K = {', '.join(map(str, bad_k[:5]))} not a multiple of the group size {group_size} (vLLM "
+                    f"sizes the scales as K // group size): use --group-size {vllm_group_size(k for _, k in shapes)}")
     cpu = list(vllm)
     if bits == 8 and sym:
         cpu.append("8-bit: vLLM's CPU kernel is 4-bit only")

@@ -15,10 +15,10 @@ import pytest
 
 from exl2fmt import ErrorCode, Exl2Error, dequantize_layer
 from exl2fmt.converters import convert
-from exl2fmt.converters.exl2_to_gptq import gptq_compatibility, static_order_command
+from exl2fmt.converters.exl2_to_gptq import gptq_compatibility, static_order_command, vllm_group_size
 from exl2fmt.sample import write_sample
 
-OK_SHAPES = [(256, 256), (704, 256), (256, 704)]
+OK_SHAPES = [(256, 256), (768, 256), (256, 768)]   # (N, K): K a multiple of every group size
 
 
 def _digest(d: Path) -> dict:
@@ -33,6 +33,8 @@ def _digest(d: Path) -> dict:
     (4, 128, False, False, OK_SHAPES, False, False),  # no asymmetric GPTQ in vLLM 0.32
     (3, 64, True, False, OK_SHAPES, False, False),
     (4, 32, True, False, [(256, 256), (100, 256)], True, False),   # N not a multiple of 32
+    (4, 128, True, False, [(576, 576), (1536, 576)], False, False),  # SmolLM2: K = 576 needs 64-row groups
+    (4, 64, True, False, [(576, 576), (576, 1536)], True, True),
 ])
 def test_vllm_verdicts_follow_vllms_rules(bits, gs, sym, act, shapes, vllm, cpu):
     c = gptq_compatibility(bits, gs, sym, act, shapes)
@@ -45,9 +47,12 @@ def test_vllm_verdicts_follow_vllms_rules(bits, gs, sym, act, shapes, vllm, cpu)
 
 
 def test_static_order_command_is_quoted_for_a_shell():
-    cmd = static_order_command("/m/my model", "/out/x y/")
+    cmd = static_order_command("/m/my model", "/out/x y/", 64)
     assert shlex.split(cmd) == ["exl2fmt", "convert", "/m/my model", "/out/x y-static", "--to", "gptq", "--bits", "4",
-                                "--group-size", "128", "--order", "static"]
+                                "--group-size", "64", "--order", "static"]
+    assert vllm_group_size([4096, 11008]) == 128 and vllm_group_size([576, 1536]) == 64
+    assert vllm_group_size([256, 704]) == 64 and vllm_group_size([256, 736]) == 32 and vllm_group_size([]) == 128
+    assert "--group-size 64" in gptq_compatibility(4, 128, True, False, [(576, 576)])["vllm"]["reasons"][0]
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +74,7 @@ def test_the_exact_repack_offers_the_static_command(exl2_sample, tmp_path):
     assert len(warn) == 1 and warn[0].endswith(cmd)
     argv = shlex.split(cmd)
     assert argv[2:4] == [str(src), str(tmp_path / "g") + "-static"] and argv[-2:] == ["--order", "static"]
+    assert argv[argv.index("--group-size") + 1] == "64"     # the sample's K = 704 (MLP down) takes 64-row groups
 
 
 def test_order_static_without_a_tokenizer_asks_for_calibration_and_leaves_nothing(exl2_sample, tmp_path):
@@ -87,7 +93,7 @@ def static_gptq(exl2_sample, tmp_path_factory):
     src, ids = exl2_sample
     before = _digest(src)
     out = tmp_path_factory.mktemp("rq-out") / "gptq-static"
-    rep = convert(src, out, "gptq", bits=4, group_size=128,
+    rep = convert(src, out, "gptq", bits=4, group_size=32,   # 32 divides the sample's K = 704 (vLLM needs it)
                   quant={"order": "static", "calibration": str(ids), "rows": 4, "length": 32, "device": "cpu"})
     return src, out, rep, before
 
@@ -100,7 +106,7 @@ def test_order_static_requantizes_without_activation_order(static_gptq):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     # what vLLM's AutoGPTQConfig.from_config reads, with the values its CPU kernel takes
     assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["desc_act"], qc["sym"], qc["lm_head"]) == \
-        ("gptq", 4, 128, False, True, False)
+        ("gptq", 4, 32, False, True, False)
     assert qc["checkpoint_format"] == "gptq" and qc["meta"]["exl2fmt_order"] == "static"
     side = json.loads((out / "quantize_config.json").read_text())
     assert side["desc_act"] is False and side["bits"] == 4 and side["sym"] is True
@@ -109,7 +115,7 @@ def test_order_static_requantizes_without_activation_order(static_gptq):
         gidx = [n for n in m.names() if n.endswith(".g_idx")]
         for n in gidx:                                     # groups of consecutive input rows
             g = m.get(n)
-            assert np.array_equal(g, np.arange(g.size) // 128), n
+            assert np.array_equal(g, np.arange(g.size) // 32), n
     finally:
         m.close()
     assert rep.compatibility["vllm"]["compatible"] and rep.compatibility["vllm_cpu"]["compatible"], rep.compatibility
@@ -140,7 +146,7 @@ def test_order_static_through_the_cli_prints_the_weight_error_column(exl2_sample
 
     src, ids = exl2_sample
     r = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "g"), "--to", "gptq", "--order", "static",
-                                 "--calibration", str(ids), "--rows", "2", "--length", "32", "--json"])
+                                 "--group-size", "32", "--calibration", str(ids), "--rows", "2", "--length", "32", "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["compatibility"]["vllm_cpu"]["compatible"] and len(doc["layers"]) == 14
