@@ -6,6 +6,7 @@ reports each layer's weight error; the compatibility verdicts follow vLLM 0.32's
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import shlex
 from pathlib import Path
@@ -151,3 +152,24 @@ def test_order_static_through_the_cli_prints_the_weight_error_column(exl2_sample
     doc = json.loads(r.stdout)
     assert doc["compatibility"]["vllm_cpu"]["compatible"] and len(doc["layers"]) == 14
     assert all(x["weight_error"] > 0 for x in doc["layers"])
+
+
+def test_the_vllm_bench_skips_without_avx512_and_says_why(tmp_path):
+    """bench/vllm_cpu_check.py: vLLM's CPU GPTQ kernel exists only in its AVX-512 builds, so the check skips, with
+    the reason, on a CPU without avx512f, on another architecture, and where vLLM cannot be imported."""
+    from conftest import load_bench
+
+    b = load_bench("vllm_cpu_check")
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n"
+    avx512 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw avx512_bf16\n"
+    why = b.cpu_skip_reason(avx2, "x86_64")
+    assert "no AVX-512" in why and "cpu_gemm_wna16" in why
+    assert b.cpu_skip_reason(avx512, "x86_64") is None
+    assert "aarch64" in b.cpu_skip_reason(avx512, "aarch64")
+    why, version = b.vllm_skip_reason(str(tmp_path / "no-python"))
+    assert version is None and "no interpreter" in why
+    if importlib.util.find_spec("vllm") is None:      # the project's own environment has no vLLM
+        import sys
+
+        why, version = b.vllm_skip_reason(sys.executable)
+        assert version is None and why.startswith(f"{sys.executable} cannot import vllm"), why
