@@ -1,5 +1,5 @@
-"""EXL2 -> GPTQ by re-quantization (the driver is ``routes._requantize_exl2``) (``convert SRC DST --to gptq --order static``): for runtimes that refuse the exact
-re-pack's activation order (vLLM, on every platform).
+"""EXL2 -> GPTQ by re-quantization (``convert SRC DST --to gptq --order static``; the driver is
+``routes._requantize_exl2``): for runtimes that refuse the exact re-pack's activation order (vLLM, everywhere).
 
 The exact re-pack (``exl2_to_gptq``) keeps EXL2's input permutation as a non-monotone ``g_idx``, so its GPTQ needs
 ``desc_act``.  Given ``--order`` (static, group or natural) the route instead
@@ -10,7 +10,8 @@ The exact re-pack (``exl2_to_gptq``) keeps EXL2's input permutation as a non-mon
    through the model's tokenizer, or ``--calibration`` ids), so the GPTQ groups are consecutive input rows and
    ``desc_act`` is false;
 3. measures every quantized layer's relative weight error against the EXL2 decode, ``||W_gptq - W_exl2||_F /
-   ||W_exl2||_F`` (``LayerResult.weight_error``), and states which vLLM builds load the result.
+   ||W_exl2||_F`` (``LayerResult.weight_error``); the report states which vLLM builds load the result
+   (``written_compatibility``, as for every GPTQ the quantizer writes).
 
 Re-quantizing is lossy twice over (EXL2's rounding, then GPTQ's): the report says how much per layer.  ``--order
 act`` is refused here: the exact re-pack already is the act-order GPTQ.
@@ -24,7 +25,8 @@ import numpy as np
 
 from ..errors import Exl2Error
 
-__all__ = ["wants_requantize", "finish_report", "weight_errors", "gptq_shapes", "REPACK_HINT"]
+__all__ = ["wants_requantize", "finish_report", "weight_errors", "gptq_shapes", "written_compatibility",
+           "REPACK_HINT"]
 
 #: said where a quantizer option is given to EXL2 -> GPTQ without ``--order`` (a re-pack calibrates nothing)
 REPACK_HINT = "to re-quantize an EXL2 model into a GPTQ without activation order (which vLLM needs), add --order static"
@@ -35,11 +37,9 @@ def wants_requantize(quant: dict | None) -> bool:
     return (quant or {}).get("order") is not None
 
 
-def finish_report(rep, src, o, dst: Path, errs: dict[str, float], stale: list[str]) -> None:
-    """Complete the quantizer's report ``rep`` of a re-quantized EXL2 model ``src`` (options ``o``, output ``dst``):
-    the per-layer weight errors ``errs``, the source, what was done, and which GPTQ consumers load the result."""
-    from .exl2_to_gptq import gptq_compatibility
-
+def finish_report(rep, src, o, errs: dict[str, float], stale: list[str]) -> None:
+    """Complete the quantizer's report ``rep`` of a re-quantized EXL2 model ``src`` (options ``o``):
+    the per-layer weight errors ``errs``, the source and what was done."""
     for l in rep.layers:
         l.weight_error = errs.get(l.key)
     rep.source = str(src)
@@ -49,7 +49,18 @@ def finish_report(rep, src, o, dst: Path, errs: dict[str, float], stale: list[st
     rep.warnings.append(f"re-quantized: the EXL2 weights were decoded and quantized again as GPTQ {o.bits}-bit "
                         f"(order {o.order}, desc_act false); weight_error is each layer's relative error against "
                         "the EXL2 decode (the exact re-pack without --order has none, but needs desc_act)")
-    rep.compatibility = gptq_compatibility(o.bits, o.group_size, o.sym, False, gptq_shapes(dst))
+
+
+def written_compatibility(dst: Path) -> dict:
+    """``gptq_compatibility`` of the GPTQ model written in ``dst``, from its ``config.json`` quantization_config
+    (bits, group size, sym, desc_act) and its GPTQ layers' shapes."""
+    import json
+
+    from .exl2_to_gptq import gptq_compatibility
+
+    qc = json.loads((dst / "config.json").read_text(encoding="utf-8"))["quantization_config"]
+    return gptq_compatibility(int(qc["bits"]), int(qc["group_size"]), bool(qc["sym"]), bool(qc["desc_act"]),
+                              gptq_shapes(dst))
 
 
 def gptq_shapes(dst: Path) -> list[tuple[int, int]]:

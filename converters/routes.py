@@ -213,6 +213,10 @@ def _quantize(src, job: Job, quant: dict | None = None, linear_layers=None):
         progress(0, 1, "calibrate: calibrating (tokenizing and embedding the calibration set)")
     cb = None if progress is None else (lambda phase, done, total, what: progress(done, total, f"{phase}: {what}"))
     rep = quantize_model(src, job.dst, opts, force=job.force, progress=cb, verify_output=validate_quantized_output)
+    if job.target == "gptq":   # which runtimes load it (vLLM: desc_act, bits, K // group size)
+        from .requantize import written_compatibility
+
+        rep.compatibility = written_compatibility(_path(job.dst))
     if linear_layers:
         done = {l.key for l in rep.layers}
         kept = [k for k in linear_layers if k not in done and k != "lm_head"]  # GPTQ keeps a dense head
@@ -257,7 +261,7 @@ def _requantize_exl2(job: Job):
                             ".safetensors input_ids)", file=str(src))
         rep = _quantize(mid, job, quant=q)
         errs = weight_errors(mid, dst, [l.key for l in rep.layers])
-    finish_report(rep, src, o, dst, errs, staging.stale)
+    finish_report(rep, src, o, errs, staging.stale)
     return rep
 
 

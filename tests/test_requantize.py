@@ -147,7 +147,8 @@ def test_order_static_through_the_cli_prints_the_weight_error_column(exl2_sample
 
     src, ids = exl2_sample
     r = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "g"), "--to", "gptq", "--order", "static",
-                                 "--group-size", "32", "--calibration", str(ids), "--rows", "2", "--length", "32", "--json"])
+                                 "--group-size", "32", "--calibration", str(ids), "--rows", "2", "--length", "32",
+                                 "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["compatibility"]["vllm_cpu"]["compatible"] and len(doc["layers"]) == 14
