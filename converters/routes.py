@@ -250,15 +250,16 @@ def _requantize_exl2(job: Job):
                         "refuse desc_act (vLLM)")
     check_paths(src, dst, job.force)
     check_side_paths(src, dst, o, job.force)
+    if o.calibration is None and not (src / "tokenizer.json").exists():   # (the decode copies it)
+        raise Exl2Error(ErrorCode.CALIBRATION_INVALID, "the EXL2 model has no tokenizer.json, so the built-in "
+                        "calibration text cannot be tokenized: pass --calibration with token ids (.npy, .json, "
+                        ".safetensors input_ids)", file=str(src))
     with scratch_dir(dst) as staging:
         mid = staging.path / "fp16"
         with SHIELD.intermediate():
-            dispatch(Job(src, mid, "fp16", False, job.shard_size, None, None, None, None, job.progress, "auto",
-                         "auto", None))
-        if o.calibration is None and not (mid / "tokenizer.json").exists():
-            raise Exl2Error(ErrorCode.CALIBRATION_INVALID, "the EXL2 model has no tokenizer.json, so the built-in "
-                            "calibration text cannot be tokenized: pass --calibration with token ids (.npy, .json, "
-                            ".safetensors input_ids)", file=str(src))
+            dispatch(Job(src=src, dst=mid, target="fp16", force=False, shard_size=job.shard_size, dtype=None,
+                         bits=None, group_size=None, sym=None, progress=job.progress, verify="auto",
+                         gguf_type="auto", quant=None))
         rep = _quantize(mid, job, quant=q)
         errs = weight_errors(mid, dst, [l.key for l in rep.layers])
     finish_report(rep, src, o, errs, staging.stale)

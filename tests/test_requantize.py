@@ -174,3 +174,19 @@ def test_the_vllm_bench_skips_without_avx512_and_says_why(tmp_path):
 
         why, version = b.vllm_skip_reason(sys.executable)
         assert version is None and why.startswith(f"{sys.executable} cannot import vllm"), why
+
+
+@pytest.mark.slow
+def test_a_gptq_quantized_from_fp16_reports_whether_vllm_loads_it(tmp_path):
+    """The FP16 -> GPTQ quantizer states the same verdicts, read from what it wrote: 512-row groups cannot split
+    the fixture's K = 256 and 768 (vLLM sizes the scales as K // group size), 128-row groups can."""
+    pytest.importorskip("torch")
+    fixture = Path(__file__).parent / "fixtures" / "tiny-llama"
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 2048, (2, 32)))
+    common = {"calibration": str(ids), "rows": 2, "length": 32, "device": "cpu"}
+    bad = convert(fixture, tmp_path / "g512", "gptq", bits=4, group_size=512, quant=common)
+    assert not bad.compatibility["vllm"]["compatible"]
+    assert bad.compatibility["vllm"]["reasons"][0].startswith("K = 256, 768 not a multiple of the group size 512")
+    good = convert(fixture, tmp_path / "g128", "gptq", bits=4, group_size=128, quant=common)
+    assert good.compatibility["vllm"]["compatible"] and good.compatibility["vllm_cpu"]["compatible"]

@@ -55,7 +55,7 @@ class QuantReport:
     warnings: list[str] = field(default_factory=list)
     files_copied: list[str] = field(default_factory=list)     # from the source directory (modelcard.MODEL_FILES)
     files_left_out: list[str] = field(default_factory=list)   # the source's other files, not copied
-    # GPTQ re-quantized from EXL2: which consumers load it (``converters.exl2_to_gptq.gptq_compatibility``)
+    # a GPTQ output: which runtimes and kernels load it (``converters.exl2_to_gptq.gptq_compatibility``)
     compatibility: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
