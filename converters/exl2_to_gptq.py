@@ -43,7 +43,8 @@ from ..codec.gptq_fit import fit_group
 from ..formats.gptq import gptq_layer_tensors
 from .slots import BIAS, G_IDX, GPTQ_BIAS, Q_GROUPS, Q_INVPERM, Q_SCALE, Q_SCALE_MAX, Q_WEIGHT, QWEIGHT, QZEROS, SCALES, WEIGHT
 
-__all__ = ["Exl2ToGptq", "exl2_layer_to_gptq", "auto_group_size", "sized_bits_group", "gptq_stored_bits"]
+__all__ = ["Exl2ToGptq", "exl2_layer_to_gptq", "auto_group_size", "sized_bits_group", "gptq_stored_bits",
+           "gptq_compatibility", "static_order_command", "vllm_group_size"]
 
 _AUTO_SIZES = (128, 64, 32)
 
@@ -327,13 +328,19 @@ class Exl2ToGptq(Converter):
 
     def finish(self) -> None:
         self.report.quantization_config = self.quant_config()
-        if self.act_order and self.group_size != -1:
+        act = bool(self.act_order and self.group_size != -1)
+        shapes = [l.shape for l in self.report.layers if l.target_format == "gptq"]
+        self.report.compatibility = gptq_compatibility(self.bits, self.group_size, self.sym, self.act_order, shapes)
+        if act:
+            cmd = static_order_command(self.report.source, self.report.destination,
+                                       vllm_group_size(k for _, k in shapes))
+            self.report.compatibility["vllm"]["fix"] = cmd
             self.report.warnings.append(
                 "needs activation order: desc_act true (g_idx follows EXL2's input permutation, so groups are not "
-                "consecutive input rows); runtimes or kernels that reject desc_act cannot load it")
-        self.report.compatibility = gptq_compatibility(self.bits, self.group_size, self.sym, self.act_order,
-                                                       [l.shape for l in self.report.layers
-                                                        if l.target_format == "gptq"])
+                "consecutive input rows); vLLM rejects desc_act on every platform, as do other runtimes and kernels "
+                "that want static groups. For a GPTQ that vLLM loads (4-bit, desc_act false), re-quantize the "
+                "decoded weights in static order (calibrated GPTQ; the weight error against the EXL2 decode is "
+                f"reported per layer): {cmd}")
 
     def output_config(self) -> dict | None:
         cfg = copy.deepcopy(self.config) if self.config is not None else {}
@@ -356,11 +363,38 @@ class Exl2ToGptq(Converter):
         return {"quantize_config.json": json.dumps(qc, indent=2) + "\n"}
 
 
-def gptq_compatibility(bits: int, group_size: int, sym: bool, act_order: bool, shapes) -> dict:
-    """Which GPTQ consumers can run a checkpoint with these settings (gptq-gguf-formats A9, A10)."""
-    def verdict(reasons):
-        return {"compatible": not reasons, "reasons": reasons}
+def vllm_group_size(in_features) -> int:
+    """The largest of 128/64/32 rows that divides every layer's K (``in_features``, ints): vLLM sizes a layer's
+    scales as K // group size, so a group that does not divide K cannot load (SmolLM2's K = 576 takes 64)."""
+    ks = list(in_features)
+    return next((g for g in _AUTO_SIZES if all(k % g == 0 for k in ks)), 32)
 
+
+def static_order_command(src: str, dst: str, group_size: int = 128) -> str:
+    """The command line that re-quantizes the EXL2 model ``src`` into a GPTQ that vLLM loads: 4-bit, groups of
+    ``group_size`` rows, static order (desc_act false), next to ``dst`` as ``DST-static``; quoted for a POSIX
+    shell."""
+    import shlex
+
+    out = str(dst).rstrip("/\\") + "-static"
+    return (f"exl2fmt convert {shlex.quote(str(src))} {shlex.quote(out)} --to gptq --bits 4 --group-size "
+            f"{int(group_size)} --order static")
+
+
+#: vLLM (0.32) loads GPTQ only as 4- or 8-bit symmetric (``AutoGPTQConfig.TYPE_MAP``) and refuses desc_act with
+#: groups on every platform (``normalize_and_validate_gptq_desc_act``, since vllm#54809); its CPU kernel
+#: (``CPUWNA16LinearKernel``) takes 4-bit symmetric only, an even group size (or -1), and input/output sizes that are
+#: multiples of 32, and exists only in the AVX-512 builds of its extension (not ``_C_AVX2``).
+VLLM_CPU_NOTE = "x86 CPUs need AVX-512 (vLLM's AVX2 build has no GPTQ kernel)"
+
+
+def gptq_compatibility(bits: int, group_size: int, sym: bool, act_order: bool, shapes) -> dict:
+    """Which GPTQ consumers can run a checkpoint with these settings (gptq-gguf-formats A9, A10).  ``shapes``:
+    (N, K) of every layer written as GPTQ."""
+    def verdict(reasons, **more):
+        return {"compatible": not reasons, "reasons": reasons, **more}
+
+    desc_act = act_order and group_size != -1
     bad_nk = [f"{n}x{k}" for n, k in shapes if n % 64 or k % 128]
     marlin = []
     if bits not in (4, 8):
@@ -378,21 +412,45 @@ def gptq_compatibility(bits: int, group_size: int, sym: bool, act_order: bool, s
         old_marlin.append("original Marlin is 4-bit only")
     if group_size not in (-1, 128):
         old_marlin.append("original Marlin needs group size -1 or 128")
-    if act_order and group_size != -1:
+    if desc_act:
         old_marlin.append("act-order (g_idx) is not supported by the original Marlin")
     if any(n % 256 for n, _ in shapes):
         old_marlin.append("original Marlin needs N % 256 == 0")
+    vllm = []
+    if desc_act:
+        vllm.append("activation order (desc_act true): vLLM refuses it on every platform; re-quantize with "
+                    "--order static")
+    if bits not in (4, 8) or not sym:
+        vllm.append(f"{bits}-bit {'symmetric' if sym else 'asymmetric'}: vLLM's GPTQ loader takes 4- or 8-bit "
+                    "symmetric only")
+    bad_k = sorted({k for _, k in shapes if group_size != -1 and k % group_size})
+    if bad_k:
+        vllm.append(f"K = {', '.join(map(str, bad_k[:5]))} not a multiple of the group size {group_size} (vLLM "
+                    f"sizes the scales as K // group size): use --group-size {vllm_group_size(k for _, k in shapes)}")
+    cpu = list(vllm)
+    if bits == 8 and sym:
+        cpu.append("8-bit: vLLM's CPU kernel is 4-bit only")
+    if group_size != -1 and group_size % 2:
+        cpu.append(f"group size {group_size}: vLLM's CPU kernel needs an even group size or -1")
+    bad32 = sorted({f"{n}x{k}" for n, k in shapes if n % 32 or k % 32})
+    if bad32:
+        cpu.append(f"layers with N or K not a multiple of 32: {', '.join(bad32[:5])}")
     exllama = [] if bits == 4 else [f"{bits}-bit (exllama/exllamav2 GPTQ kernels are 4-bit only)"]
     llamacpp = [] if bits in (2, 4, 8) else ["3-bit GPTQ is not converted by llama.cpp"]
+    if desc_act:
+        summary = "needs activation order (desc_act): vLLM will not load it (re-quantize with --order static)"
+    else:
+        summary = ("NOT Marlin-compatible: " + "; ".join(marlin)) if marlin else "Marlin-compatible (vLLM gptq_marlin)"
+        summary += "; vLLM's CPU kernel: " + ("no" if cpu else "yes (x86 with AVX-512)")
     return {
-        "vllm_gptq_marlin": verdict(marlin),
+        "vllm": verdict(vllm),
+        "vllm_cpu": verdict(cpu, note=VLLM_CPU_NOTE),
+        "vllm_gptq_marlin": verdict(marlin + vllm[:1] if desc_act else marlin),
         "marlin_original_autogptq": verdict(sorted(set(old_marlin), key=old_marlin.index)),
         "exllama_v1_v2": verdict(exllama),
-        "vllm_gptq_exllama": verdict([]),
         "autogptq_torch_triton_gptqmodel": verdict([]),
         "llama_cpp_convert": verdict(llamacpp),
-        "summary": ("Marlin-compatible (vLLM gptq_marlin" + (", act-order sorted at load" if act_order else "") + ")"
-                    if not marlin else "NOT Marlin-compatible: " + "; ".join(marlin)),
+        "summary": summary,
     }
 
 

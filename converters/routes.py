@@ -13,6 +13,8 @@ The drivers registered here:
 ``* -> gguf``             EXL2 / GPTQ / EXL3 / dense -> one GGUF file (``gguf_write.convert_to_gguf``)
 ``gguf -> fp16 / bf16``   a ``.gguf`` file -> Hugging Face directory (``gguf_read.convert_from_gguf``)
 ``gguf -> exl2 / gptq``   decoded to a staging FP16 directory next to DST, quantized, the staging removed
+``exl2 -> gptq --order``  the same through an FP16 decode of the EXL2 model (``requantize``); without
+                          ``--order`` EXL2 -> GPTQ is the exact re-pack (``exl2_to_gptq``)
 =======================  ===================================================================================
 """
 
@@ -120,6 +122,7 @@ def _dispatch_detected(job: Job):
     from ..detect import Verdict, detect_model, quantization_config
     from ..layout import Format
     from .base import ConversionReport, Options, run_conversion
+    from .requantize import REPACK_HINT, wants_requantize
 
     src, dst, target = job.src, job.dst, job.target
     model = open_model(src)
@@ -146,8 +149,12 @@ def _dispatch_detected(job: Job):
         if r is not None and r.driver:
             job.model, job.detection = model, det
             return r.run(job)
+        if fmt is Format.EXL2 and target == "gptq" and wants_requantize(job.quant):
+            job.model, job.detection = model, det
+            return _requantize_exl2(job)
         # a Converter route re-packs or dequantizes: nothing to calibrate
-        no_quantizer_options(job.quant, f"the source is {fmt.value}, not an FP16/BF16 model to quantize")
+        no_quantizer_options(job.quant, f"the source is {fmt.value}, not an FP16/BF16 model to quantize"
+                             + (f"; {REPACK_HINT}" if fmt is Format.EXL2 and target == "gptq" else ""))
         bits = check_bits(target, job.bits, source=fmt.value)
         cls = get_route(fmt.value, target).run
         check_paths(_path(src), _path(dst), job.force)
@@ -206,12 +213,56 @@ def _quantize(src, job: Job, quant: dict | None = None, linear_layers=None):
         progress(0, 1, "calibrate: calibrating (tokenizing and embedding the calibration set)")
     cb = None if progress is None else (lambda phase, done, total, what: progress(done, total, f"{phase}: {what}"))
     rep = quantize_model(src, job.dst, opts, force=job.force, progress=cb, verify_output=validate_quantized_output)
+    if job.target == "gptq":   # which runtimes load it (vLLM: desc_act, bits, K // group size)
+        from .requantize import written_compatibility
+
+        rep.compatibility = written_compatibility(_path(job.dst))
     if linear_layers:
         done = {l.key for l in rep.layers}
         kept = [k for k in linear_layers if k not in done and k != "lm_head"]  # GPTQ keeps a dense head
         if kept:
             rep.warnings.append(f"{len(done)} of the source's {len(linear_layers)} linear layers quantized; kept "
                                 f"as they are: {', '.join(kept[:8])}{', ...' if len(kept) > 8 else ''}")
+    return rep
+
+
+def _requantize_exl2(job: Job):
+    """EXL2 (open, detected) -> GPTQ with ``--order`` (``converters.requantize``): the EXL2 decode to a staging FP16
+    directory next to DST (exact, verified), the calibrated quantizer on it, each layer's weight error against
+    the decode."""
+    from ..container.partials import SHIELD
+    from ..container.publish import check_paths
+    from ..container.staging import scratch_dir
+    from ..extras import require
+    from .requantize import finish_report, weight_errors
+
+    require("quant", "re-quantizing EXL2 to GPTQ (--order)")
+    from ..quant.pipeline import QuantOptions, check_side_paths
+
+    src, dst = _path(job.src), _path(job.dst)
+    job.model.close()
+    q = {k: v for k, v in dict(job.quant or {}).items() if v is not None}
+    extra = {k: v for k, v in (("group_size", job.group_size), ("sym", job.sym)) if v is not None}
+    o = QuantOptions(target="gptq", bits=job.bits, shard_size=job.shard_size, **q, **extra).resolved()
+    if o.order == "act":
+        raise Exl2Error(ErrorCode.USAGE, "--order act: EXL2 -> GPTQ without --order already is the act-order GPTQ, "
+                        "exact and without calibration; --order static|group|natural re-quantizes for runtimes that "
+                        "refuse desc_act (vLLM)")
+    check_paths(src, dst, job.force)
+    check_side_paths(src, dst, o, job.force)
+    if o.calibration is None and not (src / "tokenizer.json").exists():   # (the decode copies it)
+        raise Exl2Error(ErrorCode.CALIBRATION_INVALID, "the EXL2 model has no tokenizer.json, so the built-in "
+                        "calibration text cannot be tokenized: pass --calibration with token ids (.npy, .json, "
+                        ".safetensors input_ids)", file=str(src))
+    with scratch_dir(dst) as staging:
+        mid = staging.path / "fp16"
+        with SHIELD.intermediate():
+            dispatch(Job(src=src, dst=mid, target="fp16", force=False, shard_size=job.shard_size, dtype=None,
+                         bits=None, group_size=None, sym=None, progress=job.progress, verify="auto",
+                         gguf_type="auto", quant=None))
+        rep = _quantize(mid, job, quant=q)
+        errs = weight_errors(mid, dst, [l.key for l in rep.layers])
+    finish_report(rep, src, o, errs, staging.stale)
     return rep
 
 

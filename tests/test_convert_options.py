@@ -104,9 +104,16 @@ def test_a_quantizer_option_where_nothing_is_quantized_is_refused_by_its_flag(op
             convert(sample, _dst(tmp_path, target), target, quant={option.key: value})
         assert e.value.code is ErrorCode.USAGE and e.value.message.startswith(f"{option.flag} only applies"), \
             (target, e.value.message)
-    # a quantizing target from a quantized source is a re-pack: nothing to calibrate either
+    # a quantizing target from a quantized source is a re-pack: nothing to calibrate either (EXL2 -> GPTQ with
+    # --order static|group|natural re-quantizes, tests/test_requantize.py; --order act is the exact re-pack)
     for target in QUANTIZING:
         r = _cli(sample, tmp_path / "out", "--to", target, *args)
+        if option.key == "order" and target == "gptq":
+            assert r.exit_code == 2 and "--order act: EXL2 -> GPTQ without --order already is the act-order" in \
+                r.output, r.output
+            continue
+        if target == "gptq":   # the way to a GPTQ without activation order is named
+            assert "add --order static" in r.output, r.output
         assert r.exit_code == 2 and f"{option.flag} only applies" in r.output and "the source is exl2" in r.output, \
             (target, r.output)
         with pytest.raises(Exl2Error) as e:

@@ -142,7 +142,9 @@ def convert_command(
                                                  "act-order over groups of consecutive features; group = "
                                                  "whole groups, most important first, act-order inside each "
                                                  "(GPTQModel's default). natural: no reordering. Default: act "
-                                                 "for exl2, static for gptq.")] = None,
+                                                 "for exl2, static for gptq. EXL2 -> gptq: static|group|natural "
+                                                 "re-quantizes the decoded weights (calibrated, desc_act false, "
+                                                 "as vLLM needs) instead of the exact act-order re-pack.")] = None,
     upstream_tables: Annotated[bool, typer.Option("--upstream-tables", help="FP16 -> exl2: choose only among "
                                                   "ExLlamaV2's own candidate settings (default: also exl2fmt's "
                                                   "extra rows; see bench/RESULTS.md).")] = False,
@@ -202,7 +204,9 @@ def convert_command(
     * **GPTQ -> fp16/bf16**: 2/3/4/8 bits, v1/v2 zeros, sym/asym, act-order g_idx, group size -1.
     * **EXL2 -> gptq**: exact where the math allows (groups of <= target bits keep their scale, codes
       shifted; the EXL2 permutation becomes act-order g_idx); wider groups are re-quantized and reported;
-      Marlin compatibility is stated.
+      Marlin and vLLM compatibility is stated. vLLM refuses act-order (desc_act): with --order static (or
+      group, natural) the decoded EXL2 weights are quantized again by the calibrated GPTQ (desc_act false),
+      each layer's weight error against the EXL2 decode reported.
     * **GPTQ -> exl2**: the GPTQ integers kept as far as EXL2's 4-bit scale grid allows; error per layer.
     * **FP16/BF16 -> exl2** (decoder-only models through transformers' modeling code: llama, mistral, qwen2,
       qwen3, gemma, gemma2, cohere, granite, starcoder2, phi3, mixtral, qwen3_moe, ...; MoE experts calibrated
@@ -220,6 +224,7 @@ def convert_command(
     * `exl2fmt convert ./model-exl2 ./model-bf16 --to bf16 --shard-size 2GB`
     * `exl2fmt convert ./model-exl2 ./model-gptq --to gptq --bits 4`
     * `exl2fmt convert ./model-exl2 ./model-gptq --to gptq --bits 8 --group-size 32 --force`
+    * `exl2fmt convert ./model-exl2 ./model-gptq-static --to gptq --bits 4 --group-size 128 --order static` (for vLLM)
     * `exl2fmt convert ./model-gptq ./model-exl2 --to exl2 --bits 6`
     * `exl2fmt convert ./Llama-fp16 ./Llama-exl2-4.0 --to exl2 --bits 4.0 --head-bits 6 --save-measurement m.json`
     * `exl2fmt convert ./Llama-fp16 ./Llama-exl2-6.0 --to exl2 --bits 6.0 --measurement m.json`
@@ -442,6 +447,14 @@ def _fmt_err(x) -> str:
     return "-" if x is None else ("0" if x == 0 else f"{x:.3e}")
 
 
+def _compat_lines(out, compat) -> None:
+    if compat:
+        out.line(f"GPTQ consumers: {compat.get('summary', '')}")
+        for name, v in compat.items():
+            if isinstance(v, dict) and not v.get("compatible", True):
+                out.line(f"  {name}: not compatible ({'; '.join(v['reasons'])})")
+
+
 def _render(out, rep) -> None:
     if out.mode == "json":
         out.json(rep.as_dict())
@@ -451,9 +464,13 @@ def _render(out, rep) -> None:
     if not hasattr(rep, "source_format"):  # the quantizer's report
         for w in rep.warnings:
             out.warn(w)
-        out.table(f"dense -> {rep.target}: layers", ["layer", "plan", "bpw", "proxy error"],
-                  [[l.key, l.plan, f"{l.bpw:.3f}", f"{l.error:.4f}"]
+        werr = any(l.weight_error is not None for l in rep.layers)
+        src = rep.options.get("source_format", "dense")
+        out.table(f"{src} -> {rep.target}: layers", ["layer", "plan", "bpw", "proxy error"]
+                  + (["weight error"] if werr else []),
+                  [[l.key, l.plan, f"{l.bpw:.3f}", f"{l.error:.4f}"] + ([_fmt_err(l.weight_error)] if werr else [])
                    for l in sorted(rep.layers, key=lambda l: layer_order_key(l.key))])
+        _compat_lines(out, getattr(rep, "compatibility", None))
         _files_lines(out, rep)
         for line in rep.summary_lines():
             out.line(line, "bold")
@@ -474,11 +491,7 @@ def _render(out, rep) -> None:
                    for t in cast])
     for c in rep.config_changes:
         out.line(f"config.json: {c}")
-    if rep.compatibility:
-        out.line(f"GPTQ consumers: {rep.compatibility.get('summary', '')}")
-        for name, v in rep.compatibility.items():
-            if isinstance(v, dict) and not v.get("compatible", True):
-                out.line(f"  {name}: not compatible ({'; '.join(v['reasons'])})")
+    _compat_lines(out, rep.compatibility)
     if rep.files_copied:
         out.line(f"copied: {', '.join(rep.files_copied)}")
     out.line(f"wrote {rep.destination}: {', '.join(rep.files_written)}")

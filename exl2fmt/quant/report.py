@@ -34,6 +34,9 @@ class LayerResult:
     plan: str
     bpw: float
     error: float          # proxy error: relative output error of the layer on its calibration inputs
+    # relative weight error ||W_q - W_src||_F / ||W_src||_F against a quantized source's decoded weights (set when
+    # a quantized model is re-quantized: EXL2 -> GPTQ --order static); None otherwise
+    weight_error: float | None = None
 
 
 @dataclass
@@ -52,6 +55,8 @@ class QuantReport:
     warnings: list[str] = field(default_factory=list)
     files_copied: list[str] = field(default_factory=list)     # from the source directory (modelcard.MODEL_FILES)
     files_left_out: list[str] = field(default_factory=list)   # the source's other files, not copied
+    # a GPTQ output: which runtimes and kernels load it (``converters.exl2_to_gptq.gptq_compatibility``)
+    compatibility: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -72,6 +77,11 @@ class QuantReport:
             padded = sum(len(b.get("expert_hessian_padded") or ()) for b in self.blocks)
             out.append(f"experts: {len(flat)} in {len(moe)} MoE blocks saw {flat[0]}-{flat[-1]} calibration tokens "
                        f"each (median {flat[len(flat) // 2]}); {padded} expert Hessians padded for too few tokens")
+        werr = [(l.weight_error, l.key) for l in self.layers if l.weight_error is not None]
+        if werr:
+            worst = max(werr)
+            out.append(f"weight error against the source's decode: mean {sum(e for e, _ in werr) / len(werr):.4f}, "
+                       f"max {worst[0]:.4f} ({worst[1]})")
         out.append("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()))
         return out
 
