@@ -32,10 +32,15 @@ class GgufType(str, enum.Enum):
     f16 = "f16"
     bf16 = "bf16"
     q8_0 = "q8_0"
+    q6_k = "q6_k"
+    q5_k = "q5_k"
     q5_1 = "q5_1"
     q5_0 = "q5_0"
+    q4_k = "q4_k"
     q4_1 = "q4_1"
     q4_0 = "q4_0"
+    q3_k = "q3_k"
+    q2_k = "q2_k"
 
 
 class VerifyMode(str, enum.Enum):
@@ -173,9 +178,11 @@ def convert_command(
     gguf_type: Annotated[GgufType, typer.Option("--gguf-type", case_sensitive=False, help="--to gguf: tensor type "
                                                 "of the weights. auto: dense keeps its dtype; GPTQ sym <= 4-bit -> "
                                                 "q4_0, 8-bit -> q8_0 (exact); EXL2 and other GPTQ: near the source's "
-                                                "size, each layer the cheapest of q4_0/q4_1/q5_0/q5_1/q8_0 with bits "
-                                                "per weight >= its own (f16 above), the error per layer reported. "
-                                                "f16: exact (about 3-4x an EXL2 4.0's size).")
+                                                "size, each layer the cheapest K-quant (q2_k..q6_k, q8_0; rows of "
+                                                "256k weights) or, for other rows, of q4_0/q4_1/q5_0/q5_1/q8_0 with "
+                                                "bits per weight >= its own (f16 above), blocks fitted by a scale "
+                                                "search, the error per layer reported. f16: exact (about 3-4x an "
+                                                "EXL2 4.0's size).")
                          ] = GgufType.auto,
     json_: Annotated[bool, typer.Option("--json", help="Print the conversion report as JSON on stdout.")] = False,
     status_lines: Annotated[bool, typer.Option("--status-lines", help="Report progress as JSON lines on stderr "
