@@ -11,17 +11,20 @@ from ..container import bf16_bits_to_f32, f32_to_bf16_bits
 from .gguf_io import ggml_type
 from .slots import G_IDX, Q_INVPERM, Q_SCALE_MAX, QWEIGHT, QZEROS, SCALES
 
-__all__ = ["SIZED_LADDER", "SIZED_K_LADDER", "KQUANT_TYPES", "layer_integers", "type_bpw", "sized_type",
+__all__ = ["SIZED_LADDER", "SIZED_K_LADDER", "KQUANT_TYPES", "OWN_QUANTIZER_TYPES", "layer_integers", "type_bpw", "sized_type",
            "repack_blocks", "to_gtype", "offset_in_dtype", "source_f32"]
 
-#: the 32-weight block types, cheapest first, then F16, which holds any source: Q4_0 4.5 bits per weight, Q4_1
-#: 5.0, Q5_0 5.5, Q5_1 6.0, Q8_0 8.5 (block scale(s) included), F16 16.  A row whose length is a multiple of 32
-#: but not of 256 gets these (llama.cpp's rule: K-quant super-blocks hold 256 weights of one row)
-SIZED_LADDER = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16")
+#: the 32-weight block types, cheapest first, then F16, which holds any source: IQ4_NL 4.5 bits per weight (Q4_0's
+#: size, a non-uniform grid: lower error), Q4_1 5.0, Q5_0 5.5, Q5_1 6.0, Q8_0 8.5 (block scale(s) included), F16
+#: 16.  A row whose length is a multiple of 32 but not of 256 gets these (llama.cpp's rule: K-quant super-blocks
+#: hold 256 weights of one row; llama.cpp's own fallback for them is IQ4_NL too)
+SIZED_LADDER = ("IQ4_NL", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16")
 #: the K-quants (``codec.ggml_quant``; the ``gguf`` package decodes them but has no quantizer), cheapest first:
 #: Q2_K 2.625, Q3_K 3.4375, Q4_K 4.5, Q5_K 5.5, Q6_K 6.5625, then Q8_0 8.5 and F16, for rows of 256k weights
 SIZED_K_LADDER = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16")
 KQUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+#: the types only exl2fmt's quantizer writes (the gguf package decodes them but has no quantizer)
+OWN_QUANTIZER_TYPES = KQUANT_TYPES + ("IQ4_NL",)
 _QRANGE = {"Q8_0": (-128, 127), "Q4_0": (-8, 7)}
 
 # ------------------------------------------------------------------------------------------------ numerics
@@ -144,7 +147,7 @@ def repack_blocks(w16: np.ndarray, q: np.ndarray | None, d: np.ndarray | None, q
 def to_gtype(w32: np.ndarray, gtype: str, searched: bool = False) -> np.ndarray:
     """float32 [.., cols] -> GGUF data of ``gtype`` (F32/F16: typed arrays; BF16: uint16 bits; blocks: uint8).
     Blocks come from ``gguf.quants`` (plain rounding, llama.cpp's converter's bytes) unless ``searched`` or the
-    type is a K-quant: then from ``codec.ggml_quant`` (a least-squares scale search per block)."""
+    type is a K-quant or IQ4_NL: then from ``codec.ggml_quant`` (a least-squares scale search per block)."""
     from gguf import quants
 
     if gtype == "F32":
@@ -154,7 +157,7 @@ def to_gtype(w32: np.ndarray, gtype: str, searched: bool = False) -> np.ndarray:
             return np.ascontiguousarray(w32.astype(np.float16))
     if gtype == "BF16":
         return f32_to_bf16_bits(w32)
-    if searched or gtype in KQUANT_TYPES:
+    if searched or gtype in OWN_QUANTIZER_TYPES:
         from ..codec.ggml_quant import quantize
 
         x = np.ascontiguousarray(w32, dtype=np.float32)

@@ -14,7 +14,7 @@ from ..container import SourceReader
 from ..errors import ErrorCode, Exl2Error
 from .base import LayerReport, TensorReport, build_layer, error_stats, layer_issues_or_raise
 from ..names import natural_key
-from .gguf_blocks import (KQUANT_TYPES, layer_integers, offset_in_dtype, repack_blocks, sized_type, source_f32,
+from .gguf_blocks import (KQUANT_TYPES, OWN_QUANTIZER_TYPES, layer_integers, offset_in_dtype, repack_blocks, sized_type, source_f32,
                           to_gtype)
 from .gguf_io import decode, ggml_type
 from .gguf_map import DROPPED_SUFFIXES, gguf_name_map, permute_qk, qk_heads
@@ -199,7 +199,7 @@ def plan_items(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, rep
                 owned.add(x)
     for cols, names in sorted(no_k.items()):
         report.warnings.append(f"{len(names)} layer(s) with rows of {cols} weights (not a multiple of 256, the "
-                               f"K-quant super-block) get the 32-weight types Q4_0..Q8_0 instead of K-quants "
+                               f"K-quant super-block) get the 32-weight types IQ4_NL..Q8_0 instead of K-quants "
                                f"(e.g. {names[0]})")
     if spec.model_type == "phi3":
         items += _rope_factor_items(cfg, str(model.root), report)
@@ -307,9 +307,8 @@ def _rope_factor_items(cfg: dict, root: str, report) -> list[Item]:
     return out
 
 
-#: llama.cpp's replacement of a K-quant for a row that is no whole number of 256-weight super-blocks (Q2_K and
-#: Q3_K go to IQ4_NL there, which nothing here writes: Q4_0, the same 4.5 bits per weight)
-_K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+#: llama.cpp's replacement of a K-quant for a row that is no whole number of 256-weight super-blocks
+_K_FALLBACK = {"Q2_K": "IQ4_NL", "Q3_K": "IQ4_NL", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 #: ``<prefix>.experts.<e>.<proj>.weight``: one expert's matrix (Mixtral w1/w2/w3, Qwen-MoE gate/up/down_proj)
 _EXPERT = re.compile(r"^(?P<pre>.+)\.experts\.(?P<e>\d+)\.(?P<w>\w+)\.weight$")
@@ -503,7 +502,7 @@ def _layer_blocks(layer, w16: np.ndarray, N: int, gtype: str, rep: LayerReport, 
     they fit a block exactly (``repack_blocks``; the rest quantized by gguf.quants, or with ``searched`` by
     ``codec.ggml_quant``'s scale search, counted in ``rep``), otherwise its fp16 reconstruction ``w16`` (float16
     [N, K]) converted to ``gtype`` (K-quants always by the scale search)."""
-    how = "the scale search" if searched or gtype in KQUANT_TYPES else "gguf.quants"
+    how = "the scale search" if searched or gtype in OWN_QUANTIZER_TYPES else "gguf.quants"
     if gtype not in ("Q8_0", "Q4_0"):
         if gtype not in ("F32", "F16", "BF16"):
             rep.notes.append(f"quantized to {gtype} from the fp16 reconstruction by {how}")

@@ -177,3 +177,46 @@ def legacy_affine_block(x, w, nmax, nstep, rmin, rdelta):
             break
         d, m, err, q = nd, nm, e, nq
     return q, d, m
+
+
+def _nearest(v, kv):
+    return np.argmin(np.abs(np.asarray(v, dtype=np.float64)[..., None] - kv), axis=-1)  # first of equal distances
+
+
+def legacy_nl_block(x, w, kv, nstep, rdelta):
+    """One IQ4_NL block -> (indices [32], d): trial scales map the largest-magnitude weight to either end of the
+    codebook, each refitted by least squares; the best rounded to fp16 and refitted while the error falls."""
+    kv = np.asarray(kv, dtype=np.float64)
+    zero = int(_nearest(0.0, kv))
+
+    def err(d):
+        q = _nearest(x / d, kv) if d != 0 else np.full(x.shape, zero)
+        return _sum(w * (d * kv[q] - x) ** 2), q
+
+    def ls(d):
+        k = kv[_nearest(x / d, kv)]
+        return _sum(w * k * x), _sum(w * k * k)
+
+    m = float(x[np.argmax(np.abs(x))])
+    d = 0.0
+    if m != 0:
+        best = np.inf
+        for end in (kv[0], kv[-1]):
+            for t in range(-nstep, nstep + 1):
+                sxk, skk = ls(m / (end + rdelta * t * abs(end) / 16.0))
+                if skk > 0 and -sxk * sxk / skk < best:
+                    best, d = -sxk * sxk / skk, sxk / skk
+    d = _h(d)
+    e0, q = err(d)
+    for _ in range(2):
+        if d == 0:
+            break
+        sxk, skk = ls(d)
+        if skk <= 0:
+            break
+        nd = _h(sxk / skk)
+        e, nq = err(nd)
+        if e >= e0:
+            break
+        d, e0, q = nd, e, nq
+    return q, d

@@ -11,8 +11,8 @@ gguf = pytest.importorskip("gguf")
 from gguf import quants  # noqa: E402
 
 import ggml_twin as twin  # noqa: E402
-from exl2fmt.codec.ggml_quant import (BLOCK, KQUANT_TYPES, LEGACY_TYPES, TYPE_SIZE, fit_integers,  # noqa: E402
-                                      fits_row, quantize)
+from exl2fmt.codec.ggml_quant import (BLOCK, IQ4_NL_VALUES, KQUANT_TYPES, LEGACY_TYPES, TYPE_SIZE,  # noqa: E402
+                                      fit_integers, fits_row, quantize)
 
 ALL = KQUANT_TYPES + LEGACY_TYPES
 _SUB = {"Q2_K": 16, "Q3_K": 16, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
@@ -37,6 +37,8 @@ def _intended(f: dict, gtype: str) -> np.ndarray:
     L = f["L"].astype(np.float32)
     N, K = L.shape
     d = np.repeat(f["d"].view(np.float16).astype(np.float32), BLOCK[gtype], axis=1)
+    if gtype == "IQ4_NL":
+        return d * np.asarray(IQ4_NL_VALUES, np.float32)[f["L"].astype(np.int64)]
     if gtype in LEGACY_TYPES:
         m = np.repeat(f["dmin"].view(np.float16).astype(np.float32), 32, axis=1) if "dmin" in f else 0.0
         return d * L + m
@@ -78,6 +80,9 @@ def _twin_block(x, w, gtype):
         lo, hi = {"Q4_0": (-8.0, 7.0), "Q5_0": (-16.0, 15.0), "Q8_0": (-128.0, 127.0)}[gtype]
         L, d = twin.legacy_sym_block(x, w, lo, hi, 9, 0.1)
         return L, None, None, d, None
+    if gtype == "IQ4_NL":
+        L, d = twin.legacy_nl_block(x, w, IQ4_NL_VALUES, 9, 1.0)
+        return L, None, None, d, None
     L, d, m = twin.legacy_affine_block(x, w, {"Q4_1": 15.0, "Q5_1": 31.0}[gtype], 15, -0.5, 0.1)
     return L, None, None, d, m
 
@@ -106,7 +111,7 @@ def test_fit_equals_the_numpy_twin(gtype, weighted):
                 assert float(f["dmin"][r, b:b + 1].view(np.float16)[0]) == dmin, (r, b)
 
 
-@pytest.mark.parametrize("gtype", LEGACY_TYPES)
+@pytest.mark.parametrize("gtype", [t for t in LEGACY_TYPES if t != "IQ4_NL"])
 def test_search_beats_plain_rounding(gtype):
     """Against the gguf package's own round-from-the-extremes quantizer on the same rows."""
     x = _weights(rows=16)[:16]
@@ -114,6 +119,15 @@ def test_search_beats_plain_rounding(gtype):
     ours = quants.dequantize(quantize(x, gtype), qt).reshape(x.shape)
     rtn = quants.dequantize(quants.quantize(x, qt), qt).reshape(x.shape)
     assert ((ours - x) ** 2).sum() < ((rtn - x) ** 2).sum() * 0.97
+
+
+def test_iq4_nl_beats_q4_0_at_the_same_size():
+    x = _weights(rows=16)[:16]
+    err = {}
+    for t in ("Q4_0", "IQ4_NL"):
+        back = quants.dequantize(quantize(x, t), gguf.GGMLQuantizationType[t]).reshape(x.shape)
+        err[t] = float(((back - x) ** 2).sum())
+    assert TYPE_SIZE["IQ4_NL"] == TYPE_SIZE["Q4_0"] and err["IQ4_NL"] < 0.85 * err["Q4_0"]
 
 
 def test_error_falls_with_bits_and_importance_is_honoured():

@@ -39,6 +39,7 @@ class GgufType(str, enum.Enum):
     q4_k = "q4_k"
     q4_1 = "q4_1"
     q4_0 = "q4_0"
+    iq4_nl = "iq4_nl"
     q3_k = "q3_k"
     q2_k = "q2_k"
 
@@ -179,7 +180,7 @@ def convert_command(
                                                 "of the weights. auto: dense keeps its dtype; GPTQ sym <= 4-bit -> "
                                                 "q4_0, 8-bit -> q8_0 (exact); EXL2 and other GPTQ: near the source's "
                                                 "size, each layer the cheapest K-quant (q2_k..q6_k, q8_0; rows of "
-                                                "256k weights) or, for other rows, of q4_0/q4_1/q5_0/q5_1/q8_0 with "
+                                                "256k weights) or, for other rows, of iq4_nl/q4_1/q5_0/q5_1/q8_0 with "
                                                 "bits per weight >= its own (f16 above), blocks fitted by a scale "
                                                 "search, the error per layer reported. f16: exact (about 3-4x an "
                                                 "EXL2 4.0's size).")

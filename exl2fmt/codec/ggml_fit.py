@@ -34,7 +34,7 @@ from numba import njit, prange
 
 from .f16 import f16_bits_to_f32, f32_to_f16_bits
 
-__all__ = ["fit_affine", "fit_sym", "kquant_affine", "kquant_sym", "legacy_sym", "legacy_affine"]
+__all__ = ["fit_affine", "fit_sym", "kquant_affine", "kquant_sym", "legacy_sym", "legacy_affine", "legacy_nl"]
 
 
 @njit(cache=True, inline="always")
@@ -394,3 +394,89 @@ def legacy_affine(x, w, nmax, nstep, rmin, rdelta, L, dd, dm):
             _sub_affine(xr, wr, o, 32, d, -mm, nmax, L[r], True)
             dd[r, b] = f32_to_f16_bits(np.float32(d))
             dm[r, b] = f32_to_f16_bits(np.float32(mm))
+
+
+# ------------------------------------------------------------------------------------ IQ4_NL (non-linear 4-bit)
+
+
+@njit(cache=True, inline="always")
+def _nearest(v, kv):
+    """Index of the entry of ``kv`` (float64 [16], ascending) nearest to v (the lower one on a tie)."""
+    best = 0
+    bd = abs(v - kv[0])
+    for j in range(1, kv.shape[0]):
+        dj = abs(v - kv[j])
+        if dj < bd:
+            bd = dj
+            best = j
+    return best
+
+
+@njit(cache=True)
+def _sub_nl(x, w, o, n, d, kv, zero, L, write):
+    """Weighted error of one block decoded as ``d * kv[L]`` with L the nearest entry to x / d."""
+    e = 0.0
+    for i in range(o, o + n):
+        q = _nearest(x[i] / d, kv) if d != 0.0 else zero
+        if write:
+            L[i] = np.int8(q)
+        r = d * kv[q] - x[i]
+        e += np.float64(w[i]) * (r * r)
+    return e
+
+
+@njit(cache=True)
+def _ls_nl(x, w, o, n, d, kv):
+    """(sum w x k, sum w k^2) over the block, k the codebook value each weight rounds to at scale d."""
+    sxk = 0.0
+    skk = 0.0
+    for i in range(o, o + n):
+        k = kv[_nearest(x[i] / d, kv)]
+        sxk += np.float64(w[i]) * k * x[i]
+        skk += np.float64(w[i]) * k * k
+    return sxk, skk
+
+
+@njit(cache=True, parallel=True)
+def legacy_nl(x, w, kv, nstep, rdelta, L, dd):
+    """IQ4_NL: one fp16 scale per 32 weights, each weight ``d * kv[L]`` (kv the format's 16 fixed values).
+    Trials map the weight of largest magnitude to either end of the codebook, widened or narrowed by
+    ``rdelta`` per step; each is refitted by least squares; the best is rounded to fp16 and refitted again."""
+    N, K = x.shape
+    zero = _nearest(0.0, kv)
+    for r in prange(N):
+        xr = x[r]
+        wr = w[r] if w.shape[0] > 1 else w[0]
+        for b in range(K // 32):
+            o = b * 32
+            m = np.float64(xr[o])
+            for i in range(o, o + 32):
+                if abs(xr[i]) > abs(m):
+                    m = np.float64(xr[i])
+            d = 0.0
+            if m != 0.0:
+                best_e = np.inf
+                for end in (kv[0], kv[kv.shape[0] - 1]):
+                    for t in range(-nstep, nstep + 1):
+                        sxk, skk = _ls_nl(xr, wr, o, 32, m / (end + rdelta * t * abs(end) / 16.0), kv)
+                        if skk <= 0.0:
+                            continue
+                        e = -sxk * sxk / skk
+                        if e < best_e:
+                            best_e = e
+                            d = sxk / skk
+            d = _h(d)
+            err = _sub_nl(xr, wr, o, 32, d, kv, zero, xr, False)
+            for _ in range(2):
+                if d == 0.0:
+                    break
+                sxk, skk = _ls_nl(xr, wr, o, 32, d, kv)
+                if skk <= 0.0:
+                    break
+                nd = _h(sxk / skk)
+                e = _sub_nl(xr, wr, o, 32, nd, kv, zero, xr, False)
+                if e >= err:
+                    break
+                d, err = nd, e
+            _sub_nl(xr, wr, o, 32, d, kv, zero, L[r], True)
+            dd[r, b] = f32_to_f16_bits(np.float32(d))

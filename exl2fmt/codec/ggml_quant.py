@@ -22,6 +22,9 @@ block layouts (one row of ``K`` weights is ``K / block`` blocks in order; fp16 v
   S[j] low 4 bits | S[j+8] low 4 bits << 4; byte 8+k holds bits 4-5 of S[k+4t] at bits 2t..2t+1.
 * ``Q2_K`` (256, 84): 16 bytes of (4-bit scale | 4-bit minimum << 4), 64 bytes of 2-bit L (as Q3_K's low
   parts), ``d`` fp16, ``dmin`` fp16; sub-block j of 16 decodes ``d * sc[j] * L - dmin * mn[j]``.
+* ``IQ4_NL`` (32, 18): fp16 ``d``, then 16 bytes of 4-bit indices laid out as Q4_0's nibbles; a weight decodes
+  ``d * IQ4_NL_VALUES[index]`` (16 fixed, non-uniform values: 4.5 bits per weight, as Q4_0, with a finer grid
+  near zero).
 * ``Q4_0`` / ``Q5_0`` / ``Q8_0`` (32 weights): fp16 ``d``, then (Q5_0) a little-endian uint32 of the fifth bits,
   then the nibbles (byte j = U[j] | U[j+16] << 4; U = L + 8 or + 16) or (Q8_0) 32 int8.  ``Q4_1`` / ``Q5_1``: fp16
   ``d``, fp16 ``m``, [qh], nibbles; decode ``d * U + m``.
@@ -38,11 +41,13 @@ __all__ = ["KQUANT_TYPES", "LEGACY_TYPES", "BLOCK", "TYPE_SIZE", "quantize", "fi
 
 #: weights per block and bytes per block of each type
 BLOCK = {"Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256,
-         "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32}
+         "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "IQ4_NL": 32}
 TYPE_SIZE = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
-             "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
+             "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "IQ4_NL": 18}
 KQUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-LEGACY_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+LEGACY_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
+#: IQ4_NL's 16 fixed values (the format's table, as ggml and the gguf package's decoder hold it)
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 #: the search of each type: affine (sub-block, L max, scale max, steps, first step, step) or symmetric
 #: (sub-block, L min, L max, scale min, scale max, steps each side, step); the step counts are those that cost
@@ -94,6 +99,8 @@ def fit_integers(x: np.ndarray, gtype: str, w: np.ndarray | None = None) -> dict
     elif gtype in _LEGACY_SYM:
         nlo, nhi = _LEGACY_SYM[gtype]
         f.legacy_sym(x, w, nlo, nhi, 9, 0.1, L, d)
+    elif gtype == "IQ4_NL":
+        f.legacy_nl(x, w, np.asarray(IQ4_NL_VALUES, np.float64), 9, 1.0, L, d)
     elif gtype in _LEGACY_AFFINE:
         dm = np.zeros((N, nb), np.uint16)
         f.legacy_affine(x, w, _LEGACY_AFFINE[gtype], 15, -0.5, 0.1, L, d, dm)
@@ -212,4 +219,5 @@ _PACK = {"Q4_K": _pack_q4k, "Q5_K": _pack_q5k, "Q6_K": _pack_q6k, "Q3_K": _pack_
          "Q5_0": lambda f, N, nb: _legacy(f, N, nb, 16, True, False),
          "Q4_1": lambda f, N, nb: _legacy(f, N, nb, 0, False, True),
          "Q5_1": lambda f, N, nb: _legacy(f, N, nb, 0, True, True),
+         "IQ4_NL": lambda f, N, nb: _legacy(f, N, nb, 0, False, False),
          "Q8_0": _pack_q8_0}
