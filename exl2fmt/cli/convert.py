@@ -219,7 +219,8 @@ def convert_command(
     * **EXL2 / GPTQ / dense -> gguf** (DST is a .gguf file; llama, mistral, mixtral, granite, qwen2/3 and their
       MoE, gemma 1/2/3, phi3, cohere, starcoder2): names and Q/K rows as
       llama.cpp expects, norms F32, tokenizer and hyper-parameters as metadata; blocks repacked exactly where
-      the source's integers fit (--gguf-type), the rest quantized with gguf.quants and reported.
+      the source's integers fit (--gguf-type), the rest quantized (gguf.quants; under auto and for the
+      K-quants / iq4_nl exl2fmt's own block quantizer with a scale search) and reported.
     * **model.gguf -> fp16/bf16**: every type the gguf package decodes; config.json rebuilt from the metadata.
 
     **Examples**
