@@ -1,6 +1,7 @@
 """The numerics of GGUF blocks for ``gguf_write``: the integers and scales a quantized layer multiplies
-(``layer_integers``), the exact repack of Q8_0 / Q4_0 blocks (``repack_blocks``), the sized type ladder
-(``sized_type``, ``type_bpw``) and the conversion of float32 data to a GGUF type (``to_gtype``)."""
+(``layer_integers``), the exact repack of Q8_0 / Q4_0 blocks (``repack_blocks``), the sized type ladders
+(``sized_type``, ``type_bpw``) and the conversion of float32 data to a GGUF type (``to_gtype``, with
+``searched=True`` the scale-searching quantizers of ``codec.ggml_quant``)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,20 @@ from ..container import bf16_bits_to_f32, f32_to_bf16_bits
 from .gguf_io import ggml_type
 from .slots import G_IDX, Q_INVPERM, Q_SCALE_MAX, QWEIGHT, QZEROS, SCALES
 
-__all__ = ["SIZED_LADDER", "layer_integers", "type_bpw", "sized_type", "repack_blocks", "to_gtype",
-           "offset_in_dtype", "source_f32"]
+__all__ = ["SIZED_LADDER", "SIZED_K_LADDER", "KQUANT_TYPES", "OWN_QUANTIZER_TYPES", "layer_integers", "type_bpw", "sized_type",
+           "repack_blocks", "to_gtype", "offset_in_dtype", "source_f32"]
 
-#: the block types the ``gguf`` package can write (a numpy ``quants.quantize``; gguf 0.19 has none for the
-#: K-quants, IQ types or Q8_1, and TQ1_0/TQ2_0 are ternary), cheapest first, then F16, which holds any source:
-#: Q4_0 4.5 bits per weight, Q4_1 5.0, Q5_0 5.5, Q5_1 6.0, Q8_0 8.5 (block scale(s) included), F16 16
-SIZED_LADDER = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16")
+#: the 32-weight block types, cheapest first, then F16, which holds any source: IQ4_NL 4.5 bits per weight (Q4_0's
+#: size, a non-uniform grid: lower error), Q4_1 5.0, Q5_0 5.5, Q5_1 6.0, Q8_0 8.5 (block scale(s) included), F16
+#: 16.  A row whose length is a multiple of 32 but not of 256 gets these (llama.cpp's rule: K-quant super-blocks
+#: hold 256 weights of one row; llama.cpp's own fallback for them is IQ4_NL too)
+SIZED_LADDER = ("IQ4_NL", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16")
+#: the K-quants (``codec.ggml_quant``; the ``gguf`` package decodes them but has no quantizer), cheapest first:
+#: Q2_K 2.625, Q3_K 3.4375, Q4_K 4.5, Q5_K 5.5, Q6_K 6.5625, then Q8_0 8.5 and F16, for rows of 256k weights
+SIZED_K_LADDER = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16")
+KQUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+#: the types only exl2fmt's quantizer writes (the gguf package decodes them but has no quantizer)
+OWN_QUANTIZER_TYPES = KQUANT_TYPES + ("IQ4_NL",)
 _QRANGE = {"Q8_0": (-128, 127), "Q4_0": (-8, 7)}
 
 # ------------------------------------------------------------------------------------------------ numerics
@@ -82,15 +90,14 @@ def type_bpw(gtype: str) -> float:
 
 
 def sized_type(bpw: float | None, cols: int) -> str:
-    """The first type of ``SIZED_LADDER`` whose bits per weight are >= ``bpw`` (the source layer's, overhead
-    included) and whose block divides the row length ``cols`` (llama.cpp's rule); F16 when none does.  So the
-    GGUF lands at or just above the source's size, never below it (a smaller type would lose more than the
-    source's own quantization did)."""
-    import gguf
-
-    for t in SIZED_LADDER:
-        bs = gguf.GGML_QUANT_SIZES[ggml_type(t)][0]
-        if cols % bs == 0 and (bpw is None or type_bpw(t) >= bpw - 1e-9):
+    """The first type of the ladder the row length ``cols`` allows whose bits per weight are >= ``bpw`` (the
+    source layer's, overhead included): ``SIZED_K_LADDER`` when ``cols`` is a multiple of 256, else
+    ``SIZED_LADDER`` when it is a multiple of 32 (llama.cpp's block rule), else F16.  So the GGUF lands at or
+    just above the source's size, never below it (a smaller type would lose more than the source's own
+    quantization did)."""
+    ladder = SIZED_K_LADDER if cols % 256 == 0 else SIZED_LADDER if cols % 32 == 0 else ("F16",)
+    for t in ladder:
+        if bpw is None or type_bpw(t) >= bpw - 1e-9:
             return t
     return "F16"
 
@@ -99,15 +106,15 @@ def _block_dtype(qname: str) -> np.dtype:
     return np.dtype([("d", "<f2"), ("qs", "i1" if qname == "Q8_0" else "u1", (32 if qname == "Q8_0" else 16,))])
 
 
-def repack_blocks(w16: np.ndarray, q: np.ndarray | None, d: np.ndarray | None, qname: str
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def repack_blocks(w16: np.ndarray, q: np.ndarray | None, d: np.ndarray | None, qname: str,
+                  searched: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0 / Q4_0 blocks for ``w16`` (float16 [N, K], K a multiple of 32).
 
     ``q`` int16 [N, K] and ``d`` float16 [N, K] (``layer_integers``; None for a dense source): a block whose 32
     scales are one value, whose integers fit the type and whose ``fp16(q * d)`` equals ``w16`` is stored as
-    exactly those integers and that scale; the other blocks are quantized from ``w16`` with ``gguf.quants``.
-    Returns (uint8 [N, K/32 * type_size] block bytes, bool [N, K/32] mask of the exact blocks)."""
-    from gguf import quants
+    exactly those integers and that scale; the other blocks are quantized from ``w16`` with ``gguf.quants``
+    (``searched``: with ``codec.ggml_quant``'s scale search).  Returns (uint8 [N, K/32 * type_size] block bytes,
+    bool [N, K/32] mask of the exact blocks)."""
 
     N, K = w16.shape
     nb = K // 32
@@ -124,7 +131,7 @@ def repack_blocks(w16: np.ndarray, q: np.ndarray | None, d: np.ndarray | None, q
     if exact.all():
         out = np.empty((N, nb), dtype=bdt)
     else:
-        base = quants.quantize(w16.astype(np.float32), ggml_type(qname))
+        base = to_gtype(w16.astype(np.float32), qname, searched)
         out = np.ascontiguousarray(base).view(bdt).reshape(N, nb).copy()
     if exact.any():
         qb = q.reshape(N, nb, 32)
@@ -137,8 +144,10 @@ def repack_blocks(w16: np.ndarray, q: np.ndarray | None, d: np.ndarray | None, q
     return out.view(np.uint8).reshape(N, nb * bdt.itemsize), exact
 
 
-def to_gtype(w32: np.ndarray, gtype: str) -> np.ndarray:
-    """float32 [.., cols] -> GGUF data of ``gtype`` (F32/F16: typed arrays; BF16: uint16 bits; blocks: uint8)."""
+def to_gtype(w32: np.ndarray, gtype: str, searched: bool = False) -> np.ndarray:
+    """float32 [.., cols] -> GGUF data of ``gtype`` (F32/F16: typed arrays; BF16: uint16 bits; blocks: uint8).
+    Blocks come from ``gguf.quants`` (plain rounding, llama.cpp's converter's bytes) unless ``searched`` or the
+    type is a K-quant or IQ4_NL: then from ``codec.ggml_quant`` (a least-squares scale search per block)."""
     from gguf import quants
 
     if gtype == "F32":
@@ -148,6 +157,11 @@ def to_gtype(w32: np.ndarray, gtype: str) -> np.ndarray:
             return np.ascontiguousarray(w32.astype(np.float16))
     if gtype == "BF16":
         return f32_to_bf16_bits(w32)
+    if searched or gtype in OWN_QUANTIZER_TYPES:
+        from ..codec.ggml_quant import quantize
+
+        x = np.ascontiguousarray(w32, dtype=np.float32)
+        return quantize(x.reshape(-1, x.shape[-1]), gtype).reshape(*x.shape[:-1], -1)
     return np.ascontiguousarray(quants.quantize(np.ascontiguousarray(w32, dtype=np.float32), ggml_type(gtype)))
 
 

@@ -14,7 +14,8 @@ from ..container import SourceReader
 from ..errors import ErrorCode, Exl2Error
 from .base import LayerReport, TensorReport, build_layer, error_stats, layer_issues_or_raise
 from ..names import natural_key
-from .gguf_blocks import layer_integers, offset_in_dtype, repack_blocks, sized_type, source_f32, to_gtype
+from .gguf_blocks import (KQUANT_TYPES, OWN_QUANTIZER_TYPES, layer_integers, offset_in_dtype, repack_blocks, sized_type, source_f32,
+                          to_gtype)
 from .gguf_io import decode, ggml_type
 from .gguf_map import DROPPED_SUFFIXES, gguf_name_map, permute_qk, qk_heads
 
@@ -29,7 +30,7 @@ SIZED = "SIZED"
 class Item:
     gguf_name: str
     src: str                        # HF tensor name, or layer key for a linear layer
-    gtype: str                      # F32 / F16 / BF16 / Q8_0 / Q4_0
+    gtype: str                      # F32 / F16 / BF16 / Q8_0 / Q4_0 / Q4_K ...
     shape: tuple[int, ...]          # numpy order
     produce: Callable[[], np.ndarray]
     redecode: Callable[[], np.ndarray] | None = None   # fresh float32 reference for verify="full"
@@ -108,9 +109,20 @@ def plan_items(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, rep
     shard: dict[str, str] = {}  # source name -> its shard file (llama.cpp's tensor order: shard, then name)
     experts: dict[tuple[str, str], dict[int, tuple[str, object]]] = {}  # (prefix, proj) -> expert -> source
 
-    def gtype_2d(want: str, cols: int, what: str, bpw: float | None = None) -> str:
+    no_k: dict[int, list[str]] = {}  # row length -> layers whose rows are no whole K-quant super-blocks
+
+    def gtype_2d(want: str, cols: int, what: str, bpw: float | None = None, info=None) -> str:
         if want == SIZED:
-            return sized_type(bpw, cols)
+            t = sized_type(bpw, cols)
+            if info is not None and t not in ("Q4_0", "Q8_0") and _repacks_exactly(reader, info, t):
+                return "Q4_0"  # the source's own integers and scales, lossless, at no more bits than t
+            if cols % 256 and t != "F16":
+                no_k.setdefault(cols, []).append(what)
+            return t
+        if want in KQUANT_TYPES and cols % 256 and cols % 32 == 0:
+            report.warnings.append(f"{what}: row length {cols} is not a multiple of 256 (a K-quant super-block); "
+                                   f"written as {_K_FALLBACK[want]}, as llama.cpp's quantizer does")
+            return _K_FALLBACK[want]
         if want not in ("F32", "F16", "BF16") and cols % 32:
             report.warnings.append(f"{what}: row length {cols} is not a multiple of 32; written as F16")
             return "F16"
@@ -139,8 +151,9 @@ def plan_items(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, rep
                             "table", tensor=key)
         n, k = _true_nk(cfg, info)
         heads = qk_heads(wname, hp["n_head"], hp["n_kv"]) if permute else None
-        items.append(_layer_item(reader, info, cfg, g, wname, (n, k), gtype_2d(layer_t, k, wname, _info_bpw(info)),
-                                 heads, report))
+        items.append(_layer_item(reader, info, cfg, g, wname, (n, k), gtype_2d(layer_t, k, wname, _info_bpw(info),
+                                                                               info), heads, report,
+                                 searched=layer_t == SIZED))
         if info.has_bias:
             bname = f"{key}.bias"
             items.append(_layer_bias_item(reader, info, cfg, name_of(bname) or g[:-7] + ".bias", bname, n, heads,
@@ -184,6 +197,10 @@ def plan_items(model, reader, det, cfg, arch, permute, hp, layer_t, plain_t, rep
         for kind, x in parts.values():
             if kind == "plain":
                 owned.add(x)
+    for cols, names in sorted(no_k.items()):
+        report.warnings.append(f"{len(names)} layer(s) with rows of {cols} weights (not a multiple of 256, the "
+                               f"K-quant super-block) get the 32-weight types IQ4_NL..Q8_0 instead of K-quants "
+                               f"(e.g. {names[0]})")
     if spec.model_type == "phi3":
         items += _rope_factor_items(cfg, str(model.root), report)
     planned = (owned | {it.src for it in items} | {n for n in model.tensors if n.endswith(DROPPED_SUFFIXES)}
@@ -219,6 +236,32 @@ def _true_nk(cfg, info) -> tuple[int, int]:
         n = n_cfg if n_cfg is not None and fits_padding(n_cfg, info.out_features) else info.out_features
         return n, k
     return n_cfg or info.out_features, info.in_features
+
+
+def _repacks_exactly(reader, info, t: str) -> bool:
+    """True when every 32-weight block of the EXL2 layer ``info`` can be stored as Q4_0 holding the source's own
+    integers and fp16 scale (``repack_blocks``: the 32 input rows of each block lie in one group, stored order
+    read through ``q_invperm``, of at most 4 bits), and Q4_0 costs no more bits per weight than ``t``."""
+    from ..groups import decode_q_groups
+    from ..layout import Format
+    from .gguf_blocks import type_bpw
+    from .slots import Q_GROUPS, Q_INVPERM, Q_WEIGHT
+
+    if info.format is not Format.EXL2 or type_bpw("Q4_0") > type_bpw(t) or info.in_features % 32:
+        return False
+    try:
+        sl = info.slots
+        gt = decode_q_groups(reader.read(sl[Q_GROUPS].name), int(sl[Q_WEIGHT].shape[0]))
+        inv = np.asarray(reader.read(sl[Q_INVPERM].name)).astype(np.int64)
+    except (KeyError, Exl2Error):
+        return False
+    if inv.size != info.in_features or gt.K != inv.size or int(gt.bits.max()) > 4:
+        return False
+    group_of_stored = np.repeat(np.arange(gt.G), gt.rows)              # stored row -> its group
+    if np.any(inv < 0) or np.any(inv >= inv.size):
+        return False
+    g = group_of_stored[inv].reshape(-1, 32)                            # original row -> group, by block
+    return bool((g == g[:, :1]).all())
 
 
 def _numel(info) -> int:
@@ -263,6 +306,9 @@ def _rope_factor_items(cfg: dict, root: str, report) -> list[Item]:
                          report=rep))
     return out
 
+
+#: llama.cpp's replacement of a K-quant for a row that is no whole number of 256-weight super-blocks
+_K_FALLBACK = {"Q2_K": "IQ4_NL", "Q3_K": "IQ4_NL", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 #: ``<prefix>.experts.<e>.<proj>.weight``: one expert's matrix (Mixtral w1/w2/w3, Qwen-MoE gate/up/down_proj)
 _EXPERT = re.compile(r"^(?P<pre>.+)\.experts\.(?P<e>\d+)\.(?P<w>\w+)\.weight$")
@@ -341,7 +387,7 @@ def _stacked_item(model, reader, cfg, det, pre, wid, parts, name_of, plain_t, la
         w16 = layer.dequantize()[:N]
         lrep = expert_reps[e]
         lrep.source_plan, lrep.target_plan = layer.plan(), gtype
-        out = _layer_blocks(layer, w16, N, gtype, lrep)
+        out = _layer_blocks(layer, w16, N, gtype, lrep, layer_t == SIZED)
         _score(lrep, decode(out, gtype).reshape(N, K), w16)
         return out
 
@@ -417,7 +463,7 @@ def _plain_item(reader, name, dtype, g, shape, gtype, heads, report, offset: flo
     return Item(g, name, gtype, shape, produce, ref, rep)
 
 
-def _layer_item(reader, info, cfg, g, wname, shape, gtype, heads, report) -> Item:
+def _layer_item(reader, info, cfg, g, wname, shape, gtype, heads, report, searched: bool = False) -> Item:
     N, K = shape
     key = info.key
     rep = LayerReport(key, info.format.value, "gguf", (N, K))
@@ -435,7 +481,7 @@ def _layer_item(reader, info, cfg, g, wname, shape, gtype, heads, report) -> Ite
         layer_issues_or_raise(layer, report)
         rep.source_plan = layer.plan()
         rep.target_plan = gtype
-        out = _layer_blocks(layer, w16, N, gtype, rep)
+        out = _layer_blocks(layer, w16, N, gtype, rep, searched)
         back = decode(out, gtype).reshape(N, K)
         _score(rep, back, w16)
         if heads:
@@ -450,18 +496,23 @@ def _layer_item(reader, info, cfg, g, wname, shape, gtype, heads, report) -> Ite
     return Item(g, key, gtype, (N, K), produce, ref, rep)
 
 
-def _layer_blocks(layer, w16: np.ndarray, N: int, gtype: str, rep: LayerReport) -> np.ndarray:
+def _layer_blocks(layer, w16: np.ndarray, N: int, gtype: str, rep: LayerReport, searched: bool = False
+                  ) -> np.ndarray:
     """The GGUF data of one quantized layer: for Q8_0/Q4_0 the source's own integers and scales repacked where
-    they fit a block exactly (``repack_blocks``; the rest quantized by gguf.quants, counted in ``rep``), otherwise
-    its fp16 reconstruction ``w16`` (float16 [N, K]) converted to ``gtype``."""
+    they fit a block exactly (``repack_blocks``; the rest quantized by gguf.quants, or with ``searched`` by
+    ``codec.ggml_quant``'s scale search, counted in ``rep``), otherwise its fp16 reconstruction ``w16`` (float16
+    [N, K]) converted to ``gtype`` (K-quants always by the scale search)."""
+    how = "the scale search" if searched or gtype in OWN_QUANTIZER_TYPES else "gguf.quants"
     if gtype not in ("Q8_0", "Q4_0"):
-        return to_gtype(w16.astype(np.float32), gtype)
+        if gtype not in ("F32", "F16", "BF16"):
+            rep.notes.append(f"quantized to {gtype} from the fp16 reconstruction by {how}")
+        return to_gtype(w16.astype(np.float32), gtype, searched)
     qd = layer_integers(layer, N)
     q, d = (None, None) if qd is None else qd
-    out, exact_mask = repack_blocks(w16, q, d, gtype)
+    out, exact_mask = repack_blocks(w16, q, d, gtype, searched)
     n_exact, n_blocks = int(exact_mask.sum()), exact_mask.size
     rep.notes.append(f"{n_exact}/{n_blocks} blocks repacked exactly (source integers and scale), "
-                     f"{n_blocks - n_exact} quantized by gguf.quants")
+                     f"{n_blocks - n_exact} quantized by {how}")
     rep.rows_requantized = int((~exact_mask).any(axis=1).sum())
     return out
 

@@ -4,15 +4,18 @@
 
 1. Plan: every source tensor gets its GGUF name from the ``gguf`` package's table (``converters.gguf_map``)
    and a GGUF type: 1-D tensors (norms, biases) F32; 2-D weights the chosen type (``f32``, ``f16``, ``bf16``,
-   ``q8_0``, ``q5_1``, ``q5_0``, ``q4_1``, ``q4_0``; a quantized type falls back to F16 for a row length that is
-   not a multiple of 32, as llama.cpp's converter does).  ``auto`` (the default) keeps a dense model's dtype
+   ``q8_0``, ``q6_k``, ``q5_k``, ``q5_1``, ``q5_0``, ``q4_k``, ``q4_1``, ``q4_0``, ``iq4_nl``, ``q3_k``, ``q2_k``; a quantized
+   type falls back to F16 for a row length that is not a multiple of 32, as llama.cpp's converter does, and a
+   K-quant to a 32-weight type for one that is not a multiple of 256, as llama.cpp's quantizer does).  ``auto`` (the default) keeps a dense model's dtype
    (BF16 stays BF16, the rest F16); for a GPTQ model it picks Q4_0 when every quantized layer's integers fit
    Q4_0 (GPTQ symmetric <= 4 bits, groups a multiple of 32 rows, no act-order), Q8_0 when they fit Q8_0.  Any
    other quantized model (EXL2, other GPTQ) is written near its own size (issue 40): each quantized layer gets
-   ``sized_type`` of its stored bits per weight, the cheapest of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (the types
-   ``gguf.quants`` can write) whose bits per weight are >= the layer's, F16 above 8.5 or for a row length no
-   block divides.  ``f16`` is the exact path (F16 holds any EXL2/GPTQ reconstruction exactly).  Unquantized
-   tensors of a quantized model stay F16/BF16 under ``auto``.
+   ``sized_type`` of its stored bits per weight, the cheapest type whose bits per weight are >= the layer's:
+   a K-quant (Q2_K .. Q6_K, then Q8_0) for rows of 256k weights, else IQ4_NL / Q4_1 / Q5_0 / Q5_1 / Q8_0, F16
+   above 8.5 or for a row length no block divides; an EXL2 layer that repacks exactly into Q4_0 keeps Q4_0.
+   Those blocks are fitted by the scale search of ``codec.ggml_quant`` (``q2_k`` .. ``q6_k``, ``iq4_nl`` too).  ``f16``
+   is the exact path (F16 holds any EXL2/GPTQ reconstruction exactly).  Unquantized tensors of a quantized
+   model stay F16/BF16 under ``auto``.
 2. Write, tensor by tensor (memory: about one layer): the header, metadata and tensor table are written first
    (``GGUFWriter.add_tensor_info``: every shape and type is known), then each tensor's data as soon as it is
    produced.  Q/K rows are permuted for the ``llama`` arch (``gguf_map.permute_qk``).
@@ -66,7 +69,8 @@ from .gguf_plan import SIZED, auto_type, hparams, plan_items, sized_summary
 __all__ = ["convert_to_gguf", "GGUF_TYPES"]
 
 #: --gguf-type values
-GGUF_TYPES = ("auto", "f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+GGUF_TYPES = ("auto", "f32", "f16", "bf16", "q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "iq4_nl",
+              "q3_k", "q2_k")
 
 def convert_to_gguf(src, dst, *, gguf_type: str = "auto", force: bool = False, progress=None,
                     verify: str = "auto", _fail_after: int | None = None) -> ConversionReport:

@@ -319,17 +319,22 @@ def test_lossy_requantization_is_reported(sample, tmp_path):
 
 
 def test_sized_type_ladder_follows_the_layer_bpw_and_the_block_rule():
-    from exl2fmt.converters.gguf_blocks import SIZED_LADDER, sized_type, type_bpw
+    from exl2fmt.converters.gguf_blocks import SIZED_K_LADDER, SIZED_LADDER, sized_type, to_gtype, type_bpw
 
     assert [type_bpw(t) for t in SIZED_LADDER] == [4.5, 5.0, 5.5, 6.0, 8.5, 16.0]
     rng = np.random.default_rng(0)
-    for t in SIZED_LADDER[:-1]:  # every type of the ladder really has a numpy quantizer in the gguf package
+    for t in SIZED_LADDER[:-1]:  # every type of the ladder decodes (gguf package) what to_gtype writes
         x = rng.standard_normal((2, 64)).astype(np.float32)
-        q = gguf.quants.quantize(x, gguf.GGMLQuantizationType[t])
+        q = to_gtype(x, t, searched=True)
         assert np.isfinite(gguf.quants.dequantize(q, gguf.GGMLQuantizationType[t])).all()
-    assert sized_type(2.3, 64) == "Q4_0" and sized_type(4.5, 64) == "Q4_0" and sized_type(4.51, 64) == "Q4_1"
+    assert sized_type(2.3, 64) == "IQ4_NL" and sized_type(4.5, 64) == "IQ4_NL" and sized_type(4.51, 64) == "Q4_1"
     assert sized_type(5.3, 64) == "Q5_0" and sized_type(6.0, 64) == "Q5_1" and sized_type(6.2, 64) == "Q8_0"
     assert sized_type(8.6, 64) == "F16" and sized_type(3.0, 48) == "F16"   # 48 is no multiple of the block
+    # rows of whole 256-weight super-blocks take the K-quant ladder (our quantizer: codec.ggml_quant)
+    assert [type_bpw(t) for t in SIZED_K_LADDER] == [2.625, 3.4375, 4.5, 5.5, 6.5625, 8.5, 16.0]
+    assert sized_type(2.3, 512) == "Q2_K" and sized_type(2.7, 512) == "Q3_K" and sized_type(4.2, 256) == "Q4_K"
+    assert sized_type(4.6, 768) == "Q5_K" and sized_type(6.0, 256) == "Q6_K" and sized_type(6.6, 256) == "Q8_0"
+    assert sized_type(4.2, 576) == "IQ4_NL" and sized_type(9.0, 256) == "F16"    # 576 = 2.25 super-blocks
 
 
 def test_exl2_auto_lands_near_the_source_size_with_every_error_finite(sample, tmp_path):
@@ -339,7 +344,8 @@ def test_exl2_auto_lands_near_the_source_size_with_every_error_finite(sample, tm
     from exl2fmt.converters.gguf_blocks import type_bpw
 
     rep = convert(sample, tmp_path / "a.gguf", "gguf")
-    assert rep.verified and rep.options["gguf_type"] == "auto" and set(rep.options["layer_types"]) >= {"Q4_0", "Q8_0"}
+    assert rep.verified and rep.options["gguf_type"] == "auto"
+    assert set(rep.options["layer_types"]) >= {"IQ4_NL", "Q8_0", "Q4_K", "Q5_K"}
     m = open_model(sample)
     src_bytes = sum(int(m.info(n).nbytes) for n in m.tensors)
     gguf_bytes = (tmp_path / "a.gguf").stat().st_size
@@ -349,17 +355,75 @@ def test_exl2_auto_lands_near_the_source_size_with_every_error_finite(sample, tm
     assert gguf_bytes <= 1.25 * src_bytes < (tmp_path / "f.gguf").stat().st_size
     det_bpw = {k: v for k, v in ((l.key, l) for l in rep.layers)}
     for l in rep.layers:
-        assert np.isfinite(l.rel_error) and 0 < l.rel_error < 0.15, l.key
-        assert l.target_plan in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16")
+        # a 2-3 bit source layer re-rounded to Q2_K/Q3_K (2.6/3.4 bpw) loses about what its own rounding did
+        assert np.isfinite(l.rel_error) and 0 < l.rel_error < (0.3 if l.target_plan in ("Q2_K", "Q3_K") else 0.15), \
+            l.key
+        # rows of 256 weights (hidden 256) take the K-quants; down_proj's rows of 704 the 32-weight types
+        ladder = ("IQ4_NL", "Q4_1", "Q5_0", "Q5_1", "Q8_0") if l.shape[1] == 704 else \
+            ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")
+        assert l.target_plan in ladder, l.key
     assert det_bpw["lm_head"].target_plan == "Q8_0"                       # 8b/6b rows: 6.x bpw
-    assert det_bpw["model.layers.0.self_attn.o_proj"].target_plan == "Q4_0"   # 1:4b_32g
+    assert det_bpw["model.layers.0.self_attn.o_proj"].target_plan == "Q4_K"   # 1:4b_32g, permuted inputs
+    assert det_bpw["model.layers.0.mlp.down_proj"].target_plan == "IQ4_NL"    # rows of 704
+    assert any("rows of 704 weights (not a multiple of 256" in w for w in rep.warnings)
     s = rep.summary()
     assert 0 < s["mean_rel_error"] <= s["worst_rel_error"] and "mean over the 15 layers" in rep.summary_lines()[1]
     ts, r = reader_tensors(tmp_path / "a.gguf")
-    assert r.get_field("general.file_type").contents() == int(gguf.LlamaFileType.MOSTLY_Q4_0)
+    # the file type names the type holding the most weights: the 1000 x 256 lm_head's Q8_0
+    assert r.get_field("general.file_type").contents() == int(gguf.LlamaFileType.MOSTLY_Q8_0)
     assert type_bpw(ts["blk.1.attn_v.weight"].tensor_type.name) >= 5.0          # 1:5b_64g
     convert(tmp_path / "a.gguf", tmp_path / "back", "fp16")                     # loads back through our reader
     assert open_model(tmp_path / "back").config["num_hidden_layers"] == 2
+
+
+def test_exl2_auto_searched_blocks_beat_plain_rounding_and_keep_exact_repacks(tmp_path):
+    """Issue 40: under auto, (1) an EXL2 layer whose 32-row blocks each lie in one <= 4-bit group (identity
+    permutation) is stored as exact Q4_0 rather than a lossy K-quant of the same size; (2) every other layer
+    is closer to its source than the gguf package's plain rounding of the same type (``--gguf-type`` of that
+    type is the plain path) would be."""
+    from exl2fmt.formats.exl2 import quantize_rtn
+    from exl2fmt.sample import SAMPLE_PLANS, T, sample_config, sample_dense_tensors, sample_tensors
+
+    t = sample_tensors()
+    dense_w = sample_dense_tensors()["model.layers.1.self_attn.o_proj.weight"]
+    key = "model.layers.1.self_attn.o_proj"
+    for slot, arr in quantize_rtn(dense_w, list(T((1.0, 4, 32))), np.arange(dense_w.shape[1])).items():
+        t[f"{key}.{slot}"] = arr
+    src = tmp_path / "src"
+    write_sharded(src, t, max_shard_bytes=1 << 40, prefix="output")
+    (src / "config.json").write_text(json.dumps(sample_config()))
+    rep = convert(src, tmp_path / "a.gguf", "gguf")
+    by = {l.key: l for l in rep.layers}
+    assert by[key].target_plan == "Q4_0" and by[key].exact
+    assert SAMPLE_PLANS[1]["self_attn.o_proj"] != T((1.0, 4, 32))  # the swap is what made it exact
+    from exl2fmt.converters.gguf_blocks import to_gtype
+    from exl2fmt.model import dequantize_layer
+
+    ts, _ = reader_tensors(tmp_path / "a.gguf")
+    for l in rep.layers:
+        if l.exact or l.target_plan not in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):  # gguf has no IQ4_NL quantizer
+            continue
+        ref = dequantize_layer(src, l.key).astype(np.float32)
+        plain = gguf.quants.dequantize(to_gtype(ref, l.target_plan), gguf.GGMLQuantizationType[l.target_plan])
+        rel_plain = np.linalg.norm(plain.reshape(ref.shape) - ref) / np.linalg.norm(ref)
+        assert l.rel_error < rel_plain * 0.98, (l.key, l.rel_error, rel_plain)
+
+
+def test_explicit_k_quant_and_llama_cpp_row_fallback(dense, tmp_path):
+    """--gguf-type q4_k on a dense source: rows of 256 weights become Q4_K (our quantizer, decoded by the gguf
+    package near the source), down_proj's rows of 704 Q5_0 as llama.cpp's quantizer would, with a warning."""
+    rep = convert(dense, tmp_path / "k.gguf", "gguf", gguf_type="q4_k")
+    assert rep.verified
+    ts, r = reader_tensors(tmp_path / "k.gguf")
+    assert ts["blk.0.attn_q.weight"].tensor_type.name == "Q4_K"
+    assert ts["blk.0.ffn_down.weight"].tensor_type.name == "Q5_0"
+    assert any("row length 704 is not a multiple of 256" in w and "Q5_0" in w for w in rep.warnings)
+    assert r.get_field("general.file_type").contents() == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    src = open_model(dense)
+    w = src.get("model.layers.0.mlp.gate_proj.weight").astype(np.float32)
+    got = gguf.quants.dequantize(np.asarray(ts["blk.0.ffn_gate.weight"].data), gguf.GGMLQuantizationType.Q4_K)
+    rel = np.linalg.norm(got.reshape(w.shape) - w) / np.linalg.norm(w)
+    assert 0 < rel < 0.12
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer

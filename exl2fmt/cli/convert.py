@@ -32,10 +32,16 @@ class GgufType(str, enum.Enum):
     f16 = "f16"
     bf16 = "bf16"
     q8_0 = "q8_0"
+    q6_k = "q6_k"
+    q5_k = "q5_k"
     q5_1 = "q5_1"
     q5_0 = "q5_0"
+    q4_k = "q4_k"
     q4_1 = "q4_1"
     q4_0 = "q4_0"
+    iq4_nl = "iq4_nl"
+    q3_k = "q3_k"
+    q2_k = "q2_k"
 
 
 class VerifyMode(str, enum.Enum):
@@ -175,9 +181,11 @@ def convert_command(
     gguf_type: Annotated[GgufType, typer.Option("--gguf-type", case_sensitive=False, help="--to gguf: tensor type "
                                                 "of the weights. auto: dense keeps its dtype; GPTQ sym <= 4-bit -> "
                                                 "q4_0, 8-bit -> q8_0 (exact); EXL2 and other GPTQ: near the source's "
-                                                "size, each layer the cheapest of q4_0/q4_1/q5_0/q5_1/q8_0 with bits "
-                                                "per weight >= its own (f16 above), the error per layer reported. "
-                                                "f16: exact (about 3-4x an EXL2 4.0's size).")
+                                                "size, each layer the cheapest K-quant (q2_k..q6_k, q8_0; rows of "
+                                                "256k weights) or, for other rows, of iq4_nl/q4_1/q5_0/q5_1/q8_0 with "
+                                                "bits per weight >= its own (f16 above), blocks fitted by a scale "
+                                                "search, the error per layer reported. f16: exact (about 3-4x an "
+                                                "EXL2 4.0's size).")
                          ] = GgufType.auto,
     json_: Annotated[bool, typer.Option("--json", help="Print the conversion report as JSON on stdout.")] = False,
     status_lines: Annotated[bool, typer.Option("--status-lines", help="Report progress as JSON lines on stderr "
@@ -215,7 +223,8 @@ def convert_command(
     * **EXL2 / GPTQ / dense -> gguf** (DST is a .gguf file; llama, mistral, mixtral, granite, qwen2/3 and their
       MoE, gemma 1/2/3, phi3, cohere, starcoder2): names and Q/K rows as
       llama.cpp expects, norms F32, tokenizer and hyper-parameters as metadata; blocks repacked exactly where
-      the source's integers fit (--gguf-type), the rest quantized with gguf.quants and reported.
+      the source's integers fit (--gguf-type), the rest quantized (gguf.quants; under auto and for the
+      K-quants / iq4_nl exl2fmt's own block quantizer with a scale search) and reported.
     * **model.gguf -> fp16/bf16**: every type the gguf package decodes; config.json rebuilt from the metadata.
 
     **Examples**
