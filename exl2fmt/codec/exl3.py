@@ -40,7 +40,8 @@ The butterflies run in the oracle's hadamard_128's order (widths 1, 2, 4, ..., 6
 one fp32 multiply by s = fp32(1/sqrt(128))), up to four stages at a time in registers (radix 16 / 8; radix 4 in the
 portable loops): the very same operations in the same order, so the
 result is bit-identical (on x86 each difference a - b is issued as fma(b, -1, a): the same single rounding, on the
-multiply-add pipes, which halves the load on the adders; exl3_ops._butterflies).  Where the CPU has no hardware fp16 conversion (HW_HALF false) the portable loop twins
+multiply-add pipes, which halves the load on the adders; exl3_ops._butterflies).  The 3INST / MCG codebook's two
+fp16 halves become fp32 by integer shifts and masks (they are always normal: exl3_ops._LOP3_F32_MASK).  Where the CPU has no hardware fp16 conversion (HW_HALF false) the portable loop twins
 of these steps run instead (same bits; test_loop_fallback_path).
 """
 

@@ -28,6 +28,11 @@ _MUL1_MULT = 0x83DCD12D
 _MUL1_K = np.float32(np.array(0x1EEE, dtype=np.uint16).view(np.float16))   # fp16 0x1EEE, exact in fp32
 _MUL1_C = np.float32(np.array(0xC931, dtype=np.uint16).view(np.float16))   # fp16 0xC931
 _HAD_S = np.float32(1.0 / np.sqrt(128.0))                                  # bits 0x3DB504F3
+# The lop3's fp16 half h = (y & 0x8FFF) ^ 0x3B60 as fp32 bits, from y in bits 31..16 shifted right by 3
+# (arithmetic): bit 31 = sign, bits 27..13 = (y & 0x0FFF) ^ 0x3B60 (exponent 12..15, so normal, bit 14 clear),
+# bits 29..27 |= 112 << 23 (the exponent bias 127 - 15; bit 27 is clear, so the or is the addition).
+_LOP3_F32_MASK = (0x80000000 | (0x0FFF << 13)) - (1 << 32)
+_LOP3_F32_XOR = (0x3B60 << 13) | (112 << 23)
 
 LANES = 32     # tiles of one tile row decoded side by side (SIMD lanes): 512 output columns
 SLICE = 32     # Z columns per right-Hadamard pass: F = 128 x 32 fp32 = 16 KiB (L1)
@@ -347,11 +352,16 @@ def _decode_value(context, builder, wt_ty, wt_v, b_v, i_v, o_v, mult_v, add_v, m
         v = builder.fadd(builder.fmul(h, ir.Constant(vf, [float(_MUL1_K)] * vw)), ir.Constant(vf, [float(_MUL1_C)] * vw))
     else:
         x = builder.add(builder.mul(st, splat_i(mult_v)), splat_i(add_v))
-        x = builder.xor(builder.and_(x, const_i(0x8FFF8FFF - (1 << 32))), const_i(0x3B603B60))
-        v16 = ir.VectorType(ir.IntType(16), vw)
-        lo16 = builder.fpext(builder.bitcast(builder.trunc(x, v16), vh), vf)
-        hi16 = builder.fpext(builder.bitcast(builder.trunc(builder.lshr(x, const_i(16)), v16), vh), vf)
-        v = builder.fadd(lo16, hi16)
+        # Both fp16 halves straight to their fp32 bits with integer operations (no narrowing, no conversion):
+        # after the lop3 every half is a normal fp16 of exponent 12..15 whose bit 14 is 0 (see _LOP3_F32_*), so
+        # moving its bits 14..0 to bits 27..13 (an arithmetic shift right by 3 of the half in the top 16 bits,
+        # which also keeps its sign in bit 31) and setting bits 29..27 (exponent + 112) gives its exact fp32.
+        # The mask and the xor of the lop3 are applied after the shift: one vpternlogd per half.
+        three = const_i(3)
+        hi_f = builder.xor(builder.and_(builder.ashr(x, three), const_i(_LOP3_F32_MASK)), const_i(_LOP3_F32_XOR))
+        lo_f = builder.xor(builder.and_(builder.ashr(builder.shl(x, const_i(16)), three), const_i(_LOP3_F32_MASK)),
+                           const_i(_LOP3_F32_XOR))
+        v = builder.fadd(builder.bitcast(lo_f, vf), builder.bitcast(hi_f, vf))
     return builder.fpext(builder.fptrunc(v, vh), vf)   # RN16, kept in fp32
 
 
