@@ -8,22 +8,24 @@ the same way.  Stored row k, column n has the weight  w = S[g, n] * (v - Z[g, n]
 its code: EXL2 S = fp16(fp16((c + 1)^2) * fp16(q_scale_max / 256)) from the 4-bit scale code c, Z = 2^(b-1);
 GPTQ S = the fp16 scale, Z = the zero field (+1 for v1 zeros).
 
-What is exact and what is not: S is computed as the format defines it, fp16 roundings included, and the product
-S * (v - Z) (an fp16 value times an integer of at most 9 bits) is exact in float32.  That product is *not* rounded
-to fp16, as ``convert --to fp16`` and ExLlamaV2's kernel do: the packed runtime uses the real-valued weight, the
-FP16 conversion that value rounded (relative difference <= 2^-11 per weight).  Sums are float32 in another order
-than a BLAS over fp16 weights.  So the logits match the FP16 conversion's to ~1e-5 of their scale, not bit for
-bit; tests/test_runtime.py checks 1e-3 and the top-1 token, and the per-layer results against a float64 oracle.
+What is exact and what is not: every weight is the FP16 conversion's weight bit for bit: S as the format defines
+it (fp16 roundings included), S * (v - Z) formed in float32 (exact: an fp16 value times an integer of at most 9
+bits) and rounded once to fp16 (F16C / AVX-512 conversions, vectorised), as ``convert --to fp16`` and ExLlamaV2's
+kernel do.  What differs from running the FP16 conversion is the float32 summation order (four partial sums per
+unit, units in stored order) against BLAS's, so the logits agree to a few 1e-6 of their scale, not bit for bit
+(tests/test_runtime.py: 1e-3 and the top-1 token on models; each layer against a float64 oracle).  Folding the
+scale out of the sum (S * sum x (v - Z)) would halve the arithmetic but drops that rounding; on SmolLM2-135M its
+logits differed by 0.9e-3 of their scale, too close to the issue's 1e-3 tolerance.
 
-* ``exl2_gemv`` / ``gptq_gemv`` (few rows: decode).  The weight is never formed.  The work is a list of *pieces*
+* ``exl2_gemv`` / ``gptq_gemv`` (few rows: decode).  The weight is never stored.  The work is a list of *pieces*
   (``Pieces``: one unit and one group, its U activations gathered through ``xidx``, which also applies EXL2's input
-  permutation), cut into one chunk of equal packed size per thread.  A chunk streams its packed rows once, front
-  to back over all columns, accumulating acc[n] += sum_j x_j * v_jn over a run of pieces of one group, then folds
-  the group in: y[n] += S[g, n] * (acc[n] - Z[g, n] * sum_j x_j).  The per-unit loop is generated for each bit
-  width: unrolled over the unit's rows, 32-bit shifts and masks, vectorised over columns (16 lanes on AVX-512).
-  The per-thread partial results are summed at the end.
-* ``exl2_decode_rows`` / ``gptq_decode_rows`` (many rows: prefill): stored rows [k0, k1) as float32 weights into a
-  scratch tile that the caller multiplies with BLAS, in parallel over column blocks.
+  permutation), cut into chunks of equal packed size (one per thread; one chunk runs on the calling thread
+  without a parallel region).  A chunk streams its packed rows once, front to back over all columns: per run of
+  pieces of one group it forms S and Z for every column, then adds sum_j x_j * fp16(S * (v_j - Z)) unit by unit.
+  The per-unit loop is generated for each bit width: unrolled over the unit's rows, 32-bit shifts and masks,
+  vectorised over columns (16 lanes on AVX-512).  Several chunks' partial results are summed at the end.
+* ``exl2_decode_rows`` / ``gptq_decode_rows`` (many rows: prefill): stored rows [k0, k1) as float32 weights (the
+  same fp16 values) into a scratch tile that the caller multiplies with BLAS, in parallel over column blocks.
 
 Arrays are C-contiguous; ``q_weight`` / ``qweight`` / ``q_scale`` are passed as uint32 views, fp16 tensors as their
 uint16 bit patterns.  Interface for callers (``runtime.linear`` and other modules that hold packed tensors):
@@ -84,29 +86,39 @@ def _field2(typingctx, lo, hi, s, mask):
     return types.float32(lo, hi, s, mask), codegen
 
 
+@njit(inline="always")
+def _round16(f):
+    """f rounded to the nearest fp16 value (ties to even), as float32: F16C / AVX-512 conversions where the CPU
+    has them, so the rounding vectorises with the loop."""
+    return f16_bits_to_f32(f32_to_f16_bits(f))
+
+
 # --- the per-unit loops, one per bit width --------------------------------------------------------------------------
 
 def _unit_source(b: int) -> str:
-    """Source of ``_unit<b>(qw, q, xb, acc, n)``: acc[c] += sum_j xb[j] * v_j[c] for c < n, the unit's codes v_j
-    in packed rows q .. q + W - 1 of ``qw`` (uint32 [Q, >= n]); ``xb`` float32 [>= U], ``acc`` float32 [>= n].
-    The rows are unrolled (constant shifts) into four partial sums per column, so the column loop vectorises."""
+    """Source of ``_unit<b>(qw, q, xb, sc, nz, out, n)``: out[c] += sum_j xb[j] * fp16(sc[c] * v_j[c] + nz[c])
+    for c < n, the unit's codes v_j in packed rows q .. q + W - 1 of ``qw`` (uint32 [Q, >= n]); ``xb`` float32
+    [>= U]; ``sc`` / ``nz`` / ``out`` float32 [>= n], nz = -S * Z (exact), so that S * v + nz is S * (v - Z)
+    exactly, fused or not.  The rows are unrolled (constant shifts) into four partial sums per column, so the
+    column loop vectorises."""
     bw = BIT_WIDTHS[b]
     U, W, mask = bw.rows_per_unit, bw.words_per_unit, (1 << b) - 1
-    lines = [f"def _unit{b}(qw, q, xb, acc, n):"]
+    lines = [f"def _unit{b}(qw, q, xb, sc, nz, out, n):"]
     lines += [f"    r{i} = qw[q + {i}]" for i in range(W)]
     lines += [f"    x{j} = xb[{j}]" for j in range(U)]
     lines.append("    for c in range(n):")
+    lines.append("        s, z = sc[c], nz[c]")
     lines += [f"        w{i} = r{i}[c]" for i in range(W)]
     for j in range(U):
-        i, s = (j * b) >> 5, (j * b) & 31
-        f = f"_field(w{i}, {s}, {mask})" if s + b <= 32 else f"_field2(w{i}, w{i + 1}, {s}, {mask})"
-        lines.append(f"        p{j % 4} {'=' if j < 4 else '+='} x{j} * {f}")
-    lines.append("        acc[c] += (p0 + p1) + (p2 + p3)")
+        i, sh = (j * b) >> 5, (j * b) & 31
+        f = f"_field(w{i}, {sh}, {mask})" if sh + b <= 32 else f"_field2(w{i}, w{i + 1}, {sh}, {mask})"
+        lines.append(f"        p{j % 4} {'=' if j < 4 else '+='} x{j} * _round16(s * {f} + z)")
+    lines.append("        out[c] += (p0 + p1) + (p2 + p3)")
     return "\n".join(lines) + "\n"
 
 
 def _make_unit(b: int):
-    ns = {"_field": _field, "_field2": _field2}
+    ns = {"_field": _field, "_field2": _field2, "_round16": _round16}
     exec(compile(_unit_source(b), f"<exl2fmt.runtime.cpu unit {b}-bit>", "exec"), ns)  # noqa: S102 - own source
     return njit(fastmath=_FM)(ns[f"_unit{b}"])
 
@@ -115,22 +127,22 @@ _unit2, _unit3, _unit4, _unit5, _unit6, _unit8 = (_make_unit(b) for b in (2, 3, 
 
 
 @njit(cache=True, fastmath=_FM)
-def _unit(b, qw, q, xb, acc, n):
-    """Every row m of ``acc`` [M, >= n] += the unit at packed row q (b bits) times ``xb`` [M, U]."""
-    for m in range(acc.shape[0]):
-        xm, am = xb[m], acc[m]
+def _unit(b, qw, q, xb, sc, nz, out, n):
+    """Every row m of ``out`` [M, >= n] += the unit at packed row q (b bits) times ``xb`` [M, U]."""
+    for m in range(out.shape[0]):
+        xm, om = xb[m], out[m]
         if b == 4:
-            _unit4(qw, q, xm, am, n)
+            _unit4(qw, q, xm, sc, nz, om, n)
         elif b == 3:
-            _unit3(qw, q, xm, am, n)
+            _unit3(qw, q, xm, sc, nz, om, n)
         elif b == 6:
-            _unit6(qw, q, xm, am, n)
+            _unit6(qw, q, xm, sc, nz, om, n)
         elif b == 5:
-            _unit5(qw, q, xm, am, n)
+            _unit5(qw, q, xm, sc, nz, om, n)
         elif b == 8:
-            _unit8(qw, q, xm, am, n)
+            _unit8(qw, q, xm, sc, nz, om, n)
         else:
-            _unit2(qw, q, xm, am, n)
+            _unit2(qw, q, xm, sc, nz, om, n)
 
 
 # --- the work list --------------------------------------------------------------------------------------------------
@@ -274,23 +286,17 @@ def _gptq_scales(scales, zeros, zoff, g, n0, w, s_out, z_out):
 # --- few rows: gemv -------------------------------------------------------------------------------------------------
 
 @njit(cache=True, fastmath=_FM)
-def _run(qw, table, xidx, p, end, x, xb, xs, acc, n):
-    """acc [M, n] = sum over the run of pieces from p (same group, before ``end``) of x_j * v_j; xs [M] = their
-    sum of x_j.  Returns the end of the run."""
+def _run(qw, table, xidx, p, end, x, xb, sc, nz, out):
+    """out [M, N] += the run of pieces from p (one group, before ``end``) times x, the group's S and -S * Z in
+    ``sc`` / ``nz``.  Returns the end of the run."""
     g = table[p, 2]
-    acc[:, :n] = 0
-    xs[:] = 0
     while p < end and table[p, 2] == g:
         a, e = table[p, 3], table[p + 1, 3]
         for m in range(x.shape[0]):
-            s = np.float32(0)
             for j in range(e - a):
                 i = xidx[a + j]
-                v = x[m, i] if i >= 0 else np.float32(0)
-                xb[m, j] = v
-                s += v
-            xs[m] += s
-        _unit(table[p, 0], qw, table[p, 1], xb, acc, n)
+                xb[m, j] = x[m, i] if i >= 0 else np.float32(0)
+        _unit(table[p, 0], qw, table[p, 1], xb, sc, nz, out, out.shape[1])
         p += 1
     return p
 
@@ -309,18 +315,15 @@ def _sum_parts(part, y):
 def _exl2_chunk(x, q_weight, q_scale, qsm_bits, table, xidx, p, end, out):
     """out [M, N] += the pieces [p, end) of an EXL2 layer times x."""
     M, N = out.shape
-    acc = np.empty((M, N), dtype=np.float32)
     xb = np.empty((M, 32), dtype=np.float32)
-    xs = np.empty(M, dtype=np.float32)
     sc = np.empty(N, dtype=np.float32)
+    nz = np.empty(N, dtype=np.float32)
     while p < end:
-        g, z = table[p, 2], np.float32(1 << (table[p, 0] - 1))
-        p = _run(q_weight, table, xidx, p, end, x, xb, xs, acc, N)
-        _exl2_scales(q_scale, qsm_bits, g, 0, N, sc)
-        for m in range(M):
-            zx, om, am = z * xs[m], out[m], acc[m]
-            for c in range(N):
-                om[c] += sc[c] * (am[c] - zx)
+        _exl2_scales(q_scale, qsm_bits, table[p, 2], 0, N, sc)
+        z = -np.float32(1 << (table[p, 0] - 1))
+        for c in range(N):
+            nz[c] = z * sc[c]
+        p = _run(q_weight, table, xidx, p, end, x, xb, sc, nz, out)
 
 
 @njit(cache=True, parallel=True, fastmath=_FM)
@@ -345,19 +348,14 @@ def exl2_gemv(x, q_weight, q_scale, qsm_bits, table, xidx, bounds, y):
 @njit(cache=True, fastmath=_FM)
 def _gptq_chunk(x, qweight, scales, zeros, zoff, table, xidx, p, end, out):
     M, N = out.shape
-    acc = np.empty((M, N), dtype=np.float32)
     xb = np.empty((M, 32), dtype=np.float32)
-    xs = np.empty(M, dtype=np.float32)
     sc = np.empty(N, dtype=np.float32)
-    zr = np.empty(N, dtype=np.float32)
+    nz = np.empty(N, dtype=np.float32)
     while p < end:
-        g = table[p, 2]
-        p = _run(qweight, table, xidx, p, end, x, xb, xs, acc, N)
-        _gptq_scales(scales, zeros, zoff, g, 0, N, sc, zr)
-        for m in range(M):
-            xm, om, am = xs[m], out[m], acc[m]
-            for c in range(N):
-                om[c] += sc[c] * (am[c] - zr[c] * xm)
+        _gptq_scales(scales, zeros, zoff, table[p, 2], 0, N, sc, nz)
+        for c in range(N):
+            nz[c] = -nz[c] * sc[c]
+        p = _run(qweight, table, xidx, p, end, x, xb, sc, nz, out)
 
 
 @njit(cache=True, parallel=True, fastmath=_FM)
@@ -388,16 +386,17 @@ def decode_block(N: int, threads: int) -> int:
 
 @njit(cache=True, fastmath=_FM)
 def _decode_row(qw, wi, sh, b, n0, w, sc, zr, out):
-    """out[n0 + c] = sc[c] * (v - zr[c]) for c < w, v the b-bit code at (word wi, shift sh) of column n0 + c."""
+    """out[n0 + c] = fp16(sc[c] * (v - zr[c])) for c < w, v the b-bit code at (word wi, shift sh) of column
+    n0 + c."""
     mask = (1 << b) - 1
     r0 = qw[wi]
     if sh + b <= 32:
         for c in range(w):
-            out[n0 + c] = sc[c] * (_field(r0[n0 + c], sh, mask) - zr[c])
+            out[n0 + c] = _round16(sc[c] * (_field(r0[n0 + c], sh, mask) - zr[c]))
     else:
         r1 = qw[wi + 1]
         for c in range(w):
-            out[n0 + c] = sc[c] * (_field2(r0[n0 + c], r1[n0 + c], sh, mask) - zr[c])
+            out[n0 + c] = _round16(sc[c] * (_field2(r0[n0 + c], r1[n0 + c], sh, mask) - zr[c]))
 
 
 @njit(cache=True, parallel=True, fastmath=_FM)
