@@ -10,7 +10,8 @@ in ``--rounds`` rounds, the order rotating each round, runs every model through 
 
 It reports the best (min time) of the rounds, the ratios packed / FP16, and, once, max |logit diff| of each packed
 model against its own ``convert --to fp16`` directory run in transformers float32 (on a 64-token text: the
-1e-3 x logit-scale tolerance of the issue, and how many positions' top-1 agree).  Thread counts and the machine
+1e-3 x logit-scale tolerance of the issue, how many positions' top-1 agree, and whether 32 greedy tokens are
+the same).  Thread counts and the machine
 load (``os.getloadavg``) before and after go into the report.
 
     python bench/bench_runtime.py                      # SmolLM2-135M runs of the bench cache
@@ -51,7 +52,9 @@ def _args(argv=None):
     return ap.parse_args(argv)
 
 
-def _logit_check(packed, ref, ids) -> dict:
+def _logit_check(packed, ref, tok, ids, short) -> dict:
+    """Logits of ``packed`` against ``ref`` (its FP16 conversion) on ``ids``, and their greedy tokens from
+    ``short`` (32 new tokens)."""
     import torch
 
     with torch.inference_mode():
@@ -59,8 +62,10 @@ def _logit_check(packed, ref, ids) -> dict:
         b = ref(torch.tensor([ids])).logits[0].float()
     scale = float(b.abs().max())
     diff = float((a - b).abs().max())
+    same = _decode(packed, tok, short, 32)[1] == _decode(ref, tok, short, 32)[1]
     return {"max_abs_diff": diff, "logit_scale": scale, "diff_over_scale": diff / scale,
-            "top1_agree": f"{int((a.argmax(-1) == b.argmax(-1)).sum())}/{len(ids)}", "within_1e-3": diff <= 1e-3 * scale}
+            "top1_agree": f"{int((a.argmax(-1) == b.argmax(-1)).sum())}/{len(ids)}", "within_1e-3": diff <= 1e-3 * scale,
+            "greedy_32_tokens_equal": same}
 
 
 def _decode(model, tok, ids, new) -> tuple[float, list[int]]:
@@ -114,7 +119,7 @@ def main(argv=None) -> int:
             models[name] = plain(d)
             how[name] = "import exl2fmt.hf; AutoModelForCausalLM.from_pretrained"
         r = plain(ref)
-        logits[name] = _logit_check(models[name], r, check_ids)
+        logits[name] = _logit_check(models[name], r, tok, check_ids, short)
         del r
         gc.collect()
     models["fp16"] = plain(fp16_dir)
@@ -148,7 +153,7 @@ def main(argv=None) -> int:
                     "tok_s_best": {n: len(long_ids) / min(v) for n, v in pre.items()},
                     "tok_s_median": {n: len(long_ids) / sorted(v)[len(v) // 2] for n, v in pre.items()}},
         "logits_vs_fp16_conversion": logits,
-        "same_tokens_as_fp16": {n: tokens[n] == tokens["fp16"] for n in names if n != "fp16"},
+        "exl2_tokens_equal_fp16_baseline": tokens.get("exl2") == tokens["fp16"] if fp16_dir == a.exl2_fp16 else None,
     }
     for k in ("decode", "prefill"):
         best = rep[k]["tok_s_best"]

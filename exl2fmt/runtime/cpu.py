@@ -25,7 +25,7 @@ logits differed by 0.9e-3 of their scale, too close to the issue's 1e-3 toleranc
   The per-unit loop is generated for each bit width: unrolled over the unit's rows, 32-bit shifts and masks,
   vectorised over columns (16 lanes on AVX-512).  Several chunks' partial results are summed at the end.
 * ``exl2_decode_rows`` / ``gptq_decode_rows`` (many rows: prefill): stored rows [k0, k1) as float32 weights (the
-  same fp16 values) into a scratch tile that the caller multiplies with BLAS, in parallel over column blocks.
+  same fp16 values) into a scratch tile that the caller multiplies with BLAS.
 
 Arrays are C-contiguous; ``q_weight`` / ``qweight`` / ``q_scale`` are passed as uint32 views, fp16 tensors as their
 uint16 bit patterns.  Interface for callers (``runtime.linear`` and other modules that hold packed tensors):
@@ -379,9 +379,9 @@ def gptq_gemv(x, qweight, scales, zeros, zoff, table, xidx, bounds, y):
 
 # --- many rows: weights into a scratch tile -------------------------------------------------------------------------
 
-def decode_block(N: int, threads: int) -> int:
-    """Columns per parallel work item of the row decoders: about four items per thread, a multiple of 16."""
-    return max(64, -(-N // (4 * max(threads, 1)) // 16) * 16)
+def decode_block(N: int) -> int:
+    """Columns per pass of the row decoders: the scales of a block stay in L1, rows are written in 4 KiB runs."""
+    return min(N, 1024)
 
 
 @njit(cache=True, fastmath=_FM)
@@ -399,12 +399,13 @@ def _decode_row(qw, wi, sh, b, n0, w, sc, zr, out):
             out[n0 + c] = _round16(sc[c] * (_field2(r0[n0 + c], r1[n0 + c], sh, mask) - zr[c]))
 
 
-@njit(cache=True, parallel=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM)
 def exl2_decode_rows(q_weight, q_scale, qsm_bits, tab, k0, k1, block, out):
     """out[k - k0, n] = W[k, n] (float32 [k1 - k0, N], stored row order) for k0 <= k < k1; ``tab`` is
-    ``exl2_row_table``; ``block`` columns per work item (``decode_block``)."""
+    ``exl2_row_table``; ``block`` columns per pass (``decode_block``).  Runs on the calling thread (no parallel
+    region); the BLAS product that follows is the larger part of a prefill."""
     N = out.shape[1]
-    for bi in prange((N + block - 1) // block):
+    for bi in range((N + block - 1) // block):
         n0 = bi * block
         w = min(block, N - n0)
         sc = np.empty(w, dtype=np.float32)
@@ -419,12 +420,12 @@ def exl2_decode_rows(q_weight, q_scale, qsm_bits, tab, k0, k1, block, out):
                 k += 1
 
 
-@njit(cache=True, parallel=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM)
 def gptq_decode_rows(qweight, scales, zeros, zoff, tab, k0, k1, block, out):
     """As ``exl2_decode_rows`` for a GPTQ layer (``gptq_row_table``; rows of any group order)."""
     N = out.shape[1]
     G = scales.shape[0]
-    for bi in prange((N + block - 1) // block):
+    for bi in range((N + block - 1) // block):
         n0 = bi * block
         w = min(block, N - n0)
         sc = np.empty((G, w), dtype=np.float32)

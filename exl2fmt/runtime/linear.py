@@ -237,7 +237,7 @@ class Exl2PackedLinear(PackedLinear):
 
     def _cpu_decode(self, k0, k1, out) -> None:
         qw, qs, qsm = self._views(Exl2Slot.Q_WEIGHT, Exl2Slot.Q_SCALE, Exl2Slot.Q_SCALE_MAX)
-        cpu.exl2_decode_rows(qw, qs, qsm, self._tab.numpy(), k0, k1, cpu.decode_block(out.shape[1], cpu.threads()),
+        cpu.exl2_decode_rows(qw, qs, qsm, self._tab.numpy(), k0, k1, cpu.decode_block(out.shape[1]),
                              out)
 
     def _bias(self):
@@ -322,7 +322,7 @@ class GptqPackedLinear(PackedLinear):
     def _cpu_decode(self, k0, k1, out) -> None:
         qw, sc, zeros = self._views(GptqSlot.QWEIGHT, GptqSlot.SCALES, "_zeros")
         cpu.gptq_decode_rows(qw, sc, zeros, np.float32(0.0 if self.v2 else 1.0), self._tab.numpy(), k0, k1,
-                             cpu.decode_block(out.shape[1], cpu.threads()), out)
+                             cpu.decode_block(out.shape[1]), out)
 
     def _bias(self):
         return self.bias
