@@ -26,7 +26,6 @@ import gc
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 RUNS = Path.home() / ".cache" / "exl2fmt-bench" / "smollm2-runs"
@@ -64,8 +63,8 @@ def _logit_check(packed, ref, tok, ids, short) -> dict:
     diff = float((a - b).abs().max())
     same = _decode(packed, tok, short, 32)[1] == _decode(ref, tok, short, 32)[1]
     return {"max_abs_diff": diff, "logit_scale": scale, "diff_over_scale": diff / scale,
-            "top1_agree": f"{int((a.argmax(-1) == b.argmax(-1)).sum())}/{len(ids)}", "within_1e-3": diff <= 1e-3 * scale,
-            "greedy_32_tokens_equal": same}
+            "top1_agree": f"{int((a.argmax(-1) == b.argmax(-1)).sum())}/{len(ids)}",
+            "within_1e-3": diff <= 1e-3 * scale, "greedy_32_tokens_equal": same}
 
 
 def _decode(model, tok, ids, new) -> tuple[float, list[int]]:

@@ -331,8 +331,8 @@ def exl2_gemv(x, q_weight, q_scale, qsm_bits, table, xidx, bounds, y):
     """y[M, N] (float32, overwritten) = x[M, K] (float32, original feature order) @ W of an EXL2 layer, N <= N_pad.
 
     ``q_weight`` uint32 [Q, N_pad], ``q_scale`` uint32 [G, N_pad / 8], ``qsm_bits`` uint16 [G] (q_scale_max);
-    ``table`` / ``xidx`` of ``exl2_pieces``; ``bounds`` int64 [T + 1] of ``Pieces.bounds(T)``: T chunks run in parallel, and T = 1 runs on the calling thread alone (no parallel
-    region is entered).
+    ``table`` / ``xidx`` of ``exl2_pieces``; ``bounds`` int64 [T + 1] of ``Pieces.bounds(T)``: T chunks run in
+    parallel, and T = 1 runs on the calling thread alone (no parallel region is entered).
     """
     T = bounds.shape[0] - 1
     y[:] = 0

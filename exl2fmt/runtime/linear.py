@@ -3,10 +3,12 @@ on the fly (CPU: Numba kernels of ``runtime.cpu``; CUDA / ROCm / XPU: the bundle
 
 The modules hold the layer's stored tensors as buffers under the checkpoint's own names (``q_weight``,
 ``q_scale`` ... / ``qweight``, ``qzeros`` ...), so a state dict read from the model files fills them (what the
-transformers quantizer of ``exl2fmt.hf`` relies on), plus small derived tables (non-persistent buffers: the row
-table of the CPU kernel, EXL2's q_perm, GPTQ's unpacked zero points).  No fp16 / fp32 copy of a weight is kept:
-the CPU path decodes batch-1 rows without forming W at all, and many rows through a bounded scratch tile
-(``SCRATCH_ELEMENTS`` floats, reused by every layer).
+transformers quantizer of ``exl2fmt.hf`` relies on), plus small derived tables (non-persistent buffers: the work
+list of the few-rows kernel (``cpu.Pieces``), the row table of the row decoder, EXL2's q_perm, GPTQ's unpacked
+zero points).  No fp16 / fp32 copy of a weight is kept: the CPU path runs up to ``SMALL_M`` rows straight from the
+packed words (``cpu.exl2_gemv`` / ``cpu.gptq_gemv``, on ``gemv_threads()`` threads), and more rows through a
+bounded scratch tile (``SCRATCH_ELEMENTS`` floats, reused by every layer) and BLAS.  Either way every weight is
+the FP16 conversion's value bit for bit (see ``runtime.cpu`` for what is exact).
 
 Inference only: the forward runs under the caller's grad mode but is not differentiable.
 """
