@@ -116,36 +116,66 @@ def test_dense_directories_load_as_plain_transformers_models(models):
     assert tok("hello world")["input_ids"]
 
 
-def test_kernels_match_the_dequantized_weight_on_odd_shapes():
-    """Straddling 3/5/6-bit rows, a partial last tile (N = 48 of N_pad 64), a permutation, bias; GPTQ 3-bit with
-    act-order g_idx; both the few-rows and the scratch-tile path."""
+def _f16(a):
+    return np.asarray(a, dtype=np.float64).astype(np.float16).astype(np.float64)
+
+
+def _check_layer(m, W, W16, bias, Ms):
+    """The packed module against x @ W + b in float64, W [N, K] the oracle's fp16-rounded S * (v - Z), which must
+    be the FP16 conversion's weight ``W16`` bit for bit; what is left is float32 summation (a weight left unrounded
+    would be off by up to 2^-11 of itself, far outside the bound)."""
+    assert np.array_equal(W, W16)
+    b = np.zeros(W.shape[0]) if bias is None else bias
+    for M in Ms:
+        x = torch.randn(M, W.shape[1])
+        y = m(x).double().numpy()
+        xd = x.double().numpy()
+        err = np.abs(y - (xd @ W.T + b)).max()
+        assert err <= 2e-6 * (np.abs(xd) @ np.abs(W).T).max(), (M, err)
+
+
+def test_kernels_match_the_exact_weight_on_odd_shapes():
+    """Every EXL2 bit width (straddling 3/5/6-bit rows), a partial last tile (N = 48 of N_pad 64), a permutation,
+    bias; GPTQ 3-bit with act-order g_idx (units holding rows of several groups) and 4-bit / 8-bit in static
+    order; the few-rows (gemv) and the scratch-tile path.  Oracle: the weights S * (v - Z) in float64 from the
+    unpacked codes, rounded to fp16, equal to the FP16 conversion's weights."""
     from exl2fmt.formats import GptqLinear, layer_from_tensors
     from exl2fmt.formats.exl2 import quantize_rtn
     from exl2fmt.formats.gptq import gptq_layer_tensors
-    from exl2fmt.layout import Tier
+    from exl2fmt.layout import Exl2Slot, Tier
     from exl2fmt.runtime import Exl2PackedLinear, GptqPackedLinear
 
     rng = np.random.default_rng(0)
     K, N = 256, 48
     w = rng.standard_normal((N, K)).astype(np.float32)
-    tiers = [Tier(0.25, 6, 32), Tier(0.25, 5, 32), Tier(0.5, 3, 64)]
-    t = quantize_rtn(w, tiers, perm=rng.permutation(K), bias=rng.standard_normal(N).astype(np.float32))
+    tiers = [Tier(0.125, 8, 32), Tier(0.25, 6, 32), Tier(0.125, 5, 32), Tier(0.125, 4, 32), Tier(0.25, 3, 64),
+             Tier(0.125, 2, 32)]
+    perm = rng.permutation(K)
+    t = quantize_rtn(w, tiers, perm=perm, bias=rng.standard_normal(N).astype(np.float32))
     layer = layer_from_tensors("x", t, out_features=N)
+    assert sorted(set(layer.groups.bits.tolist())) == [2, 3, 4, 5, 6, 8]
+    gt, codes, sc = layer.groups, layer.codes().astype(np.float64), layer.scale_codes().astype(np.float64)
+    qsm = np.asarray(t[Exl2Slot.Q_SCALE_MAX]).astype(np.float16)
+    W_stored = np.empty((K, N))
+    for g in range(gt.G):
+        r0, r = int(gt.row_start[g]), int(gt.rows[g])
+        S = _f16((sc[g, :N] + 1) ** 2 * _f16(_f16(qsm[g]) / 256))
+        W_stored[r0:r0 + r] = _f16(S * (codes[r0:r0 + r, :N] - 2.0 ** (gt.bits[g] - 1)))
+    inv = np.asarray(t[Exl2Slot.Q_INVPERM]).astype(np.int64)  # stored row of each input feature
     m = Exl2PackedLinear.from_layer(layer)
-    W = torch.from_numpy(layer.dequantize().astype(np.float32))
-    b = torch.from_numpy(layer.bias().astype(np.float32))
-    for M in (1, 5, 40):
-        x = torch.randn(M, K)
-        assert torch.allclose(m(x), x @ W.T + b, atol=1e-4, rtol=1e-5)
+    _check_layer(m, W_stored[inv].T, layer.dequantize().astype(np.float64), layer.bias().astype(np.float64),
+                 (1, 5, 40))
 
-    bits, G = 3, 4
-    codes = rng.integers(0, 1 << bits, (K, 64)).astype(np.uint8)
-    g_idx = rng.permutation(np.arange(K) // (K // G)).astype(np.int32)
-    t = gptq_layer_tensors(codes, rng.random((G, 64)).astype(np.float16) * 0.1 + 0.01,
-                           rng.integers(1, 1 << bits, (G, 64)), g_idx, bits)
-    layer = GptqLinear("y", t, {"qweight": "I32", "qzeros": "I32", "scales": "F16", "g_idx": "I32"}, bits_hint=bits)
-    m = GptqPackedLinear.from_layer(layer)
-    W = torch.from_numpy(layer.dequantize().astype(np.float32))
-    for M in (1, 40):
-        x = torch.randn(M, K)
-        assert torch.allclose(m(x), x @ W.T, atol=1e-4, rtol=1e-5)
+    for bits, G, act in ((3, 4, True), (4, 5, False), (8, 2, False)):
+        codes = rng.integers(0, 1 << bits, (K, 64)).astype(np.uint8)
+        g_idx = np.minimum(np.arange(K) // 64, G - 1).astype(np.int32)
+        if act:
+            g_idx = rng.permutation(g_idx).astype(np.int32)
+        scales = (rng.random((G, 64)) * 0.1 + 0.01).astype(np.float16)
+        zeros = rng.integers(1, 1 << bits, (G, 64))
+        t = gptq_layer_tensors(codes, scales, zeros, g_idx, bits)
+        layer = GptqLinear("y", t, {"qweight": "I32", "qzeros": "I32", "scales": "F16", "g_idx": "I32"},
+                           bits_hint=bits)
+        m = GptqPackedLinear.from_layer(layer)
+        W = _f16(scales.astype(np.float64)[g_idx] * (codes - zeros[g_idx].astype(np.float64)))
+        _check_layer(m, W.T, layer.dequantize().astype(np.float64), None, (1, 3, 40))

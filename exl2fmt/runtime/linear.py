@@ -3,10 +3,12 @@ on the fly (CPU: Numba kernels of ``runtime.cpu``; CUDA / ROCm / XPU: the bundle
 
 The modules hold the layer's stored tensors as buffers under the checkpoint's own names (``q_weight``,
 ``q_scale`` ... / ``qweight``, ``qzeros`` ...), so a state dict read from the model files fills them (what the
-transformers quantizer of ``exl2fmt.hf`` relies on), plus small derived tables (non-persistent buffers: the row
-table of the CPU kernel, EXL2's q_perm, GPTQ's unpacked zero points).  No fp16 / fp32 copy of a weight is kept:
-the CPU path decodes batch-1 rows without forming W at all, and many rows through a bounded scratch tile
-(``SCRATCH_ELEMENTS`` floats, reused by every layer).
+transformers quantizer of ``exl2fmt.hf`` relies on), plus small derived tables (non-persistent buffers: the work
+list of the few-rows kernel (``cpu.Pieces``), the row table of the row decoder, EXL2's q_perm, GPTQ's unpacked
+zero points).  No fp16 / fp32 copy of a weight is kept: the CPU path runs up to ``SMALL_M`` rows straight from the
+packed words (``cpu.exl2_gemv`` / ``cpu.gptq_gemv``, on ``gemv_threads()`` threads), and more rows through a
+bounded scratch tile (``SCRATCH_ELEMENTS`` floats, reused by every layer) and BLAS.  Either way every weight is
+the FP16 conversion's value bit for bit (see ``runtime.cpu`` for what is exact).
 
 Inference only: the forward runs under the caller's grad mode but is not differentiable.
 """
@@ -14,6 +16,7 @@ Inference only: the forward runs under the caller's grad mode but is not differe
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -21,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..groups import decode_q_groups
-from ..layout import BIT_WIDTHS, Exl2Slot, GptqSlot
+from ..layout import Exl2Slot, GptqSlot
 from . import cpu
 
 __all__ = ["PackedLinear", "Exl2PackedLinear", "GptqPackedLinear", "FusedLinear", "SMALL_M", "SCRATCH_ELEMENTS",
@@ -31,12 +34,6 @@ __all__ = ["PackedLinear", "Exl2PackedLinear", "GptqPackedLinear", "FusedLinear"
 SMALL_M = 8
 #: float32 elements of the shared decode scratch of the many-rows CPU path (16 MiB)
 SCRATCH_ELEMENTS = 1 << 22
-
-_UNIT_ROWS = np.zeros(9, dtype=np.int64)
-_UNIT_WORDS = np.zeros(9, dtype=np.int64)
-for _b, _w in BIT_WIDTHS.items():
-    _UNIT_ROWS[_b] = _w.rows_per_unit
-    _UNIT_WORDS[_b] = _w.words_per_unit
 
 _scratch: dict[str, torch.Tensor] = {}
 
@@ -51,8 +48,23 @@ def _scratch_rows(n: int, rows: int) -> torch.Tensor:
     return buf[:need].view(rows, n)
 
 
-def _u32(t: torch.Tensor) -> np.ndarray:
-    return t.numpy().view(np.uint32)
+_gemv_threads: list[int] = []
+
+
+def gemv_threads() -> int:
+    """Threads of the few-rows CPU kernel: ``EXL2FMT_GEMV_THREADS`` (read once; default 1), at most Numba's
+    thread count.
+
+    One thread by default: a batch-1 layer takes tens of microseconds, and a parallel region per layer (Numba's
+    OpenMP pool, beside torch's own) costs more than it gains once the cores are shared; with 1 the kernel runs
+    on the calling thread and enters no parallel region."""
+    if not _gemv_threads:
+        try:
+            n = int(os.environ.get("EXL2FMT_GEMV_THREADS", "1"))
+        except ValueError:
+            n = 1
+        _gemv_threads.append(max(1, min(n, cpu.threads())))
+    return _gemv_threads[0]
 
 
 def _is_accel(device: torch.device) -> bool:
@@ -70,6 +82,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self._ready = False
         self._kt_tables: Any = None
+        self._np_cache: Any = None
 
     # --- subclass hooks --------------------------------------------------------------------------------
     def _prepare(self) -> None:  # derived tables from the stored buffers (CPU)
@@ -114,11 +127,12 @@ class PackedLinear(nn.Module):
 
     def _cpu_forward(self, x2: torch.Tensor) -> torch.Tensor:
         M, K, N = x2.shape[0], self.in_features, self.out_features
-        xs = self._stored_order(x2.to(torch.float32)).contiguous()
+        xf = x2 if x2.dtype == torch.float32 else x2.to(torch.float32)
         y = torch.empty((M, N), dtype=torch.float32)
         if M <= SMALL_M:
-            self._cpu_small(xs.numpy(), y.numpy())
+            self._cpu_small(xf.contiguous().numpy(), y.numpy())
         else:
+            xs = self._stored_order(xf).contiguous()
             rows = max(32, min(K, SCRATCH_ELEMENTS // max(N, 1)) // 32 * 32)
             for k0 in range(0, K, rows):
                 k1 = min(K, k0 + rows)
@@ -131,7 +145,25 @@ class PackedLinear(nn.Module):
         b = self._bias()
         if b is not None:
             y += b.to(torch.float32)
-        return y.to(x2.dtype)
+        return y if x2.dtype == torch.float32 else y.to(x2.dtype)
+
+    def _set_pieces(self, pc: "cpu.Pieces") -> None:
+        """Keep the gemv work list; its arrays are also registered as non-persistent buffers (shared memory), so
+        that ``weight_bytes`` counts them."""
+        self._pieces = pc
+        for name in ("table", "xidx", "words"):
+            self.register_buffer(f"_pc_{name}", torch.from_numpy(getattr(pc, name)), persistent=False)
+
+    def _views(self, *names: str) -> tuple:
+        """NumPy views of the named buffers (uint32 for int32, uint16 for float16), cached until a buffer is
+        replaced: the per-call ``Tensor.numpy()`` conversions cost more than a small layer's kernel."""
+        bufs = tuple(self._buffers[n] for n in names)
+        c = self._np_cache
+        if c is None or len(c[0]) != len(bufs) or any(a is not b for a, b in zip(c[0], bufs)):
+            arrs = tuple(b.numpy().view(np.uint32 if b.dtype == torch.int32 else np.uint16 if b.dtype ==
+                                        torch.float16 else b.numpy().dtype) for b in bufs)
+            c = self._np_cache = (bufs, arrs)
+        return c[1]
 
 
 class Exl2PackedLinear(PackedLinear):
@@ -192,21 +224,23 @@ class Exl2PackedLinear(PackedLinear):
         self.register_buffer("_perm", torch.from_numpy(perm).to(dev), persistent=False)
         identity = bool((perm == np.arange(perm.size)).all())
         self._identity = identity
-        self.register_buffer("_gbits", torch.from_numpy(gt.bits.astype(np.int64)).to(dev), persistent=False)
-        tab = cpu.exl2_row_table(gt.bits, gt.row_start, gt.qrow, gt.rows, _UNIT_ROWS, _UNIT_WORDS)
+        tab = cpu.exl2_row_table(gt.bits, gt.row_start, gt.qrow, gt.rows)
         self.register_buffer("_tab", torch.from_numpy(tab).to(dev), persistent=False)
+        self._set_pieces(cpu.exl2_pieces(gt.bits, gt.row_start, gt.qrow, gt.rows, perm))
         self._groups = gt
 
     def _stored_order(self, x: torch.Tensor) -> torch.Tensor:
         return x if self._identity else x.index_select(1, self._perm)
 
     def _cpu_small(self, x, y) -> None:
-        cpu.gemm_small_exl2(x, _u32(self.q_weight), _u32(self.q_scale), self.q_scale_max.numpy().view(np.uint16),
-                            self._gbits.numpy(), self._tab.numpy(), y)
+        qw, qs, qsm = self._views(Exl2Slot.Q_WEIGHT, Exl2Slot.Q_SCALE, Exl2Slot.Q_SCALE_MAX)
+        pc = self._pieces
+        cpu.exl2_gemv(x, qw, qs, qsm, pc.table, pc.xidx, pc.bounds(gemv_threads()), y)
 
     def _cpu_decode(self, k0, k1, out) -> None:
-        cpu.decode_rows_exl2(_u32(self.q_weight), _u32(self.q_scale), self.q_scale_max.numpy().view(np.uint16),
-                             self._gbits.numpy(), self._tab.numpy(), k0, k1, out)
+        qw, qs, qsm = self._views(Exl2Slot.Q_WEIGHT, Exl2Slot.Q_SCALE, Exl2Slot.Q_SCALE_MAX)
+        cpu.exl2_decode_rows(qw, qs, qsm, self._tab.numpy(), k0, k1, cpu.decode_block(out.shape[1]),
+                             out)
 
     def _bias(self):
         return None if self.bias is None else self.bias[: self.out_features]
@@ -279,14 +313,18 @@ class GptqPackedLinear(PackedLinear):
                              persistent=False)
         tab = cpu.gptq_row_table(self.in_features, self.bits, gi)
         self.register_buffer("_tab", torch.from_numpy(tab).to(dev), persistent=False)
+        self._set_pieces(cpu.gptq_pieces(self.in_features, self.bits, gi))
 
     def _cpu_small(self, x, y) -> None:
-        cpu.gemm_small_gptq(x, _u32(self.qweight), self.scales.numpy().view(np.uint16), self._zeros.numpy(),
-                            np.float32(0.0 if self.v2 else 1.0), self._tab.numpy(), y)
+        qw, sc, zeros = self._views(GptqSlot.QWEIGHT, GptqSlot.SCALES, "_zeros")
+        pc = self._pieces
+        cpu.gptq_gemv(x, qw, sc, zeros, np.float32(0.0 if self.v2 else 1.0), pc.table, pc.xidx,
+                      pc.bounds(gemv_threads()), y)
 
     def _cpu_decode(self, k0, k1, out) -> None:
-        cpu.decode_rows_gptq(_u32(self.qweight), self.scales.numpy().view(np.uint16), self._zeros.numpy(),
-                             np.float32(0.0 if self.v2 else 1.0), self._tab.numpy(), k0, k1, out)
+        qw, sc, zeros = self._views(GptqSlot.QWEIGHT, GptqSlot.SCALES, "_zeros")
+        cpu.gptq_decode_rows(qw, sc, zeros, np.float32(0.0 if self.v2 else 1.0), self._tab.numpy(), k0, k1,
+                             cpu.decode_block(out.shape[1]), out)
 
     def _bias(self):
         return self.bias
