@@ -112,6 +112,8 @@ class _PackedQuantizer(HfQuantizer):
             # until accelerate's hook brings them in: it builds its tables in its first forward
             if not any(b.device.type == "meta" for b in m.buffers(recurse=False)):
                 m.prepare()
+            else:
+                m.mark_offloaded()
         return model
 
     def is_serializable(self, **kwargs) -> bool:

@@ -83,6 +83,9 @@ class PackedLinear(nn.Module):
         self._ready = False
         self._kt_tables: Any = None
         self._np_cache: Any = None
+        #: False for a module whose buffers accelerate brings in per forward (offloaded): a cached view would
+        #: keep the last copy resident and defeat the offload
+        self.cache_views = True
 
     # --- subclass hooks --------------------------------------------------------------------------------
     def _prepare(self) -> None:  # derived tables from the stored buffers (CPU)
@@ -162,8 +165,16 @@ class PackedLinear(nn.Module):
         if c is None or len(c[0]) != len(bufs) or any(a is not b for a, b in zip(c[0], bufs)):
             arrs = tuple(b.numpy().view(np.uint32 if b.dtype == torch.int32 else np.uint16 if b.dtype ==
                                         torch.float16 else b.numpy().dtype) for b in bufs)
+            if not self.cache_views:
+                self._np_cache = None
+                return arrs
             c = self._np_cache = (bufs, arrs)
         return c[1]
+
+    def mark_offloaded(self) -> None:
+        """The buffers live elsewhere (disk, or CPU memory for an accelerator) between forwards: no view cache."""
+        self.cache_views = False
+        self._np_cache = None
 
 
 class Exl2PackedLinear(PackedLinear):

@@ -109,5 +109,10 @@ def place_model(model: nn.Module, device_map: "str | dict", max_memory: dict | N
         os.makedirs(offload_folder, exist_ok=True)
     dispatch_model(model, dm, offload_dir=None if offload_folder is None else str(offload_folder),
                    offload_buffers=True, force_hooks=len(set(dm.values())) > 1 or "disk" in dm.values())
+    from .linear import PackedLinear
+
+    for m in model.modules():   # offloaded: accelerate swaps its buffers in per forward
+        if isinstance(m, PackedLinear) and any(b.device.type == "meta" for b in m.buffers(recurse=False)):
+            m.mark_offloaded()
     model.hf_device_map = dm
     return dm
