@@ -46,7 +46,8 @@ from .options import QuantOptions
 from .qparams import block_options
 from ..runner.weights import dense_linear
 
-__all__ = ["measure_distributed", "measure_layer", "versions", "thread_env", "cluster", "MAX_ATTEMPTS"]
+__all__ = ["measure_distributed", "measure_layer", "versions", "thread_env", "cluster", "check_address",
+           "MAX_ATTEMPTS"]
 
 #: How often one layer's task may be lost with its worker before the run stops.
 MAX_ATTEMPTS = 3
@@ -116,6 +117,12 @@ def _import_ray():
     return ray
 
 
+def check_address(o: QuantOptions) -> None:
+    """``CLUSTER_UNREACHABLE`` before any work when ``o.ray_address`` names a head that does not answer."""
+    if o.ray_address and o.ray_address != "auto":
+        _check_reachable(o.ray_address)
+
+
 def _check_reachable(address: str) -> None:
     """``CLUSTER_UNREACHABLE`` unless HOST:PORT accepts a TCP connection within ``CONNECT_SECONDS`` (Ray itself
     retries for about a minute before it gives up)."""
@@ -146,8 +153,7 @@ def cluster(o: QuantOptions):
               include_dashboard=False)
     try:
         if o.ray_address:
-            if o.ray_address != "auto":
-                _check_reachable(o.ray_address)
+            check_address(o)
             ray.init(address=o.ray_address, **kw)
         else:
             gpus = torch.cuda.device_count() if str(o.device).startswith("cuda") else 0

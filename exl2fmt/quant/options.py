@@ -185,7 +185,11 @@ def default_batch_tokens(length: int, widest: int, device: str) -> int:
 
 
 def _check_cluster_options(o: "QuantOptions") -> None:
-    """``workers``: a whole number from 1 to 1024; ``ray_address``: HOST:PORT (a port 1-65535) or "auto"."""
+    """``workers``: a whole number from 1 to 1024; ``ray_address``: HOST:PORT (a port 1-65535) or "auto"; either
+    only for EXL2 (what they distribute is the measurement)."""
+    if o.distributed and o.target != "exl2":
+        raise Exl2Error(ErrorCode.USAGE, "--workers / --ray-address distribute the EXL2 measurement: they apply "
+                        f"only to --to exl2, not --to {o.target}")
     if o.workers is not None:
         if isinstance(o.workers, bool) or not isinstance(o.workers, (int, np.integer)) or not 1 <= o.workers <= 1024:
             raise Exl2Error(ErrorCode.USAGE, f"--workers must be a whole number from 1 to 1024, got {o.workers!r}")

@@ -92,8 +92,10 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
     work_root = check_side_paths(src_p, dst_p, o, force)     # before any work (issue 41)
     if o.device.startswith("cuda") and not torch.cuda.is_available():
         raise Exl2Error(ErrorCode.USAGE, f"--device {o.device}: torch {torch.__version__} sees no CUDA device")
-    if o.distributed:
+    if o.distributed:                # the extra installed, the cluster's head reachable: before any work
         require("distributed", "--workers / --ray-address (the distributed measurement)")
+        from .distributed import check_address
+        check_address(o)
     model = open_model(src_p)
     froze = False
     try:
