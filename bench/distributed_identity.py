@@ -49,21 +49,20 @@ def make_moe(where: Path) -> tuple[Path, list[str]]:
     return d, ["--calibration", str(ids), "--rows", "8", "--length", "64"]
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc)."""
-    kids: dict[int, list[int]] = {}
+def workers_of(pid: int) -> list[int]:
+    """The Ray worker processes serving the run whose driver is ``pid`` (Ray daemonizes its processes, so they
+    are not the driver's descendants; exl2fmt starts them with EXL2FMT_DRIVER=HOST:PID in their environment)."""
+    import socket
+
+    mark = f"EXL2FMT_DRIVER={socket.gethostname()}:{pid}".encode()
+    out = []
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
+                if mark in (p / "environ").read_bytes().split(b"\0"):
+                    out.append(int(p.name))
+            except OSError:
                 continue
-            kids.setdefault(ppid, []).append(int(p.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
     return out
 
 
@@ -87,7 +86,7 @@ def convert(src: Path, dst: Path, args: list[str], env: dict | None = None, kill
     if kill_after is not None:
         seen: dict[int, float] = {}
         while p.poll() is None and killed is None:
-            for c in descendants(p.pid):
+            for c in workers_of(p.pid):
                 if "ray::measure_layer" in cmdline(c):
                     seen.setdefault(c, time.monotonic())
                     if time.monotonic() - seen[c] >= kill_after:

@@ -31,7 +31,7 @@ import socket
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -103,7 +103,9 @@ def thread_env(threads: dict) -> dict[str, str]:
     """The environment a worker process starts with so that it computes with ``threads`` (``thread_counts`` of
     the driver): OpenMP and MKL at torch's count, Numba at its own."""
     t, n = str(int(threads["torch"])), str(int(threads["numba"]))
-    env = {"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, "NUMBA_NUM_THREADS": n}
+    # (EXL2FMT_DRIVER: which run a worker process serves, for whoever looks at the machine's processes)
+    env = {"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, "NUMBA_NUM_THREADS": n,
+           "EXL2FMT_DRIVER": f"{socket.gethostname()}:{os.getpid()}"}
     if os.environ.get("EXL2FMT_TEST_FAULT"):       # the fault-injection tests' hook reaches the workers too
         env["EXL2FMT_TEST_FAULT"] = os.environ["EXL2FMT_TEST_FAULT"]
     return env
@@ -136,38 +138,61 @@ def _check_reachable(address: str) -> None:
                         "or check the address and the firewall") from None
 
 
+def _token_auth() -> None:
+    """Join with token authentication when this machine has a Ray token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+    ~/.ray/auth_token) and RAY_AUTH_MODE does not say otherwise: what ``ray start`` does on the head, where a
+    token exists; a driver that joins without it is refused as if the cluster were unreachable."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or Path(path).is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 @contextmanager
 def cluster(o: QuantOptions):
     """Ray, initialised for the run and shut down after it: a local cluster of ``o.workers`` CPUs (each task
     takes one; with a CUDA device also one GPU each of the GPUs torch sees), or the running cluster at
     ``o.ray_address``.  A caller that initialised Ray already keeps its own session.  Yields the ``ray``
-    module."""
+    module.  While the session lasts, what is printed to stdout goes to stderr: Ray prints its cluster's error
+    messages there ("A worker died ..."), which would break the report that ``--json`` writes to stdout."""
     ray = _import_ray()
+    if ray.is_initialized():       # (each task carries its thread settings: ``_Fanout.submit``)
+        with redirect_stdout(sys.stderr):
+            yield ray
+        return
+    with redirect_stdout(sys.stderr):
+        _init(ray, o)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+def _init(ray, o: QuantOptions) -> None:
     import logging
 
-    threads = thread_counts()
-    if ray.is_initialized():
-        yield ray
-        return
-    kw = dict(runtime_env={"env_vars": thread_env(threads)}, logging_level=logging.ERROR, log_to_driver=False,
-              include_dashboard=False)
+    kw = dict(runtime_env={"env_vars": thread_env(thread_counts())}, logging_level=logging.ERROR,
+              log_to_driver=False, include_dashboard=False)
     try:
         if o.ray_address:
             check_address(o)
+            _token_auth()
             ray.init(address=o.ray_address, **kw)
         else:
             gpus = torch.cuda.device_count() if str(o.device).startswith("cuda") else 0
-            ray.init(num_cpus=int(o.workers), num_gpus=gpus, **kw)
+            # address "local": a new cluster of this run's own, even where RAY_ADDRESS or a `ray start` on this
+            # machine would make a plain ray.init() join that one
+            ray.init(address="local", num_cpus=int(o.workers), num_gpus=gpus, **kw)
     except ConnectionError as e:
-        raise Exl2Error(ErrorCode.CLUSTER_UNREACHABLE, f"--ray-address {o.ray_address}: {e}") from None
+        raise Exl2Error(ErrorCode.CLUSTER_UNREACHABLE, f"--ray-address {o.ray_address}: {e} (a cluster with token "
+                        "authentication, Ray's default, admits a driver that has its token: RAY_AUTH_TOKEN, "
+                        "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, as `ray get-auth-token` prints it on the head)"
+                        ) from None
     except RuntimeError as e:
         if "version" in str(e).lower():
             raise Exl2Error(ErrorCode.CLUSTER_MISMATCH, f"the Ray cluster does not match this driver: {e}") from None
         raise
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
 
 
 # ------------------------------------------------------------------------------------------------ the worker side
@@ -295,9 +320,10 @@ class _Fanout:
         self.attempts: dict = {}      # layer -> lost attempts so far
         self.gpu = str(o.device).startswith("cuda")
         self.task = ray.remote(measure_layer)
+        self.env = {"env_vars": thread_env(thread_counts())}
 
     def submit(self, i: int) -> None:
-        opts = {"num_cpus": 1, "num_gpus": 1 if self.gpu else 0, "max_retries": 0}
+        opts = {"num_cpus": 1, "num_gpus": 1 if self.gpu else 0, "max_retries": 0, "runtime_env": self.env}
         ref = self.task.options(**opts).remote(self.ctx_ref, i, self.inputs[i], self.batches, self.n_score,
                                                self.keys[i], self.attempts.get(i, 0))
         self.inflight[ref] = i
