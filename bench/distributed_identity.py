@@ -110,7 +110,10 @@ def start_head(port: int, cpus: int) -> subprocess.Popen:
 
     p = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
                           "--port", str(port), "--num-cpus", str(cpus), "--include-dashboard", "false",
-                          "--disable-usage-stats"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                          "--disable-usage-stats"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         # workers at normal priority, as spec/quantizer.md advises (the 2026-12-07 figures were
+                         # taken without it: Ray's default +15 niceness)
+                         env={**os.environ, "RAY_worker_niceness": "0"})
     for _ in range(600):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
