@@ -217,6 +217,19 @@ class ErrorCode(str, enum.Enum):
                             "a device_map must place every module on a device this machine has (or on 'disk' "
                             "with an offload folder), within max_memory")
 
+    # --- the distributed quantizer (appended; issue 36, see exl2fmt/quant/distributed.py) -----------------
+    CLUSTER_UNREACHABLE = ("CLUSTER_UNREACHABLE", Category.UNREADABLE,
+                           "--ray-address must name the head (HOST:PORT) of a running Ray cluster that this "
+                           "machine reaches")
+    CLUSTER_MISMATCH = ("CLUSTER_MISMATCH", Category.UNREADABLE,
+                        "every worker must run the driver's Ray, Python, exl2fmt, torch, transformers, numpy and "
+                        "numba, and compute the driver's FP16 reference bits")
+    WORKER_OUT_OF_MEMORY = ("WORKER_OUT_OF_MEMORY", Category.USAGE,
+                            "a worker must have memory for one layer's working set (fewer workers per machine, "
+                            "or a smaller --batch-tokens)")
+    WORKER_LOST = ("WORKER_LOST", Category.UNREADABLE,
+                   "a layer's task is re-run when its worker is lost, at most a few times")
+
     @classmethod
     def _missing_(cls, value):  # pragma: no cover - enum protocol
         return None
@@ -271,6 +284,14 @@ class Exl2Error(Exception):
 
     def as_issue(self) -> Issue:
         return Issue(self.code, self.message, tensor=self.tensor, file=self.file)
+
+    def __reduce__(self):
+        # picklable (a worker process of the distributed quantizer raises it to the driver)
+        return (_rebuild_error, (self.code.value, self.message, self.file, self.tensor))
+
+
+def _rebuild_error(code: str, message: str, file: str | None, tensor: str | None) -> "Exl2Error":
+    return Exl2Error(ErrorCode(code), message, file=file, tensor=tensor)
 
 
 def _escape_char(ch: str) -> str:

@@ -3,13 +3,14 @@
 The core (inspect / validate / dequantize / the exact converters) needs only numpy, numba, safetensors, rich and
 typer.  Other paths need an *extra* (``pyproject.toml`` ``[project.optional-dependencies]``):
 
-=========  =========================================  ==============================================
-extra      packages                                   needed by
-=========  =========================================  ==============================================
-quant      torch, tokenizers                          ``convert FP16_DIR DST --to exl2|gptq`` (the quantizer)
-gguf       gguf                                       ``convert ... --to gguf``, a ``.gguf`` SRC, ``inspect x.gguf``
-kernels    torch, triton                              ``validate --kernel`` / ``--run``
-=========  =========================================  ==============================================
+===========  =========================================  ===============================================
+extra        packages                                   needed by
+===========  =========================================  ===============================================
+quant        torch, tokenizers                          ``convert FP16_DIR DST --to exl2|gptq`` (the quantizer)
+gguf         gguf                                       ``convert ... --to gguf``, a ``.gguf`` SRC, ``inspect x.gguf``
+kernels      torch, triton                              ``validate --kernel`` / ``--run``
+distributed  ray                                        ``convert ... --to exl2|gptq --workers N`` / ``--ray-address``
+===========  =========================================  ===============================================
 
 ``require(extra, what)`` imports the extra's modules and raises ``Exl2Error(UNSUPPORTED_INPUT)`` (exit 3) naming
 the missing package and the ``pip install 'exl2fmt[extra]'`` command, the way ``inspect x.gguf`` answers without
@@ -32,6 +33,7 @@ EXTRA_PACKAGES: dict[str, tuple[str, ...]] = {
     "quant": ("torch", "tokenizers"),
     "gguf": ("gguf",),
     "kernels": ("torch", "triton"),
+    "distributed": ("ray",),
 }
 
 #: distribution name -> import name, where they differ

@@ -36,6 +36,8 @@ QUANT_EXAMPLES = {
     "measure_rows": (["--measure-rows", "all"], "all"),
     "measure_search": (["--measure-search", "full"], "full"),
     "measure_precision": (["--measure-precision", "fp32"], "fp32"),
+    "workers": (["--workers", "2"], 2),
+    "ray_address": (["--ray-address", "127.0.0.1:6379"], "127.0.0.1:6379"),
 }
 CONVERT_EXAMPLES = {
     "bits": (["--bits", "4"], 4),

@@ -126,7 +126,22 @@ def convert_command(
                                                              "products are fast: AMX/AVX512-BF16 CPUs, CUDA).")
                          ] = None,
     device: Annotated[Optional[str], typer.Option("--device", show_default=False, help="FP16 -> exl2/gptq: cpu "
-                                                  "or cuda[:i] (default: cuda if torch sees one).")] = None,
+                                                  "or cuda[:i] (default: cuda if torch sees one). With --workers "
+                                                  "/ --ray-address: each worker's device (cuda: one GPU per "
+                                                  "worker).")] = None,
+    workers: Annotated[Optional[int], typer.Option("--workers", metavar="N", show_default=False,
+                                                   help="FP16 -> exl2: measure on N worker processes of a local "
+                                                   "Ray cluster (pip install 'exl2fmt[distributed]'); with "
+                                                   "--ray-address at most N layers at once on that cluster. The "
+                                                   "output is byte-identical to the run without it (each worker "
+                                                   "uses this process's torch/Numba thread counts: set "
+                                                   "OMP_NUM_THREADS / NUMBA_NUM_THREADS to choose them).")] = None,
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", metavar="HOST:PORT", show_default=False,
+                                                       help="FP16 -> exl2: measure on the running Ray cluster "
+                                                       "whose head is HOST:PORT (`ray start --head` on it; the "
+                                                       "workers read SRC at the same path: a shared "
+                                                       "filesystem). Default: one task per CPU (per GPU with "
+                                                       "--device cuda) of the cluster.")] = None,
     seed: Annotated[int, typer.Option("--seed", help="FP16 -> exl2/gptq: seed of the built-in calibration "
                                       "set; same inputs and seed give byte-identical output.")] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="FP16 -> exl2/gptq: continue an interrupted run from "
@@ -241,6 +256,8 @@ def convert_command(
     * `exl2fmt convert ./model-gptq ./model-fp16 --to fp16 --json > report.json`
     * `exl2fmt convert ./Llama-fp16 ./Llama-exl2 --to exl2 --bits 5.0 --status-lines --json 2> status.jsonl`
     * `exl2fmt convert ./model-gptq ./model.gguf --to gguf` · `exl2fmt convert ./model.gguf ./model-fp16 --to fp16`
+    * `exl2fmt convert ./Llama-fp16 ./Llama-exl2 --to exl2 --bits 4.0 --workers 4` (the measurement on 4 local
+      Ray workers) · `... --ray-address 10.0.0.1:6379 --device cuda` (on a cluster, one GPU per worker)
 
     **Exit codes**: 0 converted and verified · 1 the source breaks a rule or the output failed verification ·
     2 usage error (unknown pair, an option that does not apply, DST exists without --force, DST inside SRC) ·

@@ -116,6 +116,10 @@ class Work:
         self.save()
         self._last_snapshot = time.monotonic()
 
+    def snapshot_due(self) -> bool:
+        """Whether ``snapshot`` (without ``force``) would write now."""
+        return time.monotonic() - self._last_snapshot >= SNAPSHOT_SECONDS
+
     def restore(self, phase: str, shape: tuple[int, ...], need: tuple[tuple[str, ...], ...] = (("h",),),
                 blocks: int | None = None) -> tuple[int, dict[str, torch.Tensor] | None]:
         """The snapshot of ``phase``: (next block, {name: float32 tensor}), or (0, None) without one.  Every

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ from .qparams import block_options, exllamav2_last_module_idx, read_measurement,
 from .report import QuantReport
 from ..runner.weights import WeightSource, dense_linear, widened_linear
 
-__all__ = ["score_plan", "measure", "write_measurement_file", "read_measurement_for", "measured_from_file",
+__all__ = ["score_plan", "measure", "measure_block", "write_measurement_file", "read_measurement_for", "measured_from_file",
            "plan_from_measurement"]
 
 
@@ -71,102 +72,131 @@ def measure(spec, src, ids_h, options_of, work: Work, o: QuantOptions, progress,
     if order is not None and states is None:      # a snapshot is stored in this order already
         h = h.index_select(0, order.to(h.device))
     h = h.to(device)
-    score_rows = batches[n_score - 1].stop
     measured = work.job["measured"]
     for bi in range(start, len(blocks)):
         i, kind = blocks[bi]
         key = spec.block_key(i, kind)
-        blk = spec.block(i, kind, batches, device)
-        if kind == "mlp":                    # its sweeps replay the recorded attention result
-            blk.drop_attention()
-        W = blk.weights()
-        dense = {n: dense_linear(w, b) for n, (w, b) in W.items()}
-        owners = sorted({blk.owner(n) for n in blk.names})
-        # MoE blocks: Hessians in chunks that fit moe.LIVE_HESSIAN_BYTES, one sweep each (one chunk if all fit)
-        chunks = hessian_chunks(owners, {ow: W[ow][0].shape[1] for ow in owners})
-        hess = {ow: gptq.HessianAccumulator(W[ow][0].shape[1], device) for ow in chunks[0]}
-        y_ref = blk.sweep(h, dense, hess, record=True)
-        if key not in measured:
-            options = options_of(kind)
-            if progress:
-                progress("measure", bi * 1000, len(blocks) * 1000, f"{key} candidates")
-            vdir = work.root / "variants"
-            shutil.rmtree(vdir, ignore_errors=True)
-            vdir.mkdir()
-
-            def narrow(n):
-                # a layer whose candidates are made is read again only by the tape's reference forward (the
-                # option sweeps replace every linear: by a candidate's dense reconstruction, which reads no W, or
-                # by a DeltaLinear, which reads W_hat - W and W in bf16): the exact 16-bit copy of a weight from a
-                # 16-bit checkpoint, widened per call, gives the same bits at half the bytes, and the layer's own
-                # float32 copy is freed (measured: bench/RESULTS.md)
-                w, b = W[n]
-                w16 = scoring.exact_16bit(w)
-                if w16 is not w and blk.drop_linear(n):
-                    W[n] = (w16, b)
-                    dense[n] = widened_linear(w16, b)
-            made = make_variants(blk, W, hess, options, vdir, bool(o.refine_scales), scale_search=o.measure_search,
-                                 done=narrow)
-            for chunk in chunks[1:]:         # the in-memory budget is the block's, shared by its chunks
-                hess = {ow: gptq.HessianAccumulator(W[ow][0].shape[1], device) for ow in chunk}
-                blk.sweep(h, dense, hess)
-                made.update(make_variants(blk, W, hess, options, vdir, bool(o.refine_scales),
-                                          in_memory=candidates.CANDIDATES_IN_MEMORY - kept_bytes(made),
-                                          scale_search=o.measure_search))
-            hess = None
-            # the scoring rows: the first batches (the same layer runner, so the MLP half replays the attention
-            # results the reference pass recorded for them)
-            scorer = blk if n_score == len(batches) else spec.block(i, kind, batches[:n_score], device)
-            h_s, y_ref_s = h[:score_rows], y_ref[:score_rows]
-            rows_out = []
-            y = torch.empty_like(h_s)
-            tape = None
-            taped = blk.tapeable() if o.measure_precision == "bf16" else []
-            if sum(W[n][0].numel() for n in taped) >= scoring.DELTA_MIN_WEIGHTS:
-                # the linears' reference inputs and outputs on the scoring rows, recorded now rather than in the
-                # reference pass so that they are not alive while the candidates' GPTQ runs (one more forward)
-                tape = scoring.ReferenceTape(taped, blk.owner, n_score, n_score)
-                scorer.sweep(h_s, {n: tape.recorder(n, f) for n, f in dense.items()}, out=y)
-                tape.close()
-            dense = None
-            trim_heap()                     # the candidates' GPTQ and the tape's forward leave free heap behind
-            cache = VariantCache(made, W, tape)
-            # (a first linear scored from the tape costs one bf16 product and an addition, about what keeping,
-            # comparing and copying its output costs, and the kept outputs add to the measurement's peak: only
-            # fp32-scored first linears keep theirs)
-            shared = SharedOutputs(made, options, [n for n in spec.groups(kind, i)[0]
-                                                    if n in made and not (tape is not None and tape.usable(n))])
-            for j, opt in enumerate(options):
-                lin = {n: shared.wrap(j, n, qp, cache.linear(n, qp)) for n, qp in option_layers(opt, blk.names)}
-                scorer.sweep(h_s, lin, out=y)
-                shared.done(j)
-                trim_heap()
-                acc = max(1e-6, 1.0 - rel_err_tokens(y, y_ref_s))
-                bits = sum(qp.total_bits(W[n][0].shape[1], W[n][0].shape[0], W[n][1] is not None)
-                           for n, qp in option_layers(opt, blk.names))
-                rows_out.append([j, bits, acc])
-                if progress:
-                    # a block is 1000 units, spread over its options (the bar moves inside a block too)
-                    progress("measure", bi * 1000 + (j + 1) * 1000 // len(options), len(blocks) * 1000,
-                             f"{key} option {j + 1}/{len(options)}")
-            if max(a for _, _, a in rows_out) < 0.1:
-                raise Exl2Error(ErrorCode.QUANT_NUMERICS, f"every candidate of {key} has accuracy below 0.1: the "
-                                "block's reference outputs are degenerate (non-finite or exploding activations?)")
+        on_option = None
+        if key not in measured and progress:
+            progress("measure", bi * 1000, len(blocks) * 1000, f"{key} candidates")
+            on_option = _option_progress(progress, bi, len(blocks), key)
+        rows_out, h = measure_block(spec, i, kind, h, batches, n_score, o, options_of, work.root / "variants",
+                                    score=key not in measured, on_option=on_option)
+        if rows_out is not None:
             measured[key] = rows_out
             work.save()
-            del cache, lin, y, shared, tape, made     # (the next block's candidates are made without these)
-            shutil.rmtree(vdir, ignore_errors=True)
         if progress:
             progress("measure", (bi + 1) * 1000, len(blocks) * 1000, key)
-        h = blk.next_input(h, y_ref)
-        del W, dense, hess, y_ref
-        release_memory()
         if kind == "mlp":            # a layer's attention result lives only until its MLP half is measured
             work.snapshot("measure", bi + 1, {"h": h})
     spec.release()
     if order is not None:                           # back to the calibration's row order
         h = torch.empty_like(h).index_copy_(0, order.to(h.device), h)
     return measured, h
+
+
+def _option_progress(progress, bi: int, blocks: int, key: str) -> Callable[[int, int], None]:
+    """``measure_block``'s ``on_option`` for a progress callback: a block is 1000 units, spread over its options
+    (the bar moves inside a block too)."""
+    def step(j: int, n: int) -> None:
+        progress("measure", bi * 1000 + (j + 1) * 1000 // n, blocks * 1000, f"{key} option {j + 1}/{n}")
+    return step
+
+
+def measure_block(spec, i: int, kind: str, h: torch.Tensor, batches: list[slice], n_score: int, o: QuantOptions,
+                  options_of, vdir: Path, score: bool = True,
+                  on_option: Callable[[int, int], None] | None = None) -> tuple[list | None, torch.Tensor]:
+    """One block of the measurement, on the block's FP16 input ``h`` float32 [rows, T, hidden] (the rows in
+    ``score_plan``'s order, on ``o.device``): the reference sweep (the Hessians of its linears gathered), then, with
+    ``score``, every candidate of every linear made (parked in ``vdir``, a scratch directory made and removed here)
+    and every option of ``options_of(kind)`` scored on the first ``n_score`` of ``batches``.  Returns (the rows
+    [[option index, bits, accuracy]] or None without ``score``, the next block's FP16 input).  ``on_option(j,
+    count)``: called after option j is scored.
+
+    The same call on the same input gives the same bits in any process with the same library versions and thread
+    counts: ``measure`` runs it block after block, the distributed measurement (``distributed``) one layer per
+    worker task."""
+    device = torch.device(o.device)
+    key = spec.block_key(i, kind)
+    score_rows = batches[n_score - 1].stop
+    rows_out = None
+    blk = spec.block(i, kind, batches, device)
+    if kind == "mlp":                    # its sweeps replay the recorded attention result
+        blk.drop_attention()
+    W = blk.weights()
+    dense = {n: dense_linear(w, b) for n, (w, b) in W.items()}
+    owners = sorted({blk.owner(n) for n in blk.names})
+    # MoE blocks: Hessians in chunks that fit moe.LIVE_HESSIAN_BYTES, one sweep each (one chunk if all fit)
+    chunks = hessian_chunks(owners, {ow: W[ow][0].shape[1] for ow in owners})
+    hess = {ow: gptq.HessianAccumulator(W[ow][0].shape[1], device) for ow in chunks[0]}
+    y_ref = blk.sweep(h, dense, hess, record=True)
+    if score:
+        options = options_of(kind)
+        shutil.rmtree(vdir, ignore_errors=True)
+        vdir.mkdir()
+
+        def narrow(n):
+            # a layer whose candidates are made is read again only by the tape's reference forward (the
+            # option sweeps replace every linear: by a candidate's dense reconstruction, which reads no W, or
+            # by a DeltaLinear, which reads W_hat - W and W in bf16): the exact 16-bit copy of a weight from a
+            # 16-bit checkpoint, widened per call, gives the same bits at half the bytes, and the layer's own
+            # float32 copy is freed (measured: bench/RESULTS.md)
+            w, b = W[n]
+            w16 = scoring.exact_16bit(w)
+            if w16 is not w and blk.drop_linear(n):
+                W[n] = (w16, b)
+                dense[n] = widened_linear(w16, b)
+        made = make_variants(blk, W, hess, options, vdir, bool(o.refine_scales), scale_search=o.measure_search,
+                             done=narrow)
+        for chunk in chunks[1:]:         # the in-memory budget is the block's, shared by its chunks
+            hess = {ow: gptq.HessianAccumulator(W[ow][0].shape[1], device) for ow in chunk}
+            blk.sweep(h, dense, hess)
+            made.update(make_variants(blk, W, hess, options, vdir, bool(o.refine_scales),
+                                      in_memory=candidates.CANDIDATES_IN_MEMORY - kept_bytes(made),
+                                      scale_search=o.measure_search))
+        hess = None
+        # the scoring rows: the first batches (the same layer runner, so the MLP half replays the attention
+        # results the reference pass recorded for them)
+        scorer = blk if n_score == len(batches) else spec.block(i, kind, batches[:n_score], device)
+        h_s, y_ref_s = h[:score_rows], y_ref[:score_rows]
+        rows_out = []
+        y = torch.empty_like(h_s)
+        tape = None
+        taped = blk.tapeable() if o.measure_precision == "bf16" else []
+        if sum(W[n][0].numel() for n in taped) >= scoring.DELTA_MIN_WEIGHTS:
+            # the linears' reference inputs and outputs on the scoring rows, recorded now rather than in the
+            # reference pass so that they are not alive while the candidates' GPTQ runs (one more forward)
+            tape = scoring.ReferenceTape(taped, blk.owner, n_score, n_score)
+            scorer.sweep(h_s, {n: tape.recorder(n, f) for n, f in dense.items()}, out=y)
+            tape.close()
+        dense = None
+        trim_heap()                     # the candidates' GPTQ and the tape's forward leave free heap behind
+        cache = VariantCache(made, W, tape)
+        # (a first linear scored from the tape costs one bf16 product and an addition, about what keeping,
+        # comparing and copying its output costs, and the kept outputs add to the measurement's peak: only
+        # fp32-scored first linears keep theirs)
+        shared = SharedOutputs(made, options, [n for n in spec.groups(kind, i)[0]
+                                                if n in made and not (tape is not None and tape.usable(n))])
+        for j, opt in enumerate(options):
+            lin = {n: shared.wrap(j, n, qp, cache.linear(n, qp)) for n, qp in option_layers(opt, blk.names)}
+            scorer.sweep(h_s, lin, out=y)
+            shared.done(j)
+            trim_heap()
+            acc = max(1e-6, 1.0 - rel_err_tokens(y, y_ref_s))
+            bits = sum(qp.total_bits(W[n][0].shape[1], W[n][0].shape[0], W[n][1] is not None)
+                       for n, qp in option_layers(opt, blk.names))
+            rows_out.append([j, bits, acc])
+            if on_option is not None:
+                on_option(j, len(options))
+        if max(a for _, _, a in rows_out) < 0.1:
+            raise Exl2Error(ErrorCode.QUANT_NUMERICS, f"every candidate of {key} has accuracy below 0.1: the "
+                            "block's reference outputs are degenerate (non-finite or exploding activations?)")
+        del cache, lin, y, shared, tape, made     # (the next block's candidates are made without these)
+        shutil.rmtree(vdir, ignore_errors=True)
+    h = blk.next_input(h, y_ref)
+    del W, dense, hess, y_ref
+    release_memory()
+    return rows_out, h
 
 
 def write_measurement_file(path: Path, spec, measured: dict, options_of) -> None:

@@ -71,6 +71,17 @@ class QuantOptions:
     # the reference layer, in bf16: ``scoring``), "fp32", or "auto" (resolved(): bf16 where bf16 products are
     # hardware-accelerated).  The A/B of the chosen plans is in bench/RESULTS.md (issue 18)
     measure_precision: str = "auto"
+    # the distributed measurement (``distributed``; the ``distributed`` extra, Ray): ``workers`` worker processes
+    # of a local Ray cluster started for the run, or at most that many tasks at once on the cluster at
+    # ``ray_address`` (HOST:PORT of its head, or "auto"; None for ``workers``: one per CPU, or per GPU with a CUDA
+    # ``device``, of that cluster).  Neither changes a byte of the output, so neither is in the fingerprint
+    workers: int | None = None
+    ray_address: str | None = None
+
+    @property
+    def distributed(self) -> bool:
+        """The measurement runs on Ray workers (``workers`` or ``ray_address`` given)."""
+        return self.workers is not None or bool(self.ray_address)
 
     def resolved(self) -> "QuantOptions":
         o = QuantOptions(**asdict(self))
@@ -118,6 +129,7 @@ class QuantOptions:
             raise Exl2Error(ErrorCode.USAGE, f"--measure-search must be one of {', '.join(SEARCHES)}, got "
                             f"{o.measure_search!r}")
         o.measure_precision = resolve_precision(o.measure_precision, torch.device(o.device))
+        _check_cluster_options(o)
         # (only the EXL2 measurement scores candidates: other targets record no count)
         o.measure_rows = min(int(o.measure_rows), o.rows) if o.target == "exl2" else None
         # checked here, before calibration and measurement, rather than when the head or first layer is reached
@@ -131,7 +143,7 @@ class QuantOptions:
     def fingerprint(self) -> dict:
         """What a resumed run must share with the interrupted one (paths and cosmetics excluded)."""
         d = asdict(self)
-        for k in ("resume", "work_dir", "save_measurement", "shard_size"):
+        for k in ("resume", "work_dir", "save_measurement", "shard_size", "workers", "ray_address"):
             d.pop(k)
         return d
 
@@ -170,6 +182,28 @@ def default_batch_tokens(length: int, widest: int, device: str) -> int:
     length = max(1, int(length))
     rows = max(1, min(BATCH_ACTIVATION_BYTES // (4 * length * max(1, int(widest))), MAX_BATCH_TOKENS // length))
     return rows * length
+
+
+def _check_cluster_options(o: "QuantOptions") -> None:
+    """``workers``: a whole number from 1 to 1024; ``ray_address``: HOST:PORT (a port 1-65535) or "auto"; either
+    only for EXL2 (what they distribute is the measurement)."""
+    if o.distributed and o.target != "exl2":
+        raise Exl2Error(ErrorCode.USAGE, "--workers / --ray-address distribute the EXL2 measurement: they apply "
+                        f"only to --to exl2, not --to {o.target}")
+    if o.workers is not None:
+        if isinstance(o.workers, bool) or not isinstance(o.workers, (int, np.integer)) or not 1 <= o.workers <= 1024:
+            raise Exl2Error(ErrorCode.USAGE, f"--workers must be a whole number from 1 to 1024, got {o.workers!r}")
+        o.workers = int(o.workers)
+    if o.ray_address is not None:
+        a = str(o.ray_address).strip()
+        if a.startswith("ray://"):
+            raise Exl2Error(ErrorCode.USAGE, "--ray-address takes the head's GCS address HOST:PORT (what `ray start "
+                            "--head` prints, port 6379 by default), not a ray:// client address")
+        host, _, port = a.rpartition(":")
+        if a != "auto" and (not host or not port.isdigit() or not 1 <= int(port) <= 65535):
+            raise Exl2Error(ErrorCode.USAGE, f"--ray-address must be HOST:PORT of a Ray cluster's head (or auto), "
+                            f"got {o.ray_address!r}")
+        o.ray_address = a
 
 
 _ORDERS = ("act", "group", "static", "natural")

@@ -41,6 +41,7 @@ from ..container import open_model
 from ..container.publish import check_paths, lower_shield
 from ..container.staging import staged_output
 from ..errors import ErrorCode, Exl2Error
+from ..extras import require
 from ..modelcard import write_quant_card
 from ..outputs import file_output_error
 from .calib import load_calibration
@@ -91,6 +92,10 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
     work_root = check_side_paths(src_p, dst_p, o, force)     # before any work (issue 41)
     if o.device.startswith("cuda") and not torch.cuda.is_available():
         raise Exl2Error(ErrorCode.USAGE, f"--device {o.device}: torch {torch.__version__} sees no CUDA device")
+    if o.distributed:                # the extra installed, the cluster's head reachable: before any work
+        require("distributed", "--workers / --ray-address (the distributed measurement)")
+        from .distributed import check_address
+        check_address(o)
     model = open_model(src_p)
     froze = False
     try:
@@ -137,7 +142,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         measured = strategy = h_ref_final = None
         if o.target == "exl2":
             measured, strategy, h_ref_final = _measure_and_optimize(spec, srcw, ids, ids_h, options_of, work, o,
-                                                                    progress, report, loaded)
+                                                                    progress, report, loaded, src_p)
         t = time.monotonic()
         quantize_pass(spec, srcw, ids, ids_h, strategy, options_of, work, o, progress, report, h_ref_final)
         h_ref_final = None
@@ -175,16 +180,21 @@ def _calibration_ids(src_p: Path, o: QuantOptions, spec) -> torch.Tensor:
 
 
 def _measure_and_optimize(spec, srcw, ids, ids_h, options_of, work: Work, o: QuantOptions, progress,
-                          report: QuantReport, loaded: dict | None):
+                          report: QuantReport, loaded: dict | None, src_p: Path):
     """The EXL2 strategy: measured (or read from ``o.measurement``, ``loaded``) and optimized once per job, the
     measurement saved where asked.  Returns (measured, strategy, the FP16 trajectory's end when this run
-    measured)."""
+    measured).  With ``o.distributed`` the measurement runs on Ray workers (``distributed``), which read the source
+    at ``src_p`` themselves."""
     t = time.monotonic()
     h_ref_final = None
     if o.measurement:
         measured = measured_from_file(spec, loaded, options_of, o.measurement)
     else:
-        if work.job.get("strategy") is None:
+        if work.job.get("strategy") is None and o.distributed:
+            from .distributed import measure_distributed
+            measured, h_ref_final = measure_distributed(spec, str(src_p.resolve()), ids_h, options_of, work, o, progress,
+                                                        report, tuple(ids.shape))
+        elif work.job.get("strategy") is None:
             measured, h_ref_final = measure(spec, srcw, ids_h, options_of, work, o, progress, report,
                                             tuple(ids.shape))
         else:

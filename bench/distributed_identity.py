@@ -1,0 +1,204 @@
+"""Issue 36: the distributed EXL2 measurement gives the one-process run's bytes, and how it scales.
+
+Runs ``exl2fmt convert SRC DST --to exl2 --bits 4.0`` (the script installed beside this interpreter) on the
+trained fixture (tests/fixtures/tiny-llama, 4 layers) and on a tiny Mixtral (4 layers, 4 experts, made here
+with tests/tiny_models.py), each
+
+- without ``--workers`` (the one-process run), with ``--workers 1``, ``2`` and ``3`` (a local Ray cluster),
+- with ``--ray-address 127.0.0.1:PORT`` on a second cluster started here with ``ray start --head`` (stopped after),
+- with ``--workers 2`` while one worker is killed (SIGKILL) in the middle of the measurement,
+
+and prints the sha256 of every output file per run and whether all runs of a model agree.  ``--scaling``: the
+measurement's seconds (the report's ``seconds.measure``) with every process single-threaded
+(OMP/MKL/NUMBA_NUM_THREADS=1): one-process, ``--workers 1``, ``--workers 2``, interleaved, ``--repeat`` times.
+
+    python bench/distributed_identity.py --out /tmp/dist.json [--scaling --repeat 2] [--only fixture]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+FIXTURE = ROOT / "tests" / "fixtures" / "tiny-llama"
+
+
+def sha_tree(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def make_moe(where: Path) -> tuple[Path, list[str]]:
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import make_tiny
+
+    d = make_tiny("mixtral", where / "tiny-mixtral", num_hidden_layers=4)
+    ids = where / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 160, (8, 64)))
+    return d, ["--calibration", str(ids), "--rows", "8", "--length", "64"]
+
+
+def workers_of(pid: int) -> list[int]:
+    """The Ray worker processes serving the run whose driver is ``pid`` (Ray daemonizes its processes, so they
+    are not the driver's descendants; exl2fmt starts them with EXL2FMT_DRIVER=HOST:PID in their environment)."""
+    import socket
+
+    mark = f"EXL2FMT_DRIVER={socket.gethostname()}:{pid}".encode()
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if mark in (p / "environ").read_bytes().split(b"\0"):
+                    out.append(int(p.name))
+            except OSError:
+                continue
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def convert(src: Path, dst: Path, args: list[str], env: dict | None = None, kill_after: float | None = None
+            ) -> dict:
+    """One run; returns {"hashes", "seconds", "warnings", "killed"}.  ``kill_after``: once a worker has run a
+    measure_layer task for that many seconds, SIGKILL it (a process this run started)."""
+    cmd = [str(BIN / "exl2fmt"), "convert", str(src), str(dst), "--to", "exl2", "--bits", "4.0", "--seed", "0",
+           "--device", "cpu", "--force", "--json", *args]
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})},
+                         text=True)
+    killed = None
+    if kill_after is not None:
+        seen: dict[int, float] = {}
+        while p.poll() is None and killed is None:
+            for c in workers_of(p.pid):
+                if "ray::measure_layer" in cmdline(c):
+                    seen.setdefault(c, time.monotonic())
+                    if time.monotonic() - seen[c] >= kill_after:
+                        os.kill(c, signal.SIGKILL)
+                        killed = c
+                        break
+            time.sleep(0.2)
+    out, err = p.communicate()
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{err[-3000:]}")
+    rep = json.loads(out)
+    r = rep.get("result", rep)
+    return {"hashes": sha_tree(dst), "seconds": r.get("seconds", {}), "warnings": r.get("warnings", []),
+            "killed": killed, "wall": time.monotonic() - t0}
+
+
+def start_head(port: int, cpus: int) -> subprocess.Popen:
+    """A second Ray cluster on this machine (``ray start --head --block``, held by this process: stopped by its
+    pid, which takes its GCS, raylet and workers down with it)."""
+    import socket
+
+    p = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+                          "--port", str(port), "--num-cpus", str(cpus), "--include-dashboard", "false",
+                          "--disable-usage-stats"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         # workers at normal priority, as spec/quantizer.md advises (the 2026-12-07 figures were
+                         # taken without it: Ray's default +15 niceness)
+                         env={**os.environ, "RAY_worker_niceness": "0"})
+    for _ in range(600):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            time.sleep(3.0)                  # the raylet registers after the GCS port opens
+            return p
+        except OSError:
+            time.sleep(0.1)
+    p.terminate()
+    raise SystemExit("ray start --head did not open its port")
+
+
+def stop_head(p: subprocess.Popen) -> None:
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+def identity(name: str, src: Path, args: list[str], tmp: Path, port: int) -> dict:
+    runs = {}
+    runs["one-process"] = convert(src, tmp / f"{name}-plain", args)
+    for n in (1, 2, 3):
+        runs[f"--workers {n}"] = convert(src, tmp / f"{name}-w{n}", [*args, "--workers", str(n)])
+    head = start_head(port, 2)
+    try:
+        runs[f"--ray-address 127.0.0.1:{port}"] = convert(src, tmp / f"{name}-addr", [*args, "--ray-address",
+                                                                                       f"127.0.0.1:{port}"])
+    finally:
+        stop_head(head)
+    runs["--workers 2, one worker killed"] = convert(src, tmp / f"{name}-kill", [*args, "--workers", "2"],
+                                                     kill_after=3.0)
+    ref = runs["one-process"]["hashes"]
+    for label, r in runs.items():
+        same = r["hashes"] == ref
+        print(f"{name:8s} {label:36s} {'identical' if same else 'DIFFERENT'} measure "
+              f"{r['seconds'].get('measure', 0):6.1f} s  killed={r['killed']} {[w for w in r['warnings'] if 'lost' in w]}",
+              flush=True)
+    return runs
+
+
+def scaling(name: str, src: Path, args: list[str], tmp: Path, repeat: int) -> dict:
+    one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+    times: dict[str, list[float]] = {"one-process": [], "--workers 1": [], "--workers 2": []}
+    hashes = {}
+    for _ in range(repeat):
+        for label, extra in (("one-process", []), ("--workers 1", ["--workers", "1"]),
+                             ("--workers 2", ["--workers", "2"])):
+            r = convert(src, tmp / f"{name}-s", [*args, *extra], env=one)
+            times[label].append(r["seconds"]["measure"])
+            hashes.setdefault(label, r["hashes"])
+            print(f"{name} single-threaded {label:12s} measure {r['seconds']['measure']:.1f} s  "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+    same = all(h == hashes["one-process"] for h in hashes.values())
+    print(f"{name} single-threaded outputs identical across the three: {same}; min measure: "
+          + ", ".join(f"{k} {min(v):.1f} s" for k, v in times.items()), flush=True)
+    return {"times": times, "identical": same}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", choices=("fixture", "moe"))
+    ap.add_argument("--scaling", action="store_true")
+    ap.add_argument("--no-identity", action="store_true")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--port", type=int, default=6399)
+    a = ap.parse_args()
+    res: dict = {"load_before": os.getloadavg()}
+    with tempfile.TemporaryDirectory(prefix="exl2fmt-dist-") as t:
+        tmp = Path(t)
+        models = {"fixture": (FIXTURE, ["--rows", "8", "--length", "128"])}
+        if a.only != "fixture":
+            models["moe"] = make_moe(tmp)
+        if a.only == "moe":
+            models.pop("fixture")
+        for name, (src, args) in models.items():
+            if not a.no_identity:
+                res[f"{name}/identity"] = identity(name, src, args, tmp, a.port)
+            if a.scaling:
+                res[f"{name}/scaling"] = scaling(name, src, args, tmp, a.repeat)
+    res["load_after"] = os.getloadavg()
+    Path(a.out).write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,448 @@
+"""The EXL2 measurement fanned out over Ray workers (``measure_distributed``; the ``distributed`` extra).
+
+The measurement feeds the FP16 model's own outputs forward, so a decoder layer's measurement depends on nothing
+but the FP16 hidden state at its input.  The driver (the ``exl2fmt convert`` process) streams that reference
+trajectory layer by layer, a plain forward of each layer with its FP16 weights, and for every layer not yet
+measured puts the layer's input into Ray's object store and submits one task, ``measure_layer``: a worker opens
+the source itself (the shared-filesystem set-up of a cluster; a worker keeps the opened model between its
+tasks), runs ``measure.measure_block`` for the layer's attention and MLP halves exactly as the one-process
+``measure`` does, and returns the scored rows and a digest of the layer's output.  The driver checks that digest
+against its own next input, so a worker that computes other bits (other thread counts, hardware or libraries)
+stops the run (``CLUSTER_MISMATCH``) instead of giving output that differs from the one-process run.
+
+Ray schedules the tasks; the driver keeps at most ``workers + 1`` of them submitted (so the reference pass runs
+ahead of the workers by at most that many layer inputs in the object store), records each layer's rows in
+``job.json`` as it arrives (in any order), and snapshots the input of the first layer not yet measured, so a
+killed driver resumes (``--resume``) from there.  A task whose worker dies is submitted again (Ray places it on
+any live worker), with a note in the report; ``MAX_ATTEMPTS`` losses of one layer stop the run (``WORKER_LOST``).
+
+Byte identity: the output depends on the intra-op thread counts of torch and Numba (they share one OpenMP
+runtime here); every worker runs with the driver's counts (``thread_env``), so ``--workers N`` gives the bytes
+that the same command without ``--workers``, under the same thread settings, gives.  The data flow, the memory per
+worker and how to run on a cluster: ``spec/quantizer.md``.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from contextlib import contextmanager, redirect_stdout
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ErrorCode, Exl2Error
+from .common import model_blocks, release_memory
+from .job import Work
+from .measure import measure_block, score_plan
+from .options import QuantOptions
+from .qparams import block_options
+from ..runner.weights import dense_linear
+
+__all__ = ["measure_distributed", "measure_layer", "versions", "thread_env", "cluster", "check_address",
+           "MAX_ATTEMPTS"]
+
+#: How often one layer's task may be lost with its worker before the run stops.
+MAX_ATTEMPTS = 3
+#: Seconds to wait for the head's port to accept a connection before ``CLUSTER_UNREACHABLE``.
+CONNECT_SECONDS = 5.0
+
+
+@dataclass
+class Context:
+    """What every task needs besides its layer (put into the object store once per run): the source model
+    ``src`` (a path every worker reads: the shared filesystem), the resolved options, the driver's ``versions()``
+    and its thread counts (``thread_counts``)."""
+
+    src: str
+    options: QuantOptions
+    versions: dict
+    threads: dict
+
+
+# ------------------------------------------------------------------------------------------------ the environment
+
+def _code_digest() -> str:
+    """sha256 over the exl2fmt package's Python sources (path and bytes, in path order): a worker with another
+    checkout is refused even when the version string is the same."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.py")):
+        h.update(p.relative_to(root).as_posix().encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def versions() -> dict:
+    """What must be equal on the driver and every worker for equal bits: Python, Ray, exl2fmt (its version and a
+    digest of its sources), torch, transformers, numpy and Numba."""
+    import numba
+    import ray
+    import transformers
+
+    from .. import __version__
+    return {"python": sys.version.split()[0], "ray": ray.__version__, "exl2fmt": __version__,
+            "exl2fmt_sources": _code_digest(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "numpy": np.__version__, "numba": numba.__version__}
+
+
+def thread_counts() -> dict:
+    """This process's intra-op thread counts: torch's and Numba's."""
+    import numba
+    return {"torch": torch.get_num_threads(), "numba": numba.get_num_threads()}
+
+
+def thread_env(threads: dict) -> dict[str, str]:
+    """The environment a worker process starts with so that it computes with ``threads`` (``thread_counts`` of
+    the driver): OpenMP and MKL at torch's count, Numba at its own."""
+    t, n = str(int(threads["torch"])), str(int(threads["numba"]))
+    # (EXL2FMT_DRIVER: which run a worker process serves, for whoever looks at the machine's processes)
+    env = {"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, "NUMBA_NUM_THREADS": n,
+           "EXL2FMT_DRIVER": f"{socket.gethostname()}:{os.getpid()}"}
+    if os.environ.get("EXL2FMT_TEST_FAULT"):       # the fault-injection tests' hook reaches the workers too
+        env["EXL2FMT_TEST_FAULT"] = os.environ["EXL2FMT_TEST_FAULT"]
+    return env
+
+
+def _import_ray():
+    from ..extras import require
+
+    require("distributed", "--workers / --ray-address (the distributed measurement)")
+    import ray
+    return ray
+
+
+def check_address(o: QuantOptions) -> None:
+    """``CLUSTER_UNREACHABLE`` before any work when ``o.ray_address`` names a head that does not answer."""
+    if o.ray_address and o.ray_address != "auto":
+        _check_reachable(o.ray_address)
+
+
+def _check_reachable(address: str) -> None:
+    """``CLUSTER_UNREACHABLE`` unless HOST:PORT accepts a TCP connection within ``CONNECT_SECONDS`` (Ray itself
+    retries for about a minute before it gives up)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS):
+            pass
+    except OSError as e:
+        raise Exl2Error(ErrorCode.CLUSTER_UNREACHABLE, f"--ray-address {address}: no Ray cluster answers there "
+                        f"({e.strerror or e}); start one with `ray start --head --port {port}` on that machine, "
+                        "or check the address and the firewall") from None
+
+
+def _token_auth() -> None:
+    """Join with token authentication when this machine has a Ray token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+    ~/.ray/auth_token) and RAY_AUTH_MODE does not say otherwise: what ``ray start`` does on the head, where a
+    token exists; a driver that joins without it is refused as if the cluster were unreachable."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    try:      # Ray's own rule (it also refreshes the configuration this process has already read)
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available)
+    except ImportError:
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+@contextmanager
+def cluster(o: QuantOptions):
+    """Ray, initialised for the run and shut down after it: a local cluster of ``o.workers`` CPUs (each task
+    takes one; with a CUDA device also one GPU each of the GPUs torch sees), or the running cluster at
+    ``o.ray_address``.  A caller that initialised Ray already keeps its own session.  Yields the ``ray``
+    module.  While the session lasts, what is printed to stdout goes to stderr: Ray prints its cluster's error
+    messages there ("A worker died ..."), which would break the report that ``--json`` writes to stdout."""
+    ray = _import_ray()
+    if ray.is_initialized():       # (each task carries its thread settings: ``_Fanout.submit``)
+        with redirect_stdout(sys.stderr):
+            yield ray
+        return
+    with redirect_stdout(sys.stderr):
+        _init(ray, o)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+def _init(ray, o: QuantOptions) -> None:
+    import logging
+
+    kw = dict(runtime_env={"env_vars": thread_env(thread_counts())}, logging_level=logging.ERROR,
+              log_to_driver=False, include_dashboard=False)
+    try:
+        if o.ray_address:
+            check_address(o)
+            _token_auth()
+            ray.init(address=o.ray_address, **kw)
+        else:
+            gpus = torch.cuda.device_count() if str(o.device).startswith("cuda") else 0
+            # address "local": a new cluster of this run's own, even where RAY_ADDRESS or a `ray start` on this
+            # machine would make a plain ray.init() join that one
+            # worker_niceness 0: Ray starts its workers 15 steps nicer than itself by default (to keep its own
+            # daemons responsive); here the workers are the job, and on a busy machine a nice-19 worker ran a
+            # layer 2.5x slower than the driver would (bench/RESULTS.md, issue 36)
+            ray.init(address="local", num_cpus=int(o.workers), num_gpus=gpus,
+                     _system_config={"worker_niceness": 0}, **kw)
+    except ConnectionError as e:
+        raise Exl2Error(ErrorCode.CLUSTER_UNREACHABLE, f"--ray-address {o.ray_address}: {e} (a cluster with token "
+                        "authentication, Ray's default, admits a driver that has its token: RAY_AUTH_TOKEN, "
+                        "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, as `ray get-auth-token` prints it on the head)"
+                        ) from None
+    except RuntimeError as e:
+        if "version" in str(e).lower():
+            raise Exl2Error(ErrorCode.CLUSTER_MISMATCH, f"the Ray cluster does not match this driver: {e}") from None
+        raise
+
+
+# ------------------------------------------------------------------------------------------------ the worker side
+
+_WORKER: dict = {}        # per worker process: the opened source model, kept between tasks
+
+
+def _worker_spec(ctx: Context, device: str):
+    """The worker's ``HFModel`` of ``ctx.src`` (opened on its first task, reused after), checked against the
+    driver's versions and thread counts."""
+    from ..container import open_model
+    from ..runner.model import HFModel
+    from ..runner.weights import WeightSource
+
+    key = (ctx.src, device)
+    hit = _WORKER.get("model")
+    if hit is not None and hit[0] == key:
+        return hit[2]
+    mine = versions()
+    diff = {k: (v, mine.get(k)) for k, v in ctx.versions.items() if mine.get(k) != v}
+    if diff:
+        raise Exl2Error(ErrorCode.CLUSTER_MISMATCH, f"worker on {socket.gethostname()} differs from the driver: "
+                        + "; ".join(f"{k} {w} here, {d} on the driver" for k, (d, w) in diff.items()))
+    import numba
+    if torch.get_num_threads() != ctx.threads["torch"]:
+        torch.set_num_threads(int(ctx.threads["torch"]))
+    if numba.get_num_threads() != ctx.threads["numba"]:
+        numba.set_num_threads(int(ctx.threads["numba"]))
+    if hit is not None:
+        _WORKER.pop("model")[1].close()
+    model = open_model(Path(ctx.src))
+    try:
+        spec = HFModel(model.config, WeightSource(model), device, split_fused=True)
+    except BaseException:
+        model.close()
+        raise
+    _WORKER["model"] = (key, model, spec)
+    # what exists now (torch, transformers, Ray, the model's skeleton) lives as long as the worker: set aside from
+    # the cyclic GC, as the driver does (pipeline.quantize_model), so that each block's gc.collect walks only what
+    # the task made (in a worker it took 0.47 s a call on the fixture without this)
+    gc.freeze()
+    return spec
+
+
+def _digest(h: torch.Tensor) -> str:
+    return hashlib.blake2b(h.detach().cpu().contiguous().numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: int, keys: list[str],
+                  attempt: int = 0) -> dict:
+    """Ray task: measure decoder layer ``i`` (its attention and MLP blocks whose keys are in ``keys``) on its FP16
+    input ``h`` float32 [rows, T, hidden] (C order, rows in ``measure.score_plan``'s order).  Returns {"rows":
+    {block key: [[option, bits, accuracy]]}, "digest": of the layer's FP16 output, "where": host and pid,
+    "seconds"}.  ``attempt``: how many times this layer was lost before (the fault-injection hook,
+    ``EXL2FMT_TEST_FAULT=measure-layer-I:SIGKILL``, fires on the first attempt only)."""
+    from ..container.partials import fault_point
+
+    t0 = time.monotonic()
+    where = f"{socket.gethostname()} pid {os.getpid()}"
+    o = ctx.options
+    if str(o.device).startswith("cuda"):          # Ray hands the task one GPU: the first this process sees
+        o = replace(o, device="cuda")
+    spec = _worker_spec(ctx, o.device)
+    if attempt == 0:
+        fault_point(f"measure-layer-{i}")
+    options_of = (lambda kind: block_options(kind, extended=o.extended))
+    x = torch.from_numpy(np.array(h)).to(torch.device(o.device))      # (a writable copy of the store's array)
+    del h
+    vdir = Path(tempfile.mkdtemp(prefix="exl2fmt-measure-"))
+    out = {}
+    try:
+        for kind in ("attn", "mlp"):
+            key = spec.block_key(i, kind)
+            rows, x = measure_block(spec, i, kind, x, batches, n_score, o, options_of, vdir / "variants",
+                                    score=key in keys)
+            if rows is not None:
+                out[key] = rows
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        raise Exl2Error(ErrorCode.WORKER_OUT_OF_MEMORY, f"worker {where} ran out of memory measuring "
+                        f"{spec.layer_prefix(i)} ({type(e).__name__}: {str(e)[:200]})",
+                        tensor=spec.layer_prefix(i)) from None
+    finally:
+        spec.release()
+        shutil.rmtree(vdir, ignore_errors=True)
+    digest = _digest(x)
+    del x
+    release_memory()
+    return {"rows": out, "digest": digest, "where": where, "seconds": time.monotonic() - t0}
+
+
+# ------------------------------------------------------------------------------------------------ the driver side
+
+def _reference_layer(spec, i: int, h: torch.Tensor, batches: list, device) -> torch.Tensor:
+    """The FP16 model's hidden state after decoder layer ``i`` for its input ``h`` (the reference sweeps of
+    ``measure_block``, without its Hessians: the same operations on the same values)."""
+    for kind in ("attn", "mlp"):
+        blk = spec.block(i, kind, batches, device)
+        if kind == "mlp":
+            blk.drop_attention()
+        W = blk.weights()
+        y = blk.sweep(h, {n: dense_linear(w, b) for n, (w, b) in W.items()}, record=True)
+        h = blk.next_input(h, y)
+        del W, y
+    return h
+
+
+def _lost_errors(ray) -> tuple:
+    ex = ray.exceptions
+    names = ("WorkerCrashedError", "NodeDiedError", "LocalRayletDiedError", "ObjectLostError",
+             "OwnerDiedError", "ActorDiedError")
+    return tuple(getattr(ex, n) for n in names if isinstance(getattr(ex, n, None), type))
+
+
+class _Fanout:
+    """The driver's side of one distributed measurement: the tasks in flight, the layer inputs they hold, the
+    results as they arrive."""
+
+    def __init__(self, ray, spec, work: Work, o: QuantOptions, progress, report, ctx_ref, batches, n_score,
+                 slots: int):
+        self.ray, self.spec, self.work, self.o = ray, spec, work, o
+        self.progress, self.report = progress, report
+        self.ctx_ref, self.batches, self.n_score, self.slots = ctx_ref, batches, n_score, slots
+        self.measured = work.job["measured"]
+        self.blocks = model_blocks(spec)
+        self.inflight: dict = {}      # ObjectRef -> layer
+        self.inputs: dict = {}        # layer -> ObjectRef of its FP16 input (until it is measured)
+        self.digests: dict = {}       # layer -> digest of the driver's FP16 output of the layer
+        self.keys: dict = {}          # layer -> the block keys its task scores
+        self.attempts: dict = {}      # layer -> lost attempts so far
+        self.gpu = str(o.device).startswith("cuda")
+        self.task = ray.remote(measure_layer)
+        self.env = {"env_vars": thread_env(thread_counts())}
+
+    def submit(self, i: int) -> None:
+        opts = {"num_cpus": 1, "num_gpus": 1 if self.gpu else 0, "max_retries": 0, "runtime_env": self.env}
+        ref = self.task.options(**opts).remote(self.ctx_ref, i, self.inputs[i], self.batches, self.n_score,
+                                               self.keys[i], self.attempts.get(i, 0))
+        self.inflight[ref] = i
+
+    def collect(self) -> None:
+        """Wait for one task; record its rows (or submit a lost layer again)."""
+        ray = self.ray
+        ready, _ = ray.wait(list(self.inflight), num_returns=1)
+        ref = ready[0]
+        i = self.inflight.pop(ref)
+        layer = self.spec.layer_prefix(i)
+        try:
+            res = ray.get(ref)
+        except ray.exceptions.OutOfMemoryError as e:
+            raise Exl2Error(ErrorCode.WORKER_OUT_OF_MEMORY, f"Ray stopped the worker measuring {layer}: the "
+                            f"machine ran out of memory ({str(e).splitlines()[0][:200]})", tensor=layer) from None
+        except _lost_errors(ray) as e:
+            n = self.attempts[i] = self.attempts.get(i, 0) + 1
+            if n >= MAX_ATTEMPTS:
+                raise Exl2Error(ErrorCode.WORKER_LOST, f"{layer}: its worker was lost {n} times ({type(e).__name__}"
+                                "; killed by the system for memory?)", tensor=layer) from None
+            self.report.warnings.append(f"the worker measuring {layer} was lost ({type(e).__name__}); the layer "
+                                        "was measured again on another worker")
+            self.submit(i)
+            return
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, Exl2Error):
+                raise cause from None
+            if isinstance(cause, BaseException):
+                raise cause
+            raise
+        if res["digest"] != self.digests[i]:
+            raise Exl2Error(ErrorCode.CLUSTER_MISMATCH, f"{layer}: the worker ({res['where']}) computes other FP16 "
+                            "bits than the driver (other CPU or GPU model, BLAS, or thread settings), so the output "
+                            "would differ from a one-process run", tensor=layer)
+        for key, rows in res["rows"].items():
+            self.measured[key] = rows
+        self.work.save()
+        del self.inputs[i]
+        self.snapshot()
+        if self.progress:
+            done = sum(k in self.measured for k in (self.spec.block_key(j, kd) for j, kd in self.blocks))
+            layers = self.spec.num_layers
+            self.progress("measure", done * 1000, len(self.blocks) * 1000,
+                          f"{layer} measured by {res['where']} in {res['seconds']:.1f} s ({done // 2}/{layers} "
+                          f"layers done, {len(self.inflight)} running)")
+
+    def snapshot(self) -> None:
+        """The input of the first layer not yet measured, as the one-process snapshot (every layer before it is
+        in ``measured``), when one is due."""
+        if not self.inputs or not self.work.snapshot_due():
+            return
+        first = min(self.inputs)
+        h = np.array(self.ray.get(self.inputs[first]))
+        self.work.snapshot("measure", 2 * first, {"h": torch.from_numpy(h)})
+
+
+def measure_distributed(spec, src: str, ids_h, options_of, work: Work, o: QuantOptions, progress, report,
+                        ids_shape: tuple) -> tuple[dict, torch.Tensor]:
+    """``measure.measure`` on Ray workers (module docstring): the same (measured rows, final FP16 hidden state in
+    the calibration's row order), byte for byte.  ``src``: the source model's path, which every worker reads."""
+    device = torch.device(o.device)
+    blocks = model_blocks(spec)
+    start, states = work.restore("measure", (*ids_shape, spec.hidden_size), blocks=len(blocks))
+    if start % 2:
+        raise Exl2Error(ErrorCode.CHECKPOINT_INVALID, f"job.json: the measurement's snapshot is at block {start}, "
+                        "inside a layer", file=str(work.job_path))
+    measured = work.job["measured"]
+    if progress and work.resumed:
+        done = sum(spec.block_key(i, kind) in measured for i, kind in blocks)
+        progress("measure", done * 1000, len(blocks) * 1000, f"resumed at block {done + 1} of {len(blocks)}")
+        work.resumed = False
+    h = ids_h() if states is None else states["h"]
+    rows, T = h.shape[0], h.shape[1]
+    order, batches, n_score = score_plan(rows, T, o.batch_tokens, o.measure_rows)
+    if order is not None and states is None:
+        h = h.index_select(0, order.to(h.device))
+    h = h.to(device)
+    with cluster(o) as ray:
+        if o.workers is not None:
+            slots = int(o.workers)
+        else:
+            res = ray.cluster_resources()
+            slots = max(1, int(res.get("GPU" if device.type == "cuda" else "CPU", 1)))
+        ctx = Context(str(src), o, versions(), thread_counts())
+        fan = _Fanout(ray, spec, work, o, progress, report, ray.put(ctx), batches, n_score, slots)
+        if progress:
+            progress("measure", start * 500, len(blocks) * 1000, f"starting {slots} workers")
+        for i in range(start // 2, spec.num_layers):
+            keys = [spec.block_key(i, k) for k in ("attn", "mlp") if spec.block_key(i, k) not in measured]
+            if keys:
+                fan.keys[i] = keys
+                fan.inputs[i] = ray.put(h.detach().cpu().numpy())
+            h = _reference_layer(spec, i, h, batches, device)
+            release_memory()
+            if keys:
+                fan.digests[i] = _digest(h)
+                fan.submit(i)
+            while len(fan.inflight) > fan.slots:
+                fan.collect()
+        spec.release()
+        while fan.inflight:
+            fan.collect()
+    ordered = {k: measured[k] for k in (spec.block_key(i, kind) for i, kind in blocks) if k in measured}
+    measured.clear()                 # in block order, as the one-process measurement fills it
+    measured.update(ordered)
+    if order is not None:
+        h = torch.empty_like(h).index_copy_(0, order.to(h.device), h)
+    return measured, h
