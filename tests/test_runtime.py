@@ -179,3 +179,42 @@ def test_kernels_match_the_exact_weight_on_odd_shapes():
         m = GptqPackedLinear.from_layer(layer)
         W = _f16(scales.astype(np.float64)[g_idx] * (codes - zeros[g_idx].astype(np.float64)))
         _check_layer(m, W.T, layer.dequantize().astype(np.float64), None, (1, 3, 40))
+
+
+_ACCEL_SCRIPT = """
+import sys, torch
+from exl2fmt.kernels import load_triton
+load_triton("cpu")   # the interpreter, before transformers imports triton
+import exl2fmt
+from exl2fmt.runtime import linear as L, packed_modules
+m = exl2fmt.load_model(sys.argv[1], device="cpu", dtype=torch.float32)
+lin = packed_modules(m)["model.layers.0.mlp.down_proj"]
+torch.manual_seed(0)
+for M in (1, 24):
+    x = torch.randn(M, lin.in_features)
+    with torch.no_grad():
+        L._is_accel = lambda device: False
+        cpu_y = lin(x)
+        L._is_accel = lambda device: True
+        acc_y = lin(x)
+    assert acc_y.dtype == torch.float32 and acc_y.shape == cpu_y.shape
+    d, scale = float((acc_y - cpu_y).abs().max()), float(cpu_y.abs().max())
+    print(M, d, scale)
+    assert d <= 4e-3 * scale, (M, d, scale)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("fmt", ["exl2", "gptq"])
+def test_the_accelerator_path_runs_the_bundled_triton_kernels(models, fmt):
+    """The GPU branch of a packed linear (``_accel``: the bundled Triton kernels, fp16 activations), run in
+    Triton's interpreter on CPU tensors by declaring the CPU an accelerator (a fresh process: the interpreter must
+    be chosen before anything imports triton): it gives the CPU kernel's result within fp16 activation rounding,
+    for a few rows and for a prefill-sized batch."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    r = subprocess.run([sys.executable, "-c", _ACCEL_SCRIPT, str(models / fmt)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr[-3000:]
