@@ -122,6 +122,11 @@ def worker_autoround(src: str, cal: str, out: str, bits: int, iters: int) -> Non
     ar = AutoRound(model, tok, bits=bits, group_size=128, sym=True, iters=iters, nsamples=ids.shape[0],
                    seqlen=ids.shape[1], batch_size=8, dataset=batches, device_map="cpu")
     ar.quantize_and_save(out, format="auto_gptq")
+    subs = [p for p in Path(out).iterdir() if p.is_dir()]      # it writes into OUT/<model>-w4g128/
+    if len(subs) == 1 and not (Path(out) / "config.json").exists():
+        for f in subs[0].iterdir():
+            f.rename(Path(out) / f.name)
+        subs[0].rmdir()
 
 
 def worker_decompress(src: str, out: str) -> None:
@@ -210,6 +215,49 @@ def compressed_bpw(q: Path, fp16: Path) -> float:
     return round(stored * 8 / weights, 6)
 
 
+def is_gptq(q: Path) -> bool:
+    """A GPTQ-format output (exl2fmt reads it): quantize_config.json, or config.json's quant_method gptq."""
+    if (q / "quantize_config.json").exists():
+        return True
+    qc = json.loads((q / "config.json").read_text()).get("quantization_config") or {}
+    return qc.get("quant_method") == "gptq"
+
+
+def tied_head_row(runs: Path, bits: str) -> dict:
+    """exl2fmt's EXL2 file at ``bits`` without its separate quantized head: ExLlamaV2 0.3.2 loads ``lm_head`` from
+    ``model.embed_tokens`` (its ``alt_key``) when a tied-embedding model's file has no ``lm_head.*`` tensors, so the
+    model computes with the FP16 embedding as its head.  Built from the EXL2 file's exl2fmt decode with
+    ``lm_head.weight`` dropped and ``tie_word_embeddings`` set; file bytes = the EXL2 file's less its head tensors."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    q, src, d = runs / f"exl2-{bits}", runs / f"exl2-{bits}-fp16", runs / f"exl2-{bits}-tied-fp16"
+    if not d.exists():
+        tmp = d.with_name(d.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        with safe_open(str(src / "model.safetensors"), "pt") as f:
+            save_file({k: f.get_tensor(k) for k in f.keys() if not k.startswith("lm_head.")},
+                      str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for f in src.iterdir():
+            if f.suffix == ".json" and f.name != "config.json":
+                shutil.copy(f, tmp / f.name)
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["tie_word_embeddings"] = True
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+        tmp.rename(d)
+    head = 0
+    for f in q.glob("*.safetensors"):
+        with safe_open(str(f), "np") as s:
+            head += sum(s.get_tensor(k).nbytes for k in s.keys() if k.startswith("lm_head."))
+    from exl2fmt import inspect_model
+
+    prev = {r["row"]: r for r in json.loads((runs / "results.json").read_text())["rows"]}.get(f"exl2fmt EXL2 {bits}", {})
+    return {"row": f"exl2fmt EXL2 {bits}, no separate head (FP16 tied embedding)",
+            "bpw": inspect_model(str(q))["summary"]["bpw"]["decoder"], "file_bytes": safetensors_bytes(q) - head,
+            **{k: prev[k] for k in ("seconds", "peak_rss_mb") if k in prev}, "dir": str(d), "quant_dir": str(q)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -223,6 +271,8 @@ def main() -> None:
                     "(only where the full 32 x 512 does not fit the time; said in the row's label)")
     ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens per text (as real_quality.py)")
     ap.add_argument("--no-eval", action="store_true")
+    ap.add_argument("--tied-head", default="", help="EXL2 bitrates (e.g. 4.0,4.25) to score without their separate "
+                    "head, as ExLlamaV2 runs a tied-embedding model's file that has none")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -279,13 +329,13 @@ def main() -> None:
             (runs / f"peer-{tag}.run.json").write_text(json.dumps(how))
         how = json.loads((runs / f"peer-{tag}.run.json").read_text())
         if not d.exists():
-            if (q / "quantize_config.json").exists():       # GPTQ format: exl2fmt reads it
+            if is_gptq(q):                                   # GPTQ format: exl2fmt reads it
                 run_child(EXL2FMT + ["convert", str(q), str(d), "--to", "fp16"], runs / f"peer-{tag}-deq.log",
                           env, ROOT)
             else:                                            # compressed-tensors: the peer's own decompression
                 run_child([a.python, me, "--worker", "decompress", str(q), str(d)], runs / f"peer-{tag}-deq.log",
                           env, runs)
-        if (q / "quantize_config.json").exists():
+        if is_gptq(q):
             from exl2fmt import inspect_model
 
             bpw = inspect_model(str(q))["summary"]["bpw"]["decoder"]
@@ -294,6 +344,10 @@ def main() -> None:
         rows[label] = {"row": label, "bpw": bpw, "file_bytes": safetensors_bytes(q), **how, "dir": str(d),
                        "quant_dir": str(q)}
         todo.append(label)
+    for bits in [b for b in a.tied_head.split(",") if b]:
+        r = tied_head_row(runs, bits)
+        rows[r["row"]] = r
+        todo.append(r["row"])
     if not a.no_eval and todo:
         sys.path.insert(0, str(ROOT / "bench"))
         import torch
@@ -305,7 +359,9 @@ def main() -> None:
             rows[label]["eval"] = ev.evaluate(rows[label]["dir"])
             rows[label]["tokens"] = a.tokens
             print(json.dumps(rows[label]))
-    store.write_text(json.dumps(rows, indent=1))
+    cur = json.loads(store.read_text()) if store.exists() else {}     # another run may have added rows meanwhile
+    cur.update({label: rows[label] for label in todo})
+    store.write_text(json.dumps(cur, indent=1))
 
 
 if __name__ == "__main__":
