@@ -21,6 +21,10 @@ Peers (``--peer NAME[:BITS]``, repeatable):
 * ``autoround``        AutoRound 0.16 W{BITS}A16 g128 sym (``--iters``, default its 200), exported as
                        ``auto_gptq`` (read by exl2fmt)
 
+``--tied-head 4.25,8.0`` scores exl2fmt's EXL2 files of those bitrates without their separate quantized head (the
+FP16 embedding as head, as ExLlamaV2 runs a tied-embedding model's file that has no ``lm_head``), with the file
+bytes they would have.  ``--cal-rows N`` takes every k-th calibration row (said in the row's label).
+
 Setup (once, outside the repository)::
 
     # GPTQModel: the venv bench/gptq_vs_gptqmodel.py describes

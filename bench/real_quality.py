@@ -221,6 +221,8 @@ def main() -> None:
 
 def tool_name(row: str) -> str:
     """A peer's line in the plot: its name and method, without the bit width (one line across sizes)."""
+    if row.startswith("exl2fmt"):
+        return " ".join(row.split()[:2]) + (", FP16 tied head" if "no separate head" in row else "")
     words = [w for w in row.split() if not w[0].isdigit() and not w.startswith("W")]
     return " ".join(words[:4]) if row.startswith(("GPTQModel", "llm-compressor", "AutoRound", "llama.cpp")) else row
 
@@ -235,7 +237,7 @@ def plot(res: dict, path: Path) -> None:
     for ax, kind in zip(axes, res["fp16_ppl"]):
         tools: dict[str, list] = {}
         for r in res["rows"]:
-            tool = " ".join(r["row"].split()[:2]) if r["row"].startswith("exl2fmt") else tool_name(r["row"])
+            tool = tool_name(r["row"])
             tools.setdefault(tool, []).append((r["bpw"], r["eval"][kind]["kl"]))
         for tool, pts in tools.items():
             pts.sort()
