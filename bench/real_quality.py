@@ -122,6 +122,24 @@ def decoder_bpw(model_dir: Path) -> float | None:
     return inspect_model(str(model_dir))["summary"]["bpw"]["decoder"]
 
 
+def file_bytes(model_dir: Path) -> int:
+    """Every safetensors byte of a model directory (head and embeddings included)."""
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
+def peer_rows(out: Path, tokens: int) -> list[dict]:
+    """The rows ``bench/real_peers.py`` scored with the same evaluator (``OUT/peers.json``); a row scored on a
+    different token budget is left out (and said so)."""
+    store = out / "peers.json"
+    rows = []
+    for r in (json.loads(store.read_text()).values() if store.exists() else ()):
+        if r.get("tokens") == tokens and "eval" in r:
+            rows.append(r)
+        else:
+            print(f"peer row {r['row']!r} left out: scored on {r.get('tokens')} tokens, not {tokens}", file=sys.stderr)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="smollm2")
@@ -131,6 +149,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--gptq-bits", default="4,8", help="exl2fmt GPTQ rows (g128); empty: none")
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--rescore", action="store_true", help="score every row again (default: keep the scores of "
+                    "rows already in OUT/results.json on the same --tokens)")
     a = ap.parse_args()
     cache = Path(a.cache)
     out = Path(a.out or cache / f"{a.model}-runs")
@@ -145,7 +165,7 @@ def main() -> None:
         d = out / f"{q_dir.name}-fp16"
         if not d.exists():
             run_tool(EXL2FMT + ["convert", str(q_dir), str(d), "--to", "fp16"], out / f"{q_dir.name}-deq.log")
-        rows.append({"row": name, "bpw": decoder_bpw(q_dir), **how, "dir": str(d)})
+        rows.append({"row": name, "bpw": decoder_bpw(q_dir), "file_bytes": file_bytes(q_dir), **how, "dir": str(d)})
         return d
 
     rtn = out / "rtn4-fp16"
@@ -166,26 +186,45 @@ def main() -> None:
                                    "--group-size", "128"], out / f"gptq-{bits}.log", q)
             dense(f"exl2fmt GPTQ {bits}-bit g128", q, how)
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from real_eval import Evaluator
+    # a row's output directory is never rewritten, so its scores from an earlier run on the same token budget stand
+    prev = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+    known = {r["dir"]: r["eval"] for r in prev.get("rows", ()) if "eval" in r} \
+        if prev.get("tokens") == a.tokens and not a.rescore else {}
+    ref_ppl = prev.get("fp16_ppl") if known else None
+    if any(r["dir"] not in known for r in rows):
+        sys.path.insert(0, str(ROOT / "bench"))
+        from real_eval import Evaluator
 
-    ev = Evaluator(fp16, a.tokens)
+        ev = Evaluator(fp16, a.tokens)
+        ref_ppl = ev.ref_ppl
     for r in rows:
-        r["eval"] = ev.evaluate(r["dir"])
-    res = {"model": a.model, "gguf": gguf.name, "fp16_ppl": ev.ref_ppl, "tokens": a.tokens, "rows": rows}
+        r["eval"] = known.get(r["dir"]) or ev.evaluate(r["dir"])
+    rows += peer_rows(out, a.tokens)
+    ref_bytes = file_bytes(fp16)
+    res = {"model": a.model, "gguf": gguf.name, "fp16_ppl": ref_ppl, "tokens": a.tokens, "fp16_bytes": ref_bytes,
+           "rows": rows}
     (out / "results.json").write_text(json.dumps(res, indent=1))
-    kinds = list(ev.ref_ppl)
-    print(f"| {a.model} | bpw | " + " | ".join(f"KL {k} | ppl {k} | top-1 {k}" for k in kinds) + " | time | peak RSS |")
-    print("|---|---|" + "---|" * (3 * len(kinds) + 2))
-    print("| FP16 | 16 | " + " | ".join(f"0 | {ev.ref_ppl[k]:.2f} | 1" for k in kinds) + " | | |")
+    kinds = list(ref_ppl)
+    print(f"| {a.model} | bpw | " + " | ".join(f"KL {k} | ppl {k} | top-1 {k}" for k in kinds) + " | file MB | time | peak RSS |")
+    print("|---|---|" + "---|" * (3 * len(kinds) + 3))
+    print("| FP16 | 16 | " + " | ".join(f"0 | {ref_ppl[k]:.2f} | 1" for k in kinds) + f" | {ref_bytes / 1e6:.1f} | | |")
     for r in rows:
         e = r["eval"]
         cells = " | ".join(f"{e[k]['kl']:.4f} | {e[k]['ppl']:.2f} | {e[k]['top1']:.3f}" for k in kinds)
         t = f"{r['seconds']} s" if r.get("seconds") else ""
         m = f"{r['peak_rss_mb']} MB" if r.get("peak_rss_mb") else ""
-        print(f"| {r['row']} | {r['bpw']:.3f} | {cells} | {t} | {m} |")
+        f = f"{r['file_bytes'] / 1e6:.1f}" if r.get("file_bytes") else ""
+        print(f"| {r['row']} | {r['bpw']:.3f} | {cells} | {f} | {t} | {m} |")
     if a.plot:
         plot(res, Path(a.plot))
+
+
+def tool_name(row: str) -> str:
+    """A peer's line in the plot: its name and method, without the bit width (one line across sizes)."""
+    if row.startswith("exl2fmt"):
+        return " ".join(row.split()[:2]) + (", FP16 tied head" if "no separate head" in row else "")
+    words = [w for w in row.split() if not w[0].isdigit() and not w.startswith("W")]
+    return " ".join(words[:4]) if row.startswith(("GPTQModel", "llm-compressor", "AutoRound", "llama.cpp")) else row
 
 
 def plot(res: dict, path: Path) -> None:
@@ -198,7 +237,7 @@ def plot(res: dict, path: Path) -> None:
     for ax, kind in zip(axes, res["fp16_ppl"]):
         tools: dict[str, list] = {}
         for r in res["rows"]:
-            tool = " ".join(r["row"].split()[:2]) if r["row"].startswith("exl2fmt") else r["row"]
+            tool = tool_name(r["row"])
             tools.setdefault(tool, []).append((r["bpw"], r["eval"][kind]["kl"]))
         for tool, pts in tools.items():
             pts.sort()

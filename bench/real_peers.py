@@ -1,0 +1,372 @@
+"""Peer quantizers on the real models of ``bench/real_quality.py`` (issue 40): the same FP16 start, the same
+calibration ids, the same evaluator.  Not run in CI; nothing of the peers is committed.
+
+Every peer quantizes exl2fmt's own GGUF -> FP16 decode (``<runs>/fp16``, made by ``real_quality.py``) with the
+token ids exl2fmt's default calibration uses on the CPU (the built-in set through the model's tokenizer, 32 rows
+x 512 tokens, seed 0; written once to ``<runs>/cal.npy``).  Each peer runs as one child process of its own
+scratch venv's Python, in this file's ``--worker`` mode, timed by the parent with ``os.wait4`` (wall, CPU user +
+sys, peak RSS of that process, imports included).  Its output is dequantized to a dense FP16 directory by the
+reader of its format (exl2fmt ``convert --to fp16`` for GPTQ-format files; compressed-tensors itself for
+llm-compressor's files, which exl2fmt does not read) and scored by ``bench/real_eval.py`` against the FP16
+model.  Rows are merged into ``<runs>/peers.json``; ``real_quality.py`` prints them with its own rows.
+
+Peers (``--peer NAME[:BITS]``, repeatable):
+
+* ``gptqmodel``        GPTQModel 7.7, GPTQ g128 sym, damp 0.01, its default group-aware act-order
+* ``gptqmodel-act``    the same with ``desc_act=True``
+* ``llmc-gptq``        llm-compressor 0.14 ``GPTQModifier`` scheme W{BITS}A16 (sym, g``--group-size``, its default static
+                       act-order, dampening 0.01), lm_head left FP16
+* ``llmc-awq``         llm-compressor 0.14 ``AWQModifier`` scheme W4A16_ASYM (g``--group-size``, asymmetric: its examples'
+                       scheme), lm_head left FP16
+* ``autoround``        AutoRound 0.16 W{BITS}A16 g128 sym (``--iters``, default its 200), exported as
+                       ``auto_gptq`` (read by exl2fmt)
+
+``--tied-head 4.25,8.0`` scores exl2fmt's EXL2 files of those bitrates without their separate quantized head (the
+FP16 embedding as head, as ExLlamaV2 runs a tied-embedding model's file that has no ``lm_head``), with the file
+bytes they would have.  ``--cal-rows N`` takes every k-th calibration row (said in the row's label).
+
+Setup (once, outside the repository)::
+
+    # GPTQModel: the venv bench/gptq_vs_gptqmodel.py describes
+    S=/work/scratch/peers; python3 -m venv $S/V
+    echo /work/main/.venv/lib/python3.11/site-packages > $S/V/lib/python3.11/site-packages/_base.pth
+    $S/V/bin/pip install --no-deps llmcompressor==0.14.0.1 compressed-tensors==0.20.0 auto-round==0.16.1 \\
+        loguru nvidia-ml-py py-cpuinfo
+
+Run (heavy; one at a time on a shared machine)::
+
+    nice -n 19 python bench/real_peers.py --model smollm2 --peer llmc-gptq:4 --python $S/V/bin/python
+    nice -n 19 python bench/real_peers.py --model smollm2 --peer gptqmodel:3 --python /work/scratch/h16/V/bin/python
+
+``bpw`` is the decoder linears' stored bits per weight as exl2fmt's ``inspect`` counts them (for
+compressed-tensors files: the packed weights, scales, zero points and g_idx of those layers, counted the same
+way); ``file_bytes`` is every safetensors byte of the output (head and embeddings included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXL2FMT = [sys.executable, "-m", "exl2fmt.cli.app"]
+CAL_ROWS, CAL_LENGTH = 32, 512
+
+
+# ------------------------------------------------------------------------------------------------ workers (peer venv)
+
+
+def _cal_tensor(cal: str):
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.load(cal)).long()
+
+
+def worker_gptqmodel(src: str, cal: str, out: str, bits: int, order: str) -> None:
+    import torch
+    from gptqmodel import GPTQModel, QuantizeConfig
+
+    os.chdir(Path(out).parent)          # GPTQModel writes a logs/ folder into the working directory
+    qc = QuantizeConfig(bits=bits, group_size=128, sym=True, damp_percent=0.01,
+                        desc_act=order == "act", act_group_aware=order == "group")
+    model = GPTQModel.load(src, qc, device="cpu")
+    ids = _cal_tensor(cal)
+    data = [{"input_ids": r[None], "attention_mask": torch.ones((1, r.numel()), dtype=torch.long)} for r in ids]
+    model.quantize(data, batch_size=1, calibration_sort=None)
+    model.save(out)
+
+
+def worker_llmc(src: str, cal: str, out: str, bits: int, method: str, group: int) -> None:
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = _cal_tensor(cal)
+    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    # float32 on the CPU (torch's fp16 CPU matmuls are many times slower); stored as fp16 at the end
+    model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(src)
+    # the presets W{bits}A16 (sym) and W4A16_ASYM, with the group size as a parameter: compressed-tensors refuses
+    # a group size that does not divide a layer's columns (SmolLM2's 576), so 64 is the nearest it takes there
+    weights = QuantizationArgs(num_bits=bits, type="int", strategy="group", group_size=group,
+                               symmetric=method == "gptq")
+    groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
+    if method == "gptq":
+        from llmcompressor.modifiers.quantization import GPTQModifier
+
+        recipe = GPTQModifier(config_groups=groups, ignore=["lm_head"])
+    else:
+        from llmcompressor.modifiers.awq import AWQModifier
+
+        recipe = AWQModifier(config_groups=groups, ignore=["lm_head"])
+    oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=ids.shape[1], num_calibration_samples=ids.shape[0])
+    model.to(torch.float16)
+    model.save_pretrained(out, save_compressed=True)
+    tok.save_pretrained(out)
+
+
+def worker_autoround(src: str, cal: str, out: str, bits: int, iters: int) -> None:
+    import torch
+    from auto_round import AutoRound
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = _cal_tensor(cal)
+    model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(src)
+    batches = [ids[a:a + 8] for a in range(0, ids.shape[0], 8)]
+    ar = AutoRound(model, tok, bits=bits, group_size=128, sym=True, iters=iters, nsamples=ids.shape[0],
+                   seqlen=ids.shape[1], batch_size=8, dataset=batches, device_map="cpu")
+    ar.quantize_and_save(out, format="auto_gptq")
+    subs = [p for p in Path(out).iterdir() if p.is_dir()]      # it writes into OUT/<model>-w4g128/
+    if len(subs) == 1 and not (Path(out) / "config.json").exists():
+        for f in subs[0].iterdir():
+            f.rename(Path(out) / f.name)
+        subs[0].rmdir()
+
+
+def worker_decompress(src: str, out: str) -> None:
+    """A compressed-tensors checkpoint -> dense FP16 safetensors, by compressed-tensors' own decompression."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        from transformers import CompressedTensorsConfig
+
+        qc = CompressedTensorsConfig(dequantize=True)
+        model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float16, quantization_config=qc)
+    except ImportError:
+        model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float16)
+    dense = {}
+    for name, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            if pname in ("weight", "bias"):
+                dense[f"{name}.{pname}"] = p.detach().to(torch.float16)
+    cfg = model.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    base = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float16)
+    missing, unexpected = base.load_state_dict(dense, strict=False)
+    if unexpected or [m for m in missing if "lm_head" not in m]:
+        raise SystemExit(f"decompress: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    base.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+
+
+# ------------------------------------------------------------------------------------------------ parent
+
+
+def run_child(cmd: list[str], log: Path, env: dict, cwd: Path) -> dict:
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        _, status, ru = os.wait4(p.pid, 0)
+    rc = os.waitstatus_to_exitcode(status)
+    if rc != 0:
+        raise SystemExit(f"failed ({rc}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
+    return {"seconds": round(time.perf_counter() - t0, 1), "cpu_s": round(ru.ru_utime + ru.ru_stime, 1),
+            "peak_rss_mb": round(ru.ru_maxrss / 1024)}
+
+
+def calibration_ids(runs: Path) -> Path:
+    import numpy as np
+
+    from exl2fmt.quant.calib import load_calibration
+
+    cal = runs / "cal.npy"
+    if not cal.exists():
+        np.save(cal, load_calibration(None, runs / "fp16" / "tokenizer.json", CAL_ROWS, CAL_LENGTH, 0).numpy())
+    return cal
+
+
+def safetensors_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.glob("*.safetensors"))
+
+
+def compressed_bpw(q: Path, fp16: Path) -> float:
+    """Decoder-linear bits per weight of a compressed-tensors checkpoint: bytes of every tensor of the quantized
+    decoder linears (packed weight, scale, zero point, g_idx, shape) x 8 / their FP16 weight count."""
+    from safetensors import safe_open
+
+    def tensors(d: Path) -> dict[str, tuple[int, int]]:
+        out = {}
+        for f in d.glob("*.safetensors"):
+            with safe_open(str(f), "np") as s:
+                for n in s.keys():
+                    sl = s.get_slice(n)
+                    shape = sl.get_shape()
+                    count = 1
+                    for x in shape:
+                        count *= x
+                    out[n] = (count, count * {"F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I64": 8, "I8": 1,
+                                              "U8": 1}[sl.get_dtype()])
+        return out
+
+    ref = tensors(fp16)
+    mods = {n[: -len(".weight")] for n in ref if n.startswith("model.layers.") and n.endswith(".weight")
+            and "proj" in n}
+    q_t = tensors(q)
+    stored = sum(b for n, (_, b) in q_t.items() if n.rsplit(".", 1)[0] in mods)
+    weights = sum(ref[m + ".weight"][0] for m in mods)
+    return round(stored * 8 / weights, 6)
+
+
+def is_gptq(q: Path) -> bool:
+    """A GPTQ-format output (exl2fmt reads it): quantize_config.json, or config.json's quant_method gptq."""
+    if (q / "quantize_config.json").exists():
+        return True
+    qc = json.loads((q / "config.json").read_text()).get("quantization_config") or {}
+    return qc.get("quant_method") == "gptq"
+
+
+def tied_head_row(runs: Path, bits: str) -> dict:
+    """exl2fmt's EXL2 file at ``bits`` without its separate quantized head: ExLlamaV2 0.3.2 loads ``lm_head`` from
+    ``model.embed_tokens`` (its ``alt_key``) when a tied-embedding model's file has no ``lm_head.*`` tensors, so the
+    model computes with the FP16 embedding as its head.  Built from the EXL2 file's exl2fmt decode with
+    ``lm_head.weight`` dropped and ``tie_word_embeddings`` set; file bytes = the EXL2 file's less its head tensors."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    q, src, d = runs / f"exl2-{bits}", runs / f"exl2-{bits}-fp16", runs / f"exl2-{bits}-tied-fp16"
+    if not d.exists():
+        tmp = d.with_name(d.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        with safe_open(str(src / "model.safetensors"), "pt") as f:
+            save_file({k: f.get_tensor(k) for k in f.keys() if not k.startswith("lm_head.")},
+                      str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for f in src.iterdir():
+            if f.suffix == ".json" and f.name != "config.json":
+                shutil.copy(f, tmp / f.name)
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["tie_word_embeddings"] = True
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+        tmp.rename(d)
+    head = 0
+    for f in q.glob("*.safetensors"):
+        with safe_open(str(f), "np") as s:
+            head += sum(s.get_tensor(k).nbytes for k in s.keys() if k.startswith("lm_head."))
+    from exl2fmt import inspect_model
+
+    prev = {r["row"]: r for r in json.loads((runs / "results.json").read_text())["rows"]}.get(f"exl2fmt EXL2 {bits}", {})
+    return {"row": f"exl2fmt EXL2 {bits}, no separate head (FP16 tied embedding)",
+            "bpw": inspect_model(str(q))["summary"]["bpw"]["decoder"], "file_bytes": safetensors_bytes(q) - head,
+            **{k: prev[k] for k in ("seconds", "peak_rss_mb") if k in prev}, "dir": str(d), "quant_dir": str(q)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--cache", default=os.path.expanduser("~/.cache/exl2fmt-bench"))
+    ap.add_argument("--peer", action="append", default=[], help="NAME[:BITS], repeatable")
+    ap.add_argument("--python", required=False, help="the peer venv's python")
+    ap.add_argument("--group-size", type=int, default=128, help="llm-compressor's group size (64 where 128 does "
+                    "not divide every layer's columns)")
+    ap.add_argument("--iters", type=int, default=200, help="AutoRound iterations per block")
+    ap.add_argument("--cal-rows", type=int, default=None, help="use every k-th calibration row, N rows in all "
+                    "(only where the full 32 x 512 does not fit the time; said in the row's label)")
+    ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens per text (as real_quality.py)")
+    ap.add_argument("--no-eval", action="store_true")
+    ap.add_argument("--tied-head", default="", help="EXL2 bitrates (e.g. 4.0,4.25) to score without their separate "
+                    "head, as ExLlamaV2 runs a tied-embedding model's file that has none")
+    ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        kind, *rest = a.worker
+        {"gptqmodel": lambda s, c, o, b, x: worker_gptqmodel(s, c, o, int(b), x),
+         "llmc": lambda s, c, o, b, x, g: worker_llmc(s, c, o, int(b), x, int(g)),
+         "autoround": lambda s, c, o, b, x: worker_autoround(s, c, o, int(b), int(x)),
+         "decompress": lambda s, o: worker_decompress(s, o)}[kind](*rest)
+        return
+    runs = Path(a.cache) / f"{a.model}-runs"
+    fp16 = runs / "fp16"
+    if not fp16.exists():
+        raise SystemExit(f"{fp16} missing: run bench/real_quality.py --model {a.model} first")
+    cal = calibration_ids(runs)
+    if a.cal_rows:
+        import numpy as np
+
+        full = np.load(cal)
+        sub = runs / f"cal-{a.cal_rows}.npy"
+        np.save(sub, full[:: max(1, full.shape[0] // a.cal_rows)][: a.cal_rows])
+        cal = sub
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", GPTQMODEL_CPU_WORKERS="2", PYTHONWARNINGS="ignore",
+               OMP_NUM_THREADS="2")
+    me = str(Path(__file__).resolve())
+    store = runs / "peers.json"
+    rows = json.loads(store.read_text()) if store.exists() else {}
+    todo = []
+    for spec in a.peer:
+        name, _, bits = spec.partition(":")
+        bits = int(bits or 4)
+        tag = f"{name}-{bits}" + (f"-i{a.iters}" if name == "autoround" else "")
+        q, d = runs / f"peer-{tag}", runs / f"peer-{tag}-fp16"
+        if name.startswith("gptqmodel"):
+            args, label = ["gptqmodel", "act" if name == "gptqmodel-act" else "group"], (
+                f"GPTQModel 7.7 {bits}-bit g128" + (" desc_act" if name == "gptqmodel-act" else ""))
+        elif name in ("llmc-gptq", "llmc-awq"):
+            args = ["llmc", name[5:], str(a.group_size)]
+            tag += f"-g{a.group_size}"
+            label = (f"llm-compressor 0.14 {'GPTQ' if name == 'llmc-gptq' else 'AWQ asym'} W{bits}A16 "
+                     f"g{a.group_size}")
+        elif name == "autoround":
+            args, label = ["autoround", str(a.iters)], f"AutoRound 0.16 {bits}-bit g128 ({a.iters} iters)"
+        else:
+            raise SystemExit(f"unknown peer {name}")
+        if a.cal_rows:
+            tag += f"-c{a.cal_rows}"
+            label += f" ({a.cal_rows} of {CAL_ROWS} calibration rows)"
+        q, d = runs / f"peer-{tag}", runs / f"peer-{tag}-fp16"
+        if not q.exists():
+            if not a.python:
+                raise SystemExit("--python (the peer venv) is needed to run a peer")
+            cmd = [a.python, me, "--worker", args[0], str(fp16), str(cal), str(q), str(bits), *args[1:]]
+            how = run_child(cmd, runs / f"peer-{tag}.log", env, runs)
+            (runs / f"peer-{tag}.run.json").write_text(json.dumps(how))
+        how = json.loads((runs / f"peer-{tag}.run.json").read_text())
+        if not d.exists():
+            if is_gptq(q):                                   # GPTQ format: exl2fmt reads it
+                run_child(EXL2FMT + ["convert", str(q), str(d), "--to", "fp16"], runs / f"peer-{tag}-deq.log",
+                          env, ROOT)
+            else:                                            # compressed-tensors: the peer's own decompression
+                run_child([a.python, me, "--worker", "decompress", str(q), str(d)], runs / f"peer-{tag}-deq.log",
+                          env, runs)
+        if is_gptq(q):
+            from exl2fmt import inspect_model
+
+            bpw = inspect_model(str(q))["summary"]["bpw"]["decoder"]
+        else:
+            bpw = compressed_bpw(q, fp16)
+        rows[label] = {"row": label, "bpw": bpw, "file_bytes": safetensors_bytes(q), **how, "dir": str(d),
+                       "quant_dir": str(q)}
+        todo.append(label)
+    for bits in [b for b in a.tied_head.split(",") if b]:
+        r = tied_head_row(runs, bits)
+        rows[r["row"]] = r
+        todo.append(r["row"])
+    if not a.no_eval and todo:
+        sys.path.insert(0, str(ROOT / "bench"))
+        import torch
+        from real_eval import Evaluator
+
+        torch.set_num_threads(2)
+        ev = Evaluator(fp16, a.tokens)
+        for label in todo:
+            rows[label]["eval"] = ev.evaluate(rows[label]["dir"])
+            rows[label]["tokens"] = a.tokens
+            print(json.dumps(rows[label]))
+    cur = json.loads(store.read_text()) if store.exists() else {}     # another run may have added rows meanwhile
+    cur.update({label: rows[label] for label in todo})
+    store.write_text(json.dumps(cur, indent=1))
+
+
+if __name__ == "__main__":
+    main()
