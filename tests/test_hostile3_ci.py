@@ -467,7 +467,8 @@ def test_convert_report_lists_layers_in_natural_order(capsys):
     out = capsys.readouterr().out
     shown = [l.split()[0] for l in out.splitlines() if l.startswith("model.layers.")]
     assert shown == [f"model.layers.{i}.mlp.down_proj" for i in (0, 1, 2, 3, 10, 11)]
-    qrep = NS(target="exl2", warnings=[], layers=[NS(key=k, plan="p", bpw=4.0, error=0.1) for k in keys],
+    qrep = NS(target="exl2", warnings=[], options={}, compatibility=None,
+              layers=[NS(key=k, plan="p", bpw=4.0, error=0.1, weight_error=None) for k in keys],
               summary_lines=lambda: [], files_copied=[], files_left_out=[], destination="/nonexistent")
     _render(Output("human"), qrep)
     out = capsys.readouterr().out

@@ -205,7 +205,7 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("fmt", ["exl2", "gptq"])
+@pytest.mark.parametrize("fmt", ["exl2", pytest.param("gptq", marks=pytest.mark.slow)])  # the interpreter is slow
 def test_the_accelerator_path_runs_the_bundled_triton_kernels(models, fmt):
     """The GPU branch of a packed linear (``_accel``: the bundled Triton kernels, fp16 activations), run in
     Triton's interpreter on CPU tensors by declaring the CPU an accelerator (a fresh process: the interpreter must
