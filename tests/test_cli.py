@@ -605,6 +605,7 @@ def _fast_vs_typer_cases(n=400, seed=0):
         yield root + [cmd] + [t for tok in toks for t in tok]
 
 
+@pytest.mark.slow  # CI time (a wide sweep of command lines)
 def test_fast_route_parses_like_typer(monkeypatch, tmp_path):
     from exl2fmt.cli import checks
     from exl2fmt.cli.app import FAST, fast_args

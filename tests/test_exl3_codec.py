@@ -164,6 +164,7 @@ def test_uint16_trellis_and_noncontiguous():
     _same(C.dequantize(big[:, ::2], suh, svh, 8, "3inst", 128, 256), ref)
 
 
+@pytest.mark.slow  # CI time (the fallback decodes the same bits as the main path)
 def test_loop_fallback_path(tmp_path):
     """The portable loop path (taken where HW_HALF is false) gives the same bits: run in a child process with
     HW_HALF forced off and a private Numba cache (the choice is made at import)."""

@@ -24,6 +24,7 @@ def _quality():
     return load_bench("quality")
 
 
+@pytest.mark.slow  # CI time (the quality table itself is bench/quality.py)
 def test_quality_ordering_on_trained_weights(tmp_path):
     # 4 of the 8 calibration rows score the measurement's candidates (--measure-rows 4; the Hessians still come
     # from all 8): the candidates' forwards are most of the measurement's work, and on the fixture 4 of 16

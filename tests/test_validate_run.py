@@ -374,6 +374,7 @@ def test_gptq_runs_dequantized_with_a_warning(sample_dir, tmp_path):
     assert any("GPTQ layer(s) ran over their dequantized weights" in c["message"] for c in doc["checks"])
 
 
+@pytest.mark.slow  # CI time (the gemv path is also run by tests/test_runtime.py)
 @needs_kernels
 def test_single_id_takes_the_gemv_path(sample_dir):
     p = cli("validate", sample_dir, "--run", "--device", "cpu", "--prompt-ids", "7", "--json")
