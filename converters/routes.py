@@ -208,7 +208,8 @@ def _quantize(src, job: Job, quant: dict | None = None, linear_layers=None):
     unknown = set(q) - set(QuantOptions.__dataclass_fields__)
     if unknown:
         raise Exl2Error(ErrorCode.USAGE, f"unknown quantizer option(s): {', '.join(sorted(unknown))}")
-    opts = QuantOptions(target=job.target, bits=job.bits, shard_size=job.shard_size, **q)
+    # resolved (checked) here, before the first progress line: a bad option is refused before calibration starts
+    opts = QuantOptions(target=job.target, bits=job.bits, shard_size=job.shard_size, **q).resolved()
     if progress is not None:   # at once: tokenizing and embedding the calibration set takes a while
         progress(0, 1, "calibrate: calibrating (tokenizing and embedding the calibration set)")
     cb = None if progress is None else (lambda phase, done, total, what: progress(done, total, f"{phase}: {what}"))

@@ -26,7 +26,8 @@ from .errors import EXIT_INVALID, EXIT_OK, EXIT_USAGE, set_debug
 __all__ = ["app"]
 
 EXIT_CODES_HELP = (
-    "Exit codes: 0 success (validate: no check failed) · 1 the input breaks a rule / a check failed · "
+    "Exit codes: 0 success (validate: no check failed; inspect: the report was made, and the issues it saw in "
+    "passing are listed in it: validate is the gate) · 1 the input breaks a rule / a check failed · "
     "2 usage error · 3 unreadable or unsupported input · 4 internal error (details with --debug)."
 )
 
