@@ -235,7 +235,10 @@ main(sys.argv[1:])
 def _interrupt(*extra):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, "-c", SLOW_MAIN, "generate", str(FIXTURE), "--prompt", "The", "-n", "400",
-                          "--ignore-eos", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
+                          "--ignore-eos", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env,
+                         # a shell's background job inherits SIGINT ignored, and Python keeps an ignored SIGINT:
+                         # give the child the default a terminal's Ctrl-C meets
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err = b""
     deadline = time.monotonic() + 120
     try:

@@ -180,7 +180,8 @@ def test_gguf_outputs_carry_no_secret_in_their_metadata(world, tmp_path):
     pytest.importorskip("gguf")
     for src in ("dense", "exl2"):
         out = tmp_path / f"{src}.gguf"
-        r = _run("convert", world[src], out, "--to", "gguf")
+        # f16: the property is the metadata; auto's searched k-quant blocks for the EXL2 source only cost CI time
+        r = _run("convert", world[src], out, "--to", "gguf", "--gguf-type", "f16")
         _check_clean(r, out)
 
 
