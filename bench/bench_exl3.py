@@ -1,7 +1,10 @@
 """Benchmark for issue 39: decoding a 4096 x 14336 EXL3 layer to fp16 beside the EXL2 decoder on the same shape
 (in_features 4096, out_features 14336; output fp16 [14336, 4096], nn.Linear layout).  Target: EXL3 <= 2x EXL2.
 
-    .venv/bin/python bench/bench_exl3.py [--repeats N] [--threads T] [--extra]
+    .venv/bin/python bench/bench_exl3.py [--repeats N] [--threads T] [--extra] [--no-reuse]
+
+The last line prints the issue's ratio (EXL3 min / EXL2 min, codec and ``dequantize_layer`` levels, the worst
+of them against the target).
 
 Two levels, side by side in one run, cases interleaved round by round after one warm-up (min and median of N):
 
@@ -114,11 +117,19 @@ def main() -> None:
           f"load {' '.join(load0)} -> {' '.join(load1)}")
     print("| case | min | median | M weights/s (min) | min / EXL2 min (same level) |")
     print("|---|---:|---:|---:|---:|")
+    ratios = {}
     for k, v in samples.items():
         level = k.split(":")[0]
         base = min(samples[f"{level}: exl2 ~4.3 bpw"])
         mn, med = min(v), statistics.median(v)
+        ratios[k] = mn / base
         print(f"| {k} | {mn * 1e3:.1f} ms | {med * 1e3:.1f} ms | {IN * OUT / mn / 1e6:.0f} | {mn / base:.2f}x |")
+    codec = [r for k, r in ratios.items() if k.startswith("codec: exl3")]
+    api = [r for k, r in ratios.items() if k.startswith("dequantize_layer: exl3")]
+    worst = max(codec + api)
+    print(f"\nissue 39 ratio, EXL3 min / EXL2 min on {IN} x {OUT}: codec {min(codec):.2f}-{max(codec):.2f}x, "
+          f"dequantize_layer {min(api):.2f}-{max(api):.2f}x; worst {worst:.2f}x -> target <= 2.00x "
+          f"{'met' if worst <= 2.0 else 'NOT met'}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ Runs, through the ``exl2fmt`` script installed beside the interpreter that runs 
   with a small fixed calibration set so the run takes a couple of minutes on 2 cores,
 - every converter direction from those outputs: EXL2 -> fp16/bf16/gptq/gguf, GPTQ -> fp16/exl2/gguf,
   dense -> gguf, GGUF -> fp16/exl2/gptq,
+- an EXL3 model made from the trained fixture by the tests' encoder (``tests/test_exl3.py``'s ``make_exl3``,
+  seeded: all 11 rates and the three codebooks) and its conversions EXL3 -> fp16/bf16/gguf (issue 39's decoder),
 - ``dequantize`` of one layer of each format to .npy,
 
 and writes one JSON object ``{"<output>/<file>": "<sha256>"}``.  Compare two runs with ``--compare``::
@@ -53,10 +55,14 @@ STEPS: list[tuple[str, str, list[str]]] = [
     ("gguf-exl2", "gptq.gguf", ["--to", "exl2", "--bits", "4.0", *QUANT]),
     ("gguf-gptq", "gptq.gguf", ["--to", "gptq", *QUANT]),
     ("sample-fp16", "sample", ["--to", "fp16", "--shard-size", "200KB"]),
+    ("exl3-fp16", "fix-exl3", ["--to", "fp16"]),
+    ("exl3-bf16", "fix-exl3", ["--to", "bf16"]),
+    ("exl3.gguf", "fix-exl3", ["--to", "gguf"]),
 ]
 
 DEQUANT = [("sample", "model.layers.0.mlp.down_proj"), ("fix-exl2", "model.layers.1.self_attn.q_proj"),
-           ("fix-gptq", "model.layers.2.mlp.up_proj"), ("fixture", "model.layers.3.self_attn.o_proj")]
+           ("fix-gptq", "model.layers.2.mlp.up_proj"), ("fixture", "model.layers.3.self_attn.o_proj"),
+           ("fix-exl3", "model.layers.1.mlp.down_proj")]
 
 
 def sha256(path: Path) -> str:
@@ -86,11 +92,24 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return r
 
 
+def make_exl3_fixture(dst: Path) -> Path:
+    """The EXL3 copy of the trained fixture that tests/test_exl3.py decodes (its test-side encoder, seed 39)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_exl3 import make_exl3
+
+    t0 = time.perf_counter()
+    make_exl3(FIXTURE, dst, seed=39)
+    print(f"  {time.perf_counter() - t0:6.1f}s tests/test_exl3.py make_exl3 (fixture -> EXL3, seed 39)", file=sys.stderr)
+    return dst
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file for the hashes")
     ap.add_argument("--compare", help="an earlier --out to compare with (exit 1 on any difference)")
     ap.add_argument("--keep", help="keep the outputs in this directory")
+    ap.add_argument("--exl3-only", action="store_true",
+                    help="only the EXL3 model, its conversions and its dequantize (a minute, not the quantizer's half hour)")
     a = ap.parse_args()
 
     work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="exl2fmt-hashes-"))
@@ -98,16 +117,22 @@ def main() -> None:
     paths = {"fixture": FIXTURE}
     hashes: dict[str, str] = {}
 
-    cli("sample", str(work / "sample"))
-    paths["sample"] = work / "sample"
-    demo = cli("demo").stdout
-    hashes["demo/stdout"] = hashlib.sha256(re.sub(r"\d+(\.\d+)?\s*(ms|s)\b", "T", re.sub(r"exl2fmt-demo-\w+", "D", demo)).encode()).hexdigest()
+    if not a.exl3_only:
+        cli("sample", str(work / "sample"))
+        paths["sample"] = work / "sample"
+        demo = cli("demo").stdout
+        hashes["demo/stdout"] = hashlib.sha256(re.sub(r"\d+(\.\d+)?\s*(ms|s)\b", "T", re.sub(r"exl2fmt-demo-\w+", "D", demo)).encode()).hexdigest()
 
+    paths["fix-exl3"] = make_exl3_fixture(work / "fix-exl3")
     for name, src, extra in STEPS:
+        if a.exl3_only and src != "fix-exl3":
+            continue
         dst = work / name
         cli("convert", str(paths[src]), str(dst), *extra)
         paths[name] = dst
     for src, key in DEQUANT:
+        if a.exl3_only and src != "fix-exl3":
+            continue
         npy = work / f"deq-{src}.npy"
         cli("dequantize", str(paths[src]), key, "-o", str(npy))
         paths[npy.name] = npy

@@ -24,8 +24,9 @@ side in the SIMD lanes: the same ring position has the same window offset in eve
 over the threads in static chunks that reuse their buffers.
 
 1. ring words of the item's 8 x 32 tiles as uint32 wt [8, 4 K2 + 1, 32] (tile row, word, tile column), the
-   first word repeated at the end so that a 16-bit window never needs a modulo (32 x 32 register transposes
-   of the trellis when 8 K2 is a multiple of 32);
+   first word repeated at the end so that a 16-bit window never needs a modulo (the trellis read as the
+   little-endian 32-bit words it holds, 16 x 16 register transposes, when 4 K2 is a multiple of 16); the next
+   item's trellis rows are prefetched while this one computes (they stream from memory);
 2. for each tile column c (16): the 128 input rows j of the 32 output columns n = 16 tn + c are decoded
    (window -> codebook -> fp32) 16 rows at a time (16 lanes per register) straight into the butterflies of
    widths 1, 2, 4, 8 (registers), then into G [128, 32]; widths 16, 32, 64 run over the rows of G (radix 8,
@@ -41,8 +42,11 @@ one fp32 multiply by s = fp32(1/sqrt(128))), up to four stages at a time in regi
 portable loops): the very same operations in the same order, so the
 result is bit-identical (on x86 each difference a - b is issued as fma(b, -1, a): the same single rounding, on the
 multiply-add pipes, which halves the load on the adders; exl3_ops._butterflies).  The 3INST / MCG codebook's two
-fp16 halves become fp32 by integer shifts and masks (they are always normal: exl3_ops._LOP3_F32_MASK).  Where the CPU has no hardware fp16 conversion (HW_HALF false) the portable loop twins
-of these steps run instead (same bits; test_loop_fallback_path).
+fp16 halves become fp32 by integer shifts and masks (they are always normal: exl3_ops._LOP3_F32_MASK), and every
+codebook value is rounded to fp16 precision by Veltkamp's split (exl3_ops._rn16_split: exact for all 65536
+states).  The chunks' buffers are 64-byte aligned (no vector row straddles two cache lines).  Where the CPU has no
+hardware fp16 conversion (HW_HALF false) the portable loop twins of these steps run instead (same bits;
+test_loop_fallback_path).
 """
 
 from __future__ import annotations
@@ -51,9 +55,15 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 
 from ..layout import EXL3_CODEBOOKS, Exl3Slot
+from . import exl2, exl3_ops, f16
+from .cache_deps import watch
 from .exl2 import NT_STORES, empty_aligned, store_fence, transpose_store  # shared with the EXL2 decoder
 from .f16 import f32_to_f16_bits
-from .exl3_ops import ADD, LANES, MUL1, MULT, SLICE, add32, decode_left, decode_pos, right_had, shl32, window16
+from .exl3_ops import (ADD, LANES, MUL1, MULT, SLICE, add32, decode_left, decode_pos, load_rings16, prefetch, right_had,
+                       shl32, window16)
+
+# the kernels below inline code of these files: a change there must invalidate their cached machine code too
+watch(__file__, (exl3_ops.__file__, exl2.__file__, f16.__file__))
 
 __all__ = ["CODEBOOKS", "decode_states", "inner_weight", "dequantize", "unpack_sign_bits", "check_k2"]
 
@@ -108,30 +118,6 @@ def _codebook_id(codebook, k2: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # Shared decode step: 8 tiles of one tile row, side by side in the lanes
 # ----------------------------------------------------------------------------------------------
-
-@njit(cache=True)
-def _load_rings_t(tr, tk, tn0, wt, b, T16):
-    """_load_rings for a full set of LANES tiles when 8 K2 is a multiple of 32 (K2 = 4, 8, 12, 16): the tiles'
-    words are a [LANES, 8 K2] uint16 block of tr[tk], transposed 32 x 32 at a time in registers into
-    T16 uint16 [>= 8 K2, LANES], then paired into 32-bit words along the lanes (a vector loop)."""
-    L = tr.shape[2]
-    src = tr[tk]
-    for m in range(0, L, 32):
-        transpose_store(src, tn0, m, T16, m, 0)
-    dst = wt[b]
-    W = dst.shape[1]
-    nw = L // 2
-    for q in range(nw):
-        lo = T16[2 * q]
-        hi = T16[2 * q + 1]
-        d = dst[q]
-        for l in range(W):
-            d[l] = add32(lo[l], shl32(hi[l], 16))
-    d0 = dst[0]
-    dn = dst[nw]
-    for l in range(W):
-        dn[l] = d0[l]
-
 
 @njit(cache=True, inline="always")
 def _load_rings(tr, tk, tn0, nlanes, wt, b):
@@ -196,6 +182,14 @@ def _inner_kernel(tr, widx, woff, tpos, cbk, mult, add, out):
 
 
 
+@njit(cache=True, inline="always")
+def _empty64(n, dtype):
+    """Uninitialised 1-D array of n elements of ``dtype`` (2 to 8 bytes) whose data starts on a 64-byte boundary."""
+    raw = np.empty(n + 32, dtype=dtype)
+    off = (-raw.ctypes.data % 64) // raw.itemsize
+    return raw[off:off + n]
+
+
 @njit(cache=True, parallel=True)
 def _dequant_kernel(tr, itab, otab, cbk, mult, add, suh, svh, out, n_chunks, nt):
     """tr uint16 [tiles_k, tiles_n, 8 K2] (tiles_k, tiles_n multiples of 8); suh float32 [in_p];
@@ -208,18 +202,19 @@ def _dequant_kernel(tr, itab, otab, cbk, mult, add, suh, svh, out, n_chunks, nt)
     n_chunks = max(1, min(n_items, n_chunks))
     for chunk in prange(n_chunks):
         # buffers once per chunk of work items (Z alone is 128 KiB: malloc would mmap and fault it in each time)
-        wt = np.empty((8, L // 2 + 1, LANES), dtype=np.uint32)
-        G = np.empty((128, LANES), dtype=np.float32)
-        G16 = np.empty((128, LANES), dtype=np.uint16)
-        Z = np.empty((16 * LANES, 128 + 16), dtype=np.uint16)   # row 32 c + l: output column 16 (tn0 + l) + c
-        F = np.empty((128, SLICE), dtype=np.float32)
-        T16 = np.empty((L, LANES), dtype=np.uint16)
+        # 64-byte aligned (Numba's own arrays start 32 bytes into a line): the 64-byte rows of the vector passes
+        # then never straddle two cache lines
+        wt = _empty64(8 * (L // 2 + 1) * LANES, np.uint32).reshape(8, L // 2 + 1, LANES)
+        G = _empty64(128 * LANES, np.float32).reshape(128, LANES)
+        G16 = _empty64(128 * LANES, np.uint16).reshape(128, LANES)
+        Z = _empty64(16 * LANES * (128 + 16), np.uint16).reshape(16 * LANES, 128 + 16)   # row 32 c + l: output column 16 (tn0 + l) + c
+        F = _empty64(128 * SLICE, np.float32).reshape(128, SLICE)
         for item in range(chunk * n_items // n_chunks, (chunk + 1) * n_items // n_chunks):
-            _dequant_item(tr, itab, otab, cbk, mult, add, suh, svh, out, item, ng, wt, G, G16, Z, F, T16, nt)
+            _dequant_item(tr, itab, otab, cbk, mult, add, suh, svh, out, item, ng, wt, G, G16, Z, F, nt)
 
 
 @njit(cache=True)
-def _dequant_item(tr, itab, otab, cbk, mult, add, suh, svh, out, item, ng, wt, G, G16, Z, F, T16, nt):
+def _dequant_item(tr, itab, otab, cbk, mult, add, suh, svh, out, item, ng, wt, G, G16, Z, F, nt):
     """One work item of _dequant_kernel: input rows 128 bi.., output columns 16 tn0 .. 16 tn0 + 511."""
     tiles_n = tr.shape[1]
     n_out, n_in = out.shape
@@ -229,11 +224,23 @@ def _dequant_item(tr, itab, otab, cbk, mult, add, suh, svh, out, item, ng, wt, G
     j0 = 128 * bi
     if nl == LANES and tr.shape[2] % 32 == 0:
         for tkl in range(8):
-            _load_rings_t(tr, 8 * bi + tkl, tn0, wt, tkl, T16)
+            load_rings16(tr, 8 * bi + tkl, tn0, wt, tkl)
     else:
         for tkl in range(8):
             _load_rings(tr, 8 * bi + tkl, tn0, nl, wt, tkl)
+    # the next item's trellis rows (8 runs of nl * 8 K2 uint16), requested while this item computes: 1/16 of
+    # them per tile column c, so that its ring loads do not wait on memory (the trellis streams from DRAM)
+    nxt = item + 1
+    nbi = nxt // ng
+    ntn0 = (nxt - nbi * ng) * LANES
+    has_next = 8 * nbi < tr.shape[0]
+    run = min(LANES, tiles_n - ntn0) * tr.shape[2]     # uint16 per tile row of the next item
+    half = (run + 1) // 2
     for c in range(16):
+        if has_next:
+            base = ((8 * nbi + (c >> 1)) * tiles_n + ntn0) * tr.shape[2] + (c & 1) * half
+            for e in range(0, min(half, run - (c & 1) * half), 32):
+                prefetch(tr, base + e)
         decode_left(wt, itab, otab, c, cbk, mult, add, suh, j0, G, G16)
         for jb in range(0, 128, 32):
             transpose_store(G16, jb, 0, Z, LANES * c, jb)

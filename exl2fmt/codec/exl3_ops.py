@@ -15,11 +15,15 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..layout import EXL3_CODEBOOKS
+from . import exl2, f16
+from .cache_deps import watch
 from .exl2 import NT_STORES  # the one x86 check, shared with the EXL2 decoder
 from .f16 import HW_HALF, f16_bits_to_f32, f32_to_f16_bits
 
-__all__ = ["ADD", "LANES", "MUL1", "MULT", "SLICE", "add32", "decode_left", "decode_pos", "right_had", "shl32",
-           "window16"]
+watch(__file__, (exl2.__file__, f16.__file__))  # cached kernels here inline code of these files (cache_deps)
+
+__all__ = ["ADD", "LANES", "MUL1", "MULT", "SLICE", "add32", "decode_left", "decode_pos", "load_rings16", "prefetch",
+           "right_had", "shl32", "window16"]
 
 MUL1 = EXL3_CODEBOOKS[2]
 MULT = (89226354, 0xCBAC1FED)      # lop3 codebooks: x = s * mult + add (mod 2^32)
@@ -90,6 +94,94 @@ def window16(typingctx, hi, lo, off):
         return builder.lshr(builder.call(fn, [a, b, s]), ir.Constant(i32, 16))
 
     return types.uint32(hi, lo, off), codegen
+
+
+@intrinsic
+def prefetch(typingctx, arr, off):
+    """Hint the cache line holding arr.flat[off] into the caches (llvm.prefetch, read, high locality): a hint,
+    never a fault, whatever the address.  arr: any C-contiguous array; off: element offset, not checked."""
+    if not (isinstance(arr, types.Array) and arr.layout == "C" and isinstance(off, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        ptr = builder.bitcast(builder.gep(a.data, [args[1]]), i8p)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0i8")
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, types.intp), codegen
+
+
+def _transpose16(builder, rows):
+    """16 x 16 transpose of 16 <16 x i32> row vectors (returns the columns): at block sizes 8, 4, 2, 1 the
+    off-diagonal blocks of each pair of rows (i, i + h) are swapped, two two-source shuffles per pair and stage."""
+    mask_t = ir.VectorType(ir.IntType(32), 16)
+    r = list(rows)
+    for h in (8, 4, 2, 1):
+        ma = ir.Constant(mask_t, [c if not c & h else 16 + c - h for c in range(16)])
+        mb = ir.Constant(mask_t, [c + h if not c & h else 16 + c for c in range(16)])
+        for i in range(16):
+            if not i & h:
+                r[i], r[i + h] = builder.shuffle_vector(r[i], r[i + h], ma), builder.shuffle_vector(r[i], r[i + h], mb)
+    return r
+
+
+@intrinsic
+def load_rings16(typingctx, tr, tk, tn0, wt, b):
+    """wt[b, q, l] = 32-bit ring word q of tile (tk, tn0 + l) for q < nw = tr.shape[2] / 2, l < wt.shape[2], and
+    wt[b, nw, :] = wt[b, 0, :] (the first word again at the end).  The 32-bit words are read as they lie (u16
+    word 2q low, 2q + 1 high: little-endian uint32), 16 tiles x 16 words at a time, transposed in registers.
+    Needs nw % 16 == 0 and wt.shape[2] % 16 == 0, and tiles tn0 .. tn0 + wt.shape[2] - 1 to exist (not checked).
+    tr uint16 [tiles_k, tiles_n, 2 nw] C; wt uint32 [*, nw + 1, lanes] C."""
+    if not (isinstance(tr, types.Array) and tr.ndim == 3 and tr.layout == "C" and tr.dtype == types.uint16
+            and isinstance(wt, types.Array) and wt.ndim == 3 and wt.layout == "C" and wt.dtype == types.uint32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        tr_v, tk_v, tn0_v, wt_v, b_v = args
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        vty = ir.VectorType(i32, 16)
+        ta = context.make_array(sig.args[0])(context, builder, tr_v)
+        wa = context.make_array(sig.args[3])(context, builder, wt_v)
+        tiles_n = builder.extract_value(ta.shape, 1)
+        L = builder.extract_value(ta.shape, 2)
+        nq = builder.extract_value(wa.shape, 1)
+        lanes = builder.extract_value(wa.shape, 2)
+        nw = builder.sub(nq, ir.Constant(i64, 1))
+        tile0 = builder.add(builder.mul(tk_v, tiles_n), tn0_v)
+        wrow0 = builder.mul(b_v, nq)
+
+        def body_q(q0):  # one 16-word block of every group of 16 lanes
+            def body_g(g):
+                rows = []
+                for m in range(16):
+                    tile = builder.add(tile0, builder.add(g, ir.Constant(i64, m)))
+                    off = builder.add(builder.mul(tile, L), builder.mul(q0, ir.Constant(i64, 2)))
+                    ld = builder.load(builder.bitcast(builder.gep(ta.data, [off]), vty.as_pointer()))
+                    ld.align = 2
+                    rows.append(ld)
+                cols = _transpose16(builder, rows)
+                for k in range(16):
+                    wo = builder.add(builder.mul(builder.add(wrow0, builder.add(q0, ir.Constant(i64, k))), lanes), g)
+                    st = builder.store(cols[k], builder.bitcast(builder.gep(wa.data, [wo]), vty.as_pointer()))
+                    st.align = 4
+                with builder.if_then(builder.icmp_unsigned("==", q0, ir.Constant(i64, 0))):
+                    wo = builder.add(builder.mul(builder.add(wrow0, nw), lanes), g)
+                    st = builder.store(cols[0], builder.bitcast(builder.gep(wa.data, [wo]), vty.as_pointer()))
+                    st.align = 4
+
+            with cgutils.for_range_slice(builder, ir.Constant(i64, 0), lanes, ir.Constant(i64, 16), intp=i64) as (g, _):
+                body_g(g)
+
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), nw, ir.Constant(i64, 16), intp=i64) as (q0, _):
+            body_q(q0)
+        return context.get_dummy_value()
+
+    return types.void(tr, types.intp, types.intp, wt, types.intp), codegen
 
 
 @intrinsic
@@ -325,7 +417,6 @@ def _decode_value(context, builder, wt_ty, wt_v, b_v, i_v, o_v, mult_v, add_v, m
     i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
     v32 = ir.VectorType(i32, vw)
     vf = ir.VectorType(f32, vw)
-    vh = ir.VectorType(ir.HalfType(), vw)
     a = context.make_array(wt_ty)(context, builder, wt_v)
     nq = builder.extract_value(a.shape, 1)
     off = builder.add(builder.mul(builder.add(builder.mul(b_v, nq), i_v), ir.Constant(i64, _VEC)), ir.Constant(i64, col))
@@ -362,7 +453,19 @@ def _decode_value(context, builder, wt_ty, wt_v, b_v, i_v, o_v, mult_v, add_v, m
         lo_f = builder.xor(builder.and_(builder.ashr(builder.shl(x, const_i(16)), three), const_i(_LOP3_F32_MASK)),
                            const_i(_LOP3_F32_XOR))
         v = builder.fadd(builder.bitcast(lo_f, vf), builder.bitcast(hi_f, vf))
-    return builder.fpext(builder.fptrunc(v, vh), vf)   # RN16, kept in fp32
+    return _rn16_split(builder, v)
+
+
+def _rn16_split(builder, v):
+    """fp32(fp16(v)) for a <n x float> v of a codebook sum, by Veltkamp's split: c = v * (2^13 + 1), then
+    c - (c - v) is v rounded to 24 - 13 = 11 significant bits.  Three multiply / add operations on the FP pipes
+    instead of the conversion pair vcvtps2ph + vcvtph2ps (slower on AMD Zen 4).  It equals RN16 only where fp16
+    has 11 significant bits and no overflow: every codebook value lies in fp16's normal range (|v| in
+    [2^-13, 4) for 3INST / MCG, [1.8e-3, 3.5] for MUL1), and the equality, ties included, was checked on all
+    65536 states of the three codebooks (tests/test_exl3_codec.py::test_all_states decodes every state)."""
+    vty = v.type
+    c = builder.fmul(v, ir.Constant(vty, [8193.0] * vty.count))
+    return builder.fsub(c, builder.fsub(c, v))
 
 
 def _opaque_minus_one(builder, vty):
