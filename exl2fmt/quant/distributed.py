@@ -1,20 +1,21 @@
 """The EXL2 measurement fanned out over Ray workers (``measure_distributed``; the ``distributed`` extra).
 
 The measurement feeds the FP16 model's own outputs forward, so a decoder layer's measurement depends on nothing
-but the FP16 hidden state at its input.  The driver (the ``exl2fmt convert`` process) streams that reference
-trajectory layer by layer, a plain forward of each layer with its FP16 weights, and for every layer not yet
-measured puts the layer's input into Ray's object store and submits one task, ``measure_layer``: a worker opens
-the source itself (the shared-filesystem set-up of a cluster; a worker keeps the opened model between its
-tasks), runs ``measure.measure_block`` for the layer's attention and MLP halves exactly as the one-process
-``measure`` does, and returns the scored rows and a digest of the layer's output.  The driver checks that digest
-against its own next input, so a worker that computes other bits (other thread counts, hardware or libraries)
-stops the run (``CLUSTER_MISMATCH``) instead of giving output that differs from the one-process run.
+but the FP16 hidden state at its input.  The driver (the ``exl2fmt convert`` process) starts one ``MeasureWorker``
+actor per worker slot; each opens the source itself (the shared-filesystem set-up of a cluster) once, while the
+driver streams the reference trajectory layer by layer (a plain forward of each layer with its FP16 weights), and
+keeps it, with its warm libraries, for the whole run.  For every layer not yet measured the driver puts the
+layer's input into Ray's object store and hands the layer to the next idle actor (``measure_layer``): it runs
+``measure.measure_block`` for the layer's attention and MLP halves exactly as the one-process ``measure`` does,
+and returns the scored rows, a digest of the layer's output and where its time went.  The driver checks that
+digest against its own next input, so a worker that computes other bits (other thread counts, hardware or
+libraries) stops the run (``CLUSTER_MISMATCH``) instead of giving output that differs from the one-process run.
 
-Ray schedules the tasks; the driver keeps at most ``workers + 1`` of them submitted (so the reference pass runs
-ahead of the workers by at most that many layer inputs in the object store), records each layer's rows in
-``job.json`` as it arrives (in any order), and snapshots the input of the first layer not yet measured, so a
-killed driver resumes (``--resume``) from there.  A task whose worker dies is submitted again (Ray places it on
-any live worker), with a note in the report; ``MAX_ATTEMPTS`` losses of one layer stop the run (``WORKER_LOST``).
+The reference pass runs at most one layer ahead of the busy workers (so at most ``workers + 2`` layer inputs are
+in the object store); the driver records each layer's rows in ``job.json`` as they arrive (in any order) and
+snapshots the input of the first layer not yet measured, so a killed driver resumes (``--resume``) from there.
+When an actor's process dies its layer goes to another actor, a new actor takes the lost one's place, and the
+report notes it; ``MAX_ATTEMPTS`` losses of one layer stop the run (``WORKER_LOST``).
 
 Byte identity: the output depends on the intra-op thread counts of torch and Numba (they share one OpenMP
 runtime here); every worker runs with the driver's counts (``thread_env``), so ``--workers N`` gives the bytes
@@ -47,7 +48,7 @@ from .options import QuantOptions
 from .qparams import block_options
 from ..runner.weights import dense_linear
 
-__all__ = ["measure_distributed", "measure_layer", "versions", "thread_env", "cluster", "check_address",
+__all__ = ["measure_distributed", "measure_layer", "MeasureWorker", "versions", "thread_env", "cluster", "check_address",
            "MAX_ATTEMPTS"]
 
 #: How often one layer's task may be lost with its worker before the run stops.
@@ -155,20 +156,21 @@ def _token_auth() -> None:
 
 @contextmanager
 def cluster(o: QuantOptions):
-    """Ray, initialised for the run and shut down after it: a local cluster of ``o.workers`` CPUs (each task
+    """Ray, initialised for the run and shut down after it: a local cluster of ``o.workers`` CPUs (each worker
     takes one; with a CUDA device also one GPU each of the GPUs torch sees), or the running cluster at
-    ``o.ray_address``.  A caller that initialised Ray already keeps its own session.  Yields the ``ray``
-    module.  While the session lasts, what is printed to stdout goes to stderr: Ray prints its cluster's error
-    messages there ("A worker died ..."), which would break the report that ``--json`` writes to stdout."""
+    ``o.ray_address``.  A caller that initialised Ray already keeps its own session.  Yields (the ``ray`` module,
+    whether this run initialised it: then the workers' environment is the session's).  While the session lasts,
+    what is printed to stdout goes to stderr: Ray prints its cluster's error messages there ("A worker died ..."),
+    which would break the report that ``--json`` writes to stdout."""
     ray = _import_ray()
-    if ray.is_initialized():       # (each task carries its thread settings: ``_Fanout.submit``)
+    if ray.is_initialized():       # (the workers then carry their own thread settings: ``_Fanout``)
         with redirect_stdout(sys.stderr):
-            yield ray
+            yield ray, False
         return
     with redirect_stdout(sys.stderr):
         _init(ray, o)
         try:
-            yield ray
+            yield ray, True
         finally:
             ray.shutdown()
 
@@ -251,24 +253,34 @@ def _digest(h: torch.Tensor) -> str:
 
 def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: int, keys: list[str],
                   attempt: int = 0) -> dict:
-    """Ray task: measure decoder layer ``i`` (its attention and MLP blocks whose keys are in ``keys``) on its FP16
-    input ``h`` float32 [rows, T, hidden] (C order, rows in ``measure.score_plan``'s order).  Returns {"rows":
-    {block key: [[option, bits, accuracy]]}, "digest": of the layer's FP16 output, "where": host and pid,
-    "seconds"}.  ``attempt``: how many times this layer was lost before (the fault-injection hook,
-    ``EXL2FMT_TEST_FAULT=measure-layer-I:SIGKILL``, fires on the first attempt only)."""
+    """Measure decoder layer ``i`` (its attention and MLP blocks whose keys are in ``keys``) on its FP16 input ``h``
+    float32 [rows, T, hidden] (C order, rows in ``measure.score_plan``'s order): what a ``MeasureWorker`` runs for
+    each layer, callable in any process.  Returns {"rows": {block key: [[option, bits, accuracy]]}, "digest": of
+    the layer's FP16 output, "where": host and pid, "seconds", "phases": {phase: seconds}} (the phases: "setup",
+    this process's model opened and checked, zero once it is; "input", the input copied out of the object store;
+    "attn" and "mlp", the two blocks; "digest").  ``attempt``: how many times this layer was lost before (the
+    fault-injection hook, ``EXL2FMT_TEST_FAULT=measure-layer-I:SIGKILL``, fires on the first attempt only)."""
     from ..container.partials import fault_point
 
-    t0 = time.monotonic()
+    t0 = t = time.monotonic()
+    phases = {}
+
+    def lap(name):
+        nonlocal t
+        now = time.monotonic()
+        phases[name] = phases.get(name, 0.0) + now - t
+        t = now
+
     where = f"{socket.gethostname()} pid {os.getpid()}"
-    o = ctx.options
-    if str(o.device).startswith("cuda"):          # Ray hands the task one GPU: the first this process sees
-        o = replace(o, device="cuda")
+    o = _worker_options(ctx.options)
     spec = _worker_spec(ctx, o.device)
+    lap("setup")
     if attempt == 0:
         fault_point(f"measure-layer-{i}")
     options_of = (lambda kind: block_options(kind, extended=o.extended))
     x = torch.from_numpy(np.array(h)).to(torch.device(o.device))      # (a writable copy of the store's array)
     del h
+    lap("input")
     vdir = Path(tempfile.mkdtemp(prefix="exl2fmt-measure-"))
     out = {}
     try:
@@ -278,6 +290,7 @@ def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: i
                                     score=key in keys)
             if rows is not None:
                 out[key] = rows
+            lap(kind)
     except (torch.OutOfMemoryError, MemoryError) as e:
         raise Exl2Error(ErrorCode.WORKER_OUT_OF_MEMORY, f"worker {where} ran out of memory measuring "
                         f"{spec.layer_prefix(i)} ({type(e).__name__}: {str(e)[:200]})",
@@ -288,7 +301,31 @@ def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: i
     digest = _digest(x)
     del x
     release_memory()
-    return {"rows": out, "digest": digest, "where": where, "seconds": time.monotonic() - t0}
+    lap("digest")
+    return {"rows": out, "digest": digest, "where": where, "seconds": time.monotonic() - t0, "phases": phases}
+
+
+def _worker_options(o: QuantOptions) -> QuantOptions:
+    if str(o.device).startswith("cuda"):          # Ray hands the worker one GPU: the first this process sees
+        return replace(o, device="cuda")
+    return o
+
+
+class MeasureWorker:
+    """A Ray actor that measures layers: one per worker slot, started with the run, it opens the source model once
+    (``setup``, submitted as its first call, so that it runs while the driver's reference pass produces the
+    first layer inputs) and keeps it, with its warm libraries, for every layer it is given (``measure_layer``)."""
+
+    def setup(self, ctx: Context) -> dict:
+        """Open and check the model (``_worker_spec``): {"where", "seconds"}."""
+        t0 = time.monotonic()
+        _worker_spec(ctx, _worker_options(ctx.options).device)
+        return {"where": f"{socket.gethostname()} pid {os.getpid()}", "seconds": time.monotonic() - t0}
+
+    def measure_layer(self, ctx: Context, i: int, h: np.ndarray, batches: list, n_score: int, keys: list[str],
+                      attempt: int = 0) -> dict:
+        """The module's ``measure_layer`` in this worker."""
+        return measure_layer(ctx, i, h, batches, n_score, keys, attempt)
 
 
 # ------------------------------------------------------------------------------------------------ the driver side
@@ -315,51 +352,72 @@ def _lost_errors(ray) -> tuple:
 
 
 class _Fanout:
-    """The driver's side of one distributed measurement: the tasks in flight, the layer inputs they hold, the
-    results as they arrive."""
+    """The driver's side of one distributed measurement: the pool of ``MeasureWorker`` actors, the layers waiting
+    for one (``queue``), the calls in flight, the results as they arrive, and where the time went (``profile``)."""
 
     def __init__(self, ray, spec, work: Work, o: QuantOptions, progress, report, ctx_ref, batches, n_score,
-                 slots: int):
+                 slots: int, own_cluster: bool):
         self.ray, self.spec, self.work, self.o = ray, spec, work, o
         self.progress, self.report = progress, report
         self.ctx_ref, self.batches, self.n_score, self.slots = ctx_ref, batches, n_score, slots
         self.measured = work.job["measured"]
         self.blocks = model_blocks(spec)
-        self.inflight: dict = {}      # ObjectRef -> layer
+        self.inflight: dict = {}      # ObjectRef -> ("setup", actor) or (layer, actor)
+        self.idle: list = []          # actors whose set-up is submitted and that measure nothing now
+        self.queue: list = []         # layers whose input is in the store, waiting for an idle actor
         self.inputs: dict = {}        # layer -> ObjectRef of its FP16 input (until it is measured)
         self.digests: dict = {}       # layer -> digest of the driver's FP16 output of the layer
         self.keys: dict = {}          # layer -> the block keys its task scores
         self.attempts: dict = {}      # layer -> lost attempts so far
-        self.gpu = str(o.device).startswith("cuda")
-        self.task = ray.remote(measure_layer)
-        self.env = {"env_vars": thread_env(thread_counts())}
+        self.replaced = 0             # actors started again after a loss
+        self.profile: dict = {"worker_setup": [], "worker_phases": {}, "layer_seconds": [], "wait": 0.0}
+        gpu = str(o.device).startswith("cuda")
+        opts = {"num_cpus": 1, "num_gpus": 1 if gpu else 0, "max_restarts": 0, "max_task_retries": 0}
+        if not own_cluster:       # a caller's session: its job-wide environment is not ours (``cluster``)
+            opts["runtime_env"] = {"env_vars": thread_env(thread_counts())}
+        self.actor_class = ray.remote(MeasureWorker).options(**opts)
+        for _ in range(slots):
+            self.start_actor()
 
-    def submit(self, i: int) -> None:
-        opts = {"num_cpus": 1, "num_gpus": 1 if self.gpu else 0, "max_retries": 0, "runtime_env": self.env}
-        ref = self.task.options(**opts).remote(self.ctx_ref, i, self.inputs[i], self.batches, self.n_score,
-                                               self.keys[i], self.attempts.get(i, 0))
-        self.inflight[ref] = i
+    def start_actor(self) -> None:
+        """A new actor, its set-up submitted (it runs while the driver computes the reference pass)."""
+        a = self.actor_class.remote()
+        self.inflight[a.setup.remote(self.ctx_ref)] = ("setup", a)
+        self.idle.append(a)
+
+    def add(self, i: int) -> None:
+        self.queue.append(i)
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Give the waiting layers, lowest first, to the idle actors (a call queues behind an actor's set-up)."""
+        self.queue.sort()
+        while self.queue and self.idle:
+            i, a = self.queue.pop(0), self.idle.pop(0)
+            ref = a.measure_layer.remote(self.ctx_ref, i, self.inputs[i], self.batches, self.n_score, self.keys[i],
+                                         self.attempts.get(i, 0))
+            self.inflight[ref] = (i, a)
+
+    def busy(self) -> bool:
+        return any(what != "setup" for what, _ in self.inflight.values()) or bool(self.queue)
 
     def collect(self) -> None:
-        """Wait for one task; record its rows (or submit a lost layer again)."""
+        """Wait for one call to finish; record a layer's rows (or hand a lost layer to another actor)."""
         ray = self.ray
+        t = time.monotonic()
         ready, _ = ray.wait(list(self.inflight), num_returns=1)
+        self.profile["wait"] += time.monotonic() - t
         ref = ready[0]
-        i = self.inflight.pop(ref)
-        layer = self.spec.layer_prefix(i)
+        i, actor = self.inflight.pop(ref)
+        layer = "the worker's set-up" if i == "setup" else self.spec.layer_prefix(i)
         try:
             res = ray.get(ref)
         except ray.exceptions.OutOfMemoryError as e:
             raise Exl2Error(ErrorCode.WORKER_OUT_OF_MEMORY, f"Ray stopped the worker measuring {layer}: the "
-                            f"machine ran out of memory ({str(e).splitlines()[0][:200]})", tensor=layer) from None
+                            f"machine ran out of memory ({str(e).splitlines()[0][:200]})",
+                            tensor=None if i == "setup" else layer) from None
         except _lost_errors(ray) as e:
-            n = self.attempts[i] = self.attempts.get(i, 0) + 1
-            if n >= MAX_ATTEMPTS:
-                raise Exl2Error(ErrorCode.WORKER_LOST, f"{layer}: its worker was lost {n} times ({type(e).__name__}"
-                                "; killed by the system for memory?)", tensor=layer) from None
-            self.report.warnings.append(f"the worker measuring {layer} was lost ({type(e).__name__}); the layer "
-                                        "was measured again on another worker")
-            self.submit(i)
+            self.lost(i, actor, layer, e)
             return
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
@@ -368,21 +426,58 @@ class _Fanout:
             if isinstance(cause, BaseException):
                 raise cause
             raise
+        if i == "setup":
+            self.profile["worker_setup"].append(res["seconds"])
+            return
+        self.idle.append(actor)
+        self.dispatch()
+        self.record(i, res)
+
+    def lost(self, i, actor, layer: str, e: BaseException) -> None:
+        """``actor``'s process is gone: forget it (and any other call it had), start another in its place, and
+        hand its layer to the next idle actor; ``MAX_ATTEMPTS`` losses of one layer stop the run."""
+        for ref, (j, a) in list(self.inflight.items()):
+            if a is actor:
+                del self.inflight[ref]
+                if j != "setup":
+                    self.queue.append(j)
+        if actor in self.idle:
+            self.idle.remove(actor)
+        self.replaced += 1
+        if self.replaced > MAX_ATTEMPTS * self.slots:
+            raise Exl2Error(ErrorCode.WORKER_LOST, f"{self.replaced} workers were lost, the last one during "
+                            f"{layer} ({type(e).__name__})")
+        if i != "setup":
+            n = self.attempts[i] = self.attempts.get(i, 0) + 1
+            if n >= MAX_ATTEMPTS:
+                raise Exl2Error(ErrorCode.WORKER_LOST, f"{layer}: its worker was lost {n} times ({type(e).__name__}"
+                                "; killed by the system for memory?)", tensor=layer) from None
+            self.report.warnings.append(f"the worker measuring {layer} was lost ({type(e).__name__}); the layer "
+                                        "was measured again on another worker")
+            self.queue.append(i)
+        self.start_actor()
+        self.dispatch()
+
+    def record(self, i: int, res: dict) -> None:
+        layer = self.spec.layer_prefix(i)
         if res["digest"] != self.digests[i]:
             raise Exl2Error(ErrorCode.CLUSTER_MISMATCH, f"{layer}: the worker ({res['where']}) computes other FP16 "
                             "bits than the driver (other CPU or GPU model, BLAS, or thread settings), so the output "
                             "would differ from a one-process run", tensor=layer)
         for key, rows in res["rows"].items():
             self.measured[key] = rows
+        self.profile["layer_seconds"].append(res["seconds"])
+        for k, v in res.get("phases", {}).items():
+            self.profile["worker_phases"][k] = self.profile["worker_phases"].get(k, 0.0) + v
         self.work.save()
         del self.inputs[i]
         self.snapshot()
         if self.progress:
             done = sum(k in self.measured for k in (self.spec.block_key(j, kd) for j, kd in self.blocks))
-            layers = self.spec.num_layers
+            running = sum(what != "setup" for what, _ in self.inflight.values())
             self.progress("measure", done * 1000, len(self.blocks) * 1000,
-                          f"{layer} measured by {res['where']} in {res['seconds']:.1f} s ({done // 2}/{layers} "
-                          f"layers done, {len(self.inflight)} running)")
+                          f"{layer} measured by {res['where']} in {res['seconds']:.1f} s ({done // 2}/"
+                          f"{self.spec.num_layers} layers done, {running} running)")
 
     def snapshot(self) -> None:
         """The input of the first layer not yet measured, as the one-process snapshot (every layer before it is
@@ -397,7 +492,8 @@ class _Fanout:
 def measure_distributed(spec, src: str, ids_h, options_of, work: Work, o: QuantOptions, progress, report,
                         ids_shape: tuple) -> tuple[dict, torch.Tensor]:
     """``measure.measure`` on Ray workers (module docstring): the same (measured rows, final FP16 hidden state in
-    the calibration's row order), byte for byte.  ``src``: the source model's path, which every worker reads."""
+    the calibration's row order), byte for byte.  ``src``: the source model's path, which every worker reads.
+    Where the time went goes into ``report.seconds`` (keys "measure/...")."""
     device = torch.device(o.device)
     blocks = model_blocks(spec)
     start, states = work.restore("measure", (*ids_shape, spec.hidden_size), blocks=len(blocks))
@@ -415,14 +511,17 @@ def measure_distributed(spec, src: str, ids_h, options_of, work: Work, o: QuantO
     if order is not None and states is None:
         h = h.index_select(0, order.to(h.device))
     h = h.to(device)
-    with cluster(o) as ray:
+    t0 = time.monotonic()
+    with cluster(o) as (ray, own):
+        t_ref = 0.0
+        t_cluster = time.monotonic() - t0
         if o.workers is not None:
             slots = int(o.workers)
         else:
             res = ray.cluster_resources()
             slots = max(1, int(res.get("GPU" if device.type == "cuda" else "CPU", 1)))
         ctx = Context(str(src), o, versions(), thread_counts())
-        fan = _Fanout(ray, spec, work, o, progress, report, ray.put(ctx), batches, n_score, slots)
+        fan = _Fanout(ray, spec, work, o, progress, report, ray.put(ctx), batches, n_score, slots, own)
         if progress:
             progress("measure", start * 500, len(blocks) * 1000, f"starting {slots} workers")
         for i in range(start // 2, spec.num_layers):
@@ -430,16 +529,23 @@ def measure_distributed(spec, src: str, ids_h, options_of, work: Work, o: QuantO
             if keys:
                 fan.keys[i] = keys
                 fan.inputs[i] = ray.put(h.detach().cpu().numpy())
+            t = time.monotonic()
             h = _reference_layer(spec, i, h, batches, device)
             release_memory()
+            t_ref += time.monotonic() - t
             if keys:
                 fan.digests[i] = _digest(h)
-                fan.submit(i)
-            while len(fan.inflight) > fan.slots:
+                fan.add(i)
+            while len(fan.queue) > 1:       # the reference pass runs at most one layer ahead of the workers
                 fan.collect()
         spec.release()
-        while fan.inflight:
+        while fan.busy():
             fan.collect()
+    prof = fan.profile
+    report.seconds.update({"measure/cluster_start": t_cluster, "measure/reference": t_ref,
+                           "measure/driver_wait": prof["wait"],
+                           "measure/worker_setup_max": max(prof["worker_setup"], default=0.0),
+                           **{f"measure/worker_{k}": v for k, v in prof["worker_phases"].items()}})
     ordered = {k: measured[k] for k in (spec.block_key(i, kind) for i, kind in blocks) if k in measured}
     measured.clear()                 # in block order, as the one-process measurement fills it
     measured.update(ordered)
