@@ -33,7 +33,7 @@ import socket
 import sys
 import tempfile
 import time
-from contextlib import contextmanager, redirect_stdout
+from contextlib import redirect_stdout
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -48,7 +48,7 @@ from .options import QuantOptions
 from .qparams import block_options
 from ..runner.weights import dense_linear
 
-__all__ = ["measure_distributed", "measure_layer", "MeasureWorker", "versions", "thread_env", "cluster", "check_address",
+__all__ = ["measure_distributed", "measure_layer", "MeasureWorker", "versions", "thread_env", "Pool", "check_address",
            "MAX_ATTEMPTS"]
 
 #: How often one layer's task may be lost with its worker before the run stops.
@@ -154,31 +154,91 @@ def _token_auth() -> None:
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
-@contextmanager
-def cluster(o: QuantOptions):
-    """Ray, initialised for the run and shut down after it: a local cluster of ``o.workers`` CPUs (each worker
-    takes one; with a CUDA device also one GPU each of the GPUs torch sees), or the running cluster at
-    ``o.ray_address``.  A caller that initialised Ray already keeps its own session.  Yields (the ``ray`` module,
-    whether this run initialised it: then the workers' environment is the session's).  While the session lasts,
-    what is printed to stdout goes to stderr: Ray prints its cluster's error messages there ("A worker died ..."),
-    which would break the report that ``--json`` writes to stdout."""
-    ray = _import_ray()
-    if ray.is_initialized():       # (the workers then carry their own thread settings: ``_Fanout``)
-        with redirect_stdout(sys.stderr):
-            yield ray, False
-        return
-    with redirect_stdout(sys.stderr):
-        _init(ray, o)
+class Pool:
+    """The Ray session and the ``MeasureWorker`` actors of one run, started in a background thread as soon as the
+    run starts (``quantize_model``), so that Ray's start and each worker's imports and model set-up (seconds:
+    bench/RESULTS.md) overlap the driver's own set-up and reference pass.  A local cluster of ``o.workers`` CPUs
+    (each actor takes one; with a CUDA device also one GPU each of the GPUs torch sees), or the running cluster at
+    ``o.ray_address``; a caller that initialised Ray already keeps its own session.  ``ready()`` waits for the
+    start (raising what it raised); ``close()`` shuts down what the run started (idempotent).  While the pool is
+    open, what is printed to stdout goes to stderr: Ray prints its cluster's error messages there ("A worker died
+    ..."), which would break the report that ``--json`` writes to stdout."""
+
+    def __init__(self, o: QuantOptions, src: str):
+        import threading
+
+        self.o, self.src = o, str(src)
+        self.ray = None
+        self.own = False              # this run initialised Ray (its workers then have the session's environment)
+        self.actors: list = []        # [(actor, ObjectRef of its set-up call)]
+        self.error: BaseException | None = None
+        self.seconds = 0.0            # from the start to the actors' creation
+        # (intra-op thread counts are per thread in OpenMP and Numba: read them here, in the caller's thread)
+        self.threads = thread_counts()
+        self.stdout = redirect_stdout(sys.stderr)
+        self.stdout.__enter__()
+        self.closed = False
+        self.started, self.stop = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._start, name="exl2fmt-ray-start", daemon=True)
+        self.thread.start()
+
+    def _start(self) -> None:
+        t0 = time.monotonic()
         try:
-            yield ray, True
+            ray = self.ray = _import_ray()
+            if not ray.is_initialized():
+                _init(ray, self.o, self.threads)
+                self.own = True
+            gpu = str(self.o.device).startswith("cuda")
+            if self.o.workers is not None:
+                self.slots = int(self.o.workers)
+            else:
+                res = ray.cluster_resources()
+                self.slots = max(1, int(res.get("GPU" if gpu else "CPU", 1)))
+            opts = {"num_cpus": 1, "num_gpus": 1 if gpu else 0, "max_restarts": 0, "max_task_retries": 0}
+            if not self.own:          # a caller's session: its job-wide environment is not ours
+                opts["runtime_env"] = {"env_vars": thread_env(self.threads)}
+            self.actor_class = ray.remote(MeasureWorker).options(**opts)
+            self.setup_ctx = ray.put(Context(self.src, self.o, versions(), self.threads))
+            for _ in range(self.slots):
+                self.actors.append(self.new_actor())
+        except BaseException as e:         # (raised again in the caller's thread by ready())
+            self.error = e
+        self.seconds = time.monotonic() - t0
+        self.started.set()
+        # the thread lives until the pool is closed: Ray's daemons (raylet, GCS) die with the thread that started
+        # them (their parent-death signal fires when that thread exits, not the process)
+        self.stop.wait()
+
+    def new_actor(self) -> tuple:
+        """A new actor and its set-up call (it opens the model while the driver works)."""
+        a = self.actor_class.remote()
+        return a, a.setup.remote(self.setup_ctx)
+
+    def ready(self) -> "Pool":
+        self.started.wait()
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.started.wait()
+        try:
+            if self.own and self.ray is not None and self.ray.is_initialized():
+                self.ray.shutdown()
         finally:
-            ray.shutdown()
+            self.stop.set()
+            self.thread.join()
+            self.stdout.__exit__(None, None, None)
 
 
-def _init(ray, o: QuantOptions) -> None:
+def _init(ray, o: QuantOptions, threads: dict) -> None:
     import logging
 
-    kw = dict(runtime_env={"env_vars": thread_env(thread_counts())}, logging_level=logging.ERROR,
+    kw = dict(runtime_env={"env_vars": thread_env(threads)}, logging_level=logging.ERROR,
               log_to_driver=False, include_dashboard=False)
     try:
         if o.ray_address:
@@ -355,11 +415,10 @@ class _Fanout:
     """The driver's side of one distributed measurement: the pool of ``MeasureWorker`` actors, the layers waiting
     for one (``queue``), the calls in flight, the results as they arrive, and where the time went (``profile``)."""
 
-    def __init__(self, ray, spec, work: Work, o: QuantOptions, progress, report, ctx_ref, batches, n_score,
-                 slots: int, own_cluster: bool):
-        self.ray, self.spec, self.work, self.o = ray, spec, work, o
+    def __init__(self, pool: Pool, spec, work: Work, progress, report, ctx_ref, batches, n_score):
+        self.pool, self.ray, self.spec, self.work = pool, pool.ray, spec, work
         self.progress, self.report = progress, report
-        self.ctx_ref, self.batches, self.n_score, self.slots = ctx_ref, batches, n_score, slots
+        self.ctx_ref, self.batches, self.n_score, self.slots = ctx_ref, batches, n_score, pool.slots
         self.measured = work.job["measured"]
         self.blocks = model_blocks(spec)
         self.inflight: dict = {}      # ObjectRef -> ("setup", actor) or (layer, actor)
@@ -370,19 +429,15 @@ class _Fanout:
         self.keys: dict = {}          # layer -> the block keys its task scores
         self.attempts: dict = {}      # layer -> lost attempts so far
         self.replaced = 0             # actors started again after a loss
-        self.profile: dict = {"worker_setup": [], "worker_phases": {}, "layer_seconds": [], "wait": 0.0}
-        gpu = str(o.device).startswith("cuda")
-        opts = {"num_cpus": 1, "num_gpus": 1 if gpu else 0, "max_restarts": 0, "max_task_retries": 0}
-        if not own_cluster:       # a caller's session: its job-wide environment is not ours (``cluster``)
-            opts["runtime_env"] = {"env_vars": thread_env(thread_counts())}
-        self.actor_class = ray.remote(MeasureWorker).options(**opts)
-        for _ in range(slots):
-            self.start_actor()
+        self.profile: dict = {"worker_setup": [], "worker_phases": {}, "wait": 0.0}
+        for a, ref in pool.actors:
+            self.inflight[ref] = ("setup", a)
+            self.idle.append(a)
 
     def start_actor(self) -> None:
-        """A new actor, its set-up submitted (it runs while the driver computes the reference pass)."""
-        a = self.actor_class.remote()
-        self.inflight[a.setup.remote(self.ctx_ref)] = ("setup", a)
+        """A new actor, its set-up submitted."""
+        a, ref = self.pool.new_actor()
+        self.inflight[ref] = ("setup", a)
         self.idle.append(a)
 
     def add(self, i: int) -> None:
@@ -466,7 +521,6 @@ class _Fanout:
                             "would differ from a one-process run", tensor=layer)
         for key, rows in res["rows"].items():
             self.measured[key] = rows
-        self.profile["layer_seconds"].append(res["seconds"])
         for k, v in res.get("phases", {}).items():
             self.profile["worker_phases"][k] = self.profile["worker_phases"].get(k, 0.0) + v
         self.work.save()
@@ -490,10 +544,21 @@ class _Fanout:
 
 
 def measure_distributed(spec, src: str, ids_h, options_of, work: Work, o: QuantOptions, progress, report,
-                        ids_shape: tuple) -> tuple[dict, torch.Tensor]:
+                        ids_shape: tuple, pool: Pool | None = None) -> tuple[dict, torch.Tensor]:
     """``measure.measure`` on Ray workers (module docstring): the same (measured rows, final FP16 hidden state in
     the calibration's row order), byte for byte.  ``src``: the source model's path, which every worker reads.
-    Where the time went goes into ``report.seconds`` (keys "measure/...")."""
+    ``pool``: the run's ``Pool``, started early (None: started here); it is closed before this returns.  Where the
+    time went goes into ``report.seconds`` (keys "measure/...": the driver's reference pass and its waits, the
+    cluster's start, the slowest worker set-up, the workers' phases summed over the layers)."""
+    pool = pool or Pool(o, src)
+    try:
+        return _measure_on(pool, spec, src, ids_h, work, o, progress, report, ids_shape)
+    finally:
+        pool.close()
+
+
+def _measure_on(pool: Pool, spec, src: str, ids_h, work: Work, o: QuantOptions, progress, report,
+                ids_shape: tuple) -> tuple[dict, torch.Tensor]:
     device = torch.device(o.device)
     blocks = model_blocks(spec)
     start, states = work.restore("measure", (*ids_shape, spec.hidden_size), blocks=len(blocks))
@@ -511,39 +576,33 @@ def measure_distributed(spec, src: str, ids_h, options_of, work: Work, o: QuantO
     if order is not None and states is None:
         h = h.index_select(0, order.to(h.device))
     h = h.to(device)
-    t0 = time.monotonic()
-    with cluster(o) as (ray, own):
-        t_ref = 0.0
-        t_cluster = time.monotonic() - t0
-        if o.workers is not None:
-            slots = int(o.workers)
-        else:
-            res = ray.cluster_resources()
-            slots = max(1, int(res.get("GPU" if device.type == "cuda" else "CPU", 1)))
-        ctx = Context(str(src), o, versions(), thread_counts())
-        fan = _Fanout(ray, spec, work, o, progress, report, ray.put(ctx), batches, n_score, slots, own)
-        if progress:
-            progress("measure", start * 500, len(blocks) * 1000, f"starting {slots} workers")
-        for i in range(start // 2, spec.num_layers):
-            keys = [spec.block_key(i, k) for k in ("attn", "mlp") if spec.block_key(i, k) not in measured]
-            if keys:
-                fan.keys[i] = keys
-                fan.inputs[i] = ray.put(h.detach().cpu().numpy())
-            t = time.monotonic()
-            h = _reference_layer(spec, i, h, batches, device)
-            release_memory()
-            t_ref += time.monotonic() - t
-            if keys:
-                fan.digests[i] = _digest(h)
-                fan.add(i)
-            while len(fan.queue) > 1:       # the reference pass runs at most one layer ahead of the workers
-                fan.collect()
-        spec.release()
-        while fan.busy():
+    t = time.monotonic()
+    ray = pool.ready().ray
+    t_start_wait, t_ref = time.monotonic() - t, 0.0
+    fan = _Fanout(pool, spec, work, progress, report, ray.put(Context(str(src), o, versions(), pool.threads)),
+                  batches, n_score)
+    if progress:
+        progress("measure", start * 500, len(blocks) * 1000, f"starting {pool.slots} workers")
+    for i in range(start // 2, spec.num_layers):
+        keys = [spec.block_key(i, k) for k in ("attn", "mlp") if spec.block_key(i, k) not in measured]
+        if keys:
+            fan.keys[i] = keys
+            fan.inputs[i] = ray.put(h.detach().cpu().numpy())
+        t = time.monotonic()
+        h = _reference_layer(spec, i, h, batches, device)
+        release_memory()
+        t_ref += time.monotonic() - t
+        if keys:
+            fan.digests[i] = _digest(h)
+            fan.add(i)
+        while len(fan.queue) > 1:       # the reference pass runs at most one layer ahead of the workers
             fan.collect()
+    spec.release()
+    while fan.busy():
+        fan.collect()
     prof = fan.profile
-    report.seconds.update({"measure/cluster_start": t_cluster, "measure/reference": t_ref,
-                           "measure/driver_wait": prof["wait"],
+    report.seconds.update({"measure/cluster_start": pool.seconds, "measure/cluster_start_wait": t_start_wait,
+                           "measure/reference": t_ref, "measure/driver_wait": prof["wait"],
                            "measure/worker_setup_max": max(prof["worker_setup"], default=0.0),
                            **{f"measure/worker_{k}": v for k, v in prof["worker_phases"].items()}})
     ordered = {k: measured[k] for k in (spec.block_key(i, kind) for i, kind in blocks) if k in measured}
