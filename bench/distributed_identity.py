@@ -110,7 +110,8 @@ def start_head(port: int, cpus: int) -> subprocess.Popen:
     pid, which takes its GCS, raylet and workers down with it)."""
     import socket
 
-    p = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+    # (Ray's CLI as a module: a venv that sees the packages through a .pth file has no `ray` script of its own)
+    p = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
                           "--port", str(port), "--num-cpus", str(cpus), "--include-dashboard", "false",
                           "--disable-usage-stats"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          # workers at normal priority, as spec/quantizer.md advises (the 2026-12-07 figures were
@@ -139,6 +140,7 @@ def stop_head(p: subprocess.Popen) -> None:
 def identity(name: str, src: Path, args: list[str], tmp: Path, port: int) -> dict:
     runs = {}
     runs["one-process"] = convert(src, tmp / f"{name}-plain", args)
+    print(f"{name:8s} one-process: measure {runs['one-process']['seconds'].get('measure', 0):6.1f} s", flush=True)
     for n in (1, 2, 3):
         runs[f"--workers {n}"] = convert(src, tmp / f"{name}-w{n}", [*args, "--workers", str(n)])
     head = start_head(port, 2)
