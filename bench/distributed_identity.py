@@ -10,9 +10,11 @@ with tests/tiny_models.py), each
 
 and prints the sha256 of every output file per run and whether all runs of a model agree.  ``--scaling``: the
 measurement's seconds (the report's ``seconds.measure``) with every process single-threaded
-(OMP/MKL/NUMBA_NUM_THREADS=1): one-process, ``--workers 1``, ``--workers 2``, interleaved, ``--repeat`` times.
+(OMP/MKL/NUMBA_NUM_THREADS=1): one-process, ``--workers 1``, ``--workers 2``, interleaved, ``--repeat`` times, on
+the fixture and on a bigger synthetic llama (``--big HIDDENxLAYERS``, default 512x8), then a table of the ratios.
 
-    python bench/distributed_identity.py --out /tmp/dist.json [--scaling --repeat 2] [--only fixture]
+    python bench/distributed_identity.py --out /tmp/dist.json [--scaling --repeat 2] [--only fixture|moe|big]
+    python bench/distributed_identity.py --out /tmp/scal.json --scaling --no-identity --repeat 3   # the ratios
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def convert(src: Path, dst: Path, args: list[str], env: dict | None = None, kill
         seen: dict[int, float] = {}
         while p.poll() is None and killed is None:
             for c in workers_of(p.pid):
-                if "ray::measure_layer" in cmdline(c):
+                if "measure_layer" in cmdline(c):     # ray::MeasureWorker.measure_layer, while it runs one
                     seen.setdefault(c, time.monotonic())
                     if time.monotonic() - seen[c] >= kill_after:
                         os.kill(c, signal.SIGKILL)
@@ -108,7 +110,8 @@ def start_head(port: int, cpus: int) -> subprocess.Popen:
     pid, which takes its GCS, raylet and workers down with it)."""
     import socket
 
-    p = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+    # (Ray's CLI as a module: a venv that sees the packages through a .pth file has no `ray` script of its own)
+    p = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
                           "--port", str(port), "--num-cpus", str(cpus), "--include-dashboard", "false",
                           "--disable-usage-stats"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          # workers at normal priority, as spec/quantizer.md advises (the 2026-12-07 figures were
@@ -137,6 +140,7 @@ def stop_head(p: subprocess.Popen) -> None:
 def identity(name: str, src: Path, args: list[str], tmp: Path, port: int) -> dict:
     runs = {}
     runs["one-process"] = convert(src, tmp / f"{name}-plain", args)
+    print(f"{name:8s} one-process: measure {runs['one-process']['seconds'].get('measure', 0):6.1f} s", flush=True)
     for n in (1, 2, 3):
         runs[f"--workers {n}"] = convert(src, tmp / f"{name}-w{n}", [*args, "--workers", str(n)])
     head = start_head(port, 2)
@@ -156,28 +160,72 @@ def identity(name: str, src: Path, args: list[str], tmp: Path, port: int) -> dic
     return runs
 
 
+def make_big(where: Path, hidden: int, layers: int) -> tuple[Path, list[str]]:
+    """A seeded random llama whose layers cost more than the fixture's: hidden ``hidden``, intermediate 3x,
+    ``layers`` layers, 8 heads (4 KV), vocabulary 2048; calibration 8 x 128 random ids."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import make_tiny
+
+    d = make_tiny("llama", where / f"llama-{hidden}", hidden_size=hidden, intermediate_size=3 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8,
+                  vocab_size=2048)
+    ids = where / "ids-big.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 2048, (8, 128)))
+    return d, ["--calibration", str(ids), "--rows", "8", "--length", "128"]
+
+
+SCALING_RUNS = (("one-process", []), ("--workers 1", ["--workers", "1"]), ("--workers 2", ["--workers", "2"]))
+
+
 def scaling(name: str, src: Path, args: list[str], tmp: Path, repeat: int) -> dict:
+    """One process, --workers 1, --workers 2, every process single-threaded, interleaved, ``repeat`` rounds:
+    the report's ``seconds`` (the measurement phase, its parts, the whole conversion) and the wall time."""
     one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
-    times: dict[str, list[float]] = {"one-process": [], "--workers 1": [], "--workers 2": []}
+    runs: dict[str, list[dict]] = {label: [] for label, _ in SCALING_RUNS}
     hashes = {}
     for _ in range(repeat):
-        for label, extra in (("one-process", []), ("--workers 1", ["--workers", "1"]),
-                             ("--workers 2", ["--workers", "2"])):
+        for label, extra in SCALING_RUNS:
             r = convert(src, tmp / f"{name}-s", [*args, *extra], env=one)
-            times[label].append(r["seconds"]["measure"])
+            runs[label].append({**r["seconds"], "wall": r["wall"], "load": os.getloadavg()[0]})
             hashes.setdefault(label, r["hashes"])
-            print(f"{name} single-threaded {label:12s} measure {r['seconds']['measure']:.1f} s  "
-                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+            print(f"{name} single-threaded {label:12s} measure {r['seconds']['measure']:6.1f} s  total "
+                  f"{r['seconds']['total']:6.1f} s  load {os.getloadavg()[0]:.1f}", flush=True)
     same = all(h == hashes["one-process"] for h in hashes.values())
-    print(f"{name} single-threaded outputs identical across the three: {same}; min measure: "
-          + ", ".join(f"{k} {min(v):.1f} s" for k, v in times.items()), flush=True)
-    return {"times": times, "identical": same}
+    return {"runs": runs, "identical": same}
+
+
+def print_scaling(res: dict) -> None:
+    """The ratio table: per model the minimum over the rounds of the measurement phase and of the conversion,
+    2 workers against 1 and against one process, and the workers' time split (from the best --workers run)."""
+    print("\n| model | run | measure (min) | total (min) | measure: --workers 1 / this | measure: one process / "
+          "this | rounds | load |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for key, v in res.items():
+        if not key.endswith("/scaling"):
+            continue
+        name = key.split("/")[0]
+        m = {label: min(r["measure"] for r in rs) for label, rs in v["runs"].items()}
+        for label, rs in v["runs"].items():
+            loads = [r["load"] for r in rs]
+            print(f"| {name} | {label} | {m[label]:.1f} s | {min(r['total'] for r in rs):.1f} s | "
+                  f"{m['--workers 1'] / m[label]:.2f}x | {m['one-process'] / m[label]:.2f}x | {len(rs)} | "
+                  f"{min(loads):.1f}-{max(loads):.1f} |")
+        print(f"| {name} | outputs identical across the three | {v['identical']} | | | | | |")
+    for key, v in res.items():
+        if key.endswith("/scaling"):
+            for label in ("--workers 1", "--workers 2"):
+                best = min(v["runs"][label], key=lambda r: r["measure"])
+                parts = {k.split("/", 1)[1]: round(x, 1) for k, x in best.items() if k.startswith("measure/")}
+                print(f"{key.split('/')[0]} {label} (best round), measurement's parts in s: {parts}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", choices=("fixture", "moe"))
+    ap.add_argument("--only", choices=("fixture", "moe", "big"))
+    ap.add_argument("--big", default="512x8", help="the synthetic llama for --only big / --scaling: HIDDENxLAYERS")
     ap.add_argument("--scaling", action="store_true")
     ap.add_argument("--no-identity", action="store_true")
     ap.add_argument("--repeat", type=int, default=2)
@@ -186,17 +234,22 @@ def main() -> None:
     res: dict = {"load_before": os.getloadavg()}
     with tempfile.TemporaryDirectory(prefix="exl2fmt-dist-") as t:
         tmp = Path(t)
-        models = {"fixture": (FIXTURE, ["--rows", "8", "--length", "128"])}
-        if a.only != "fixture":
-            models["moe"] = make_moe(tmp)
-        if a.only == "moe":
-            models.pop("fixture")
-        for name, (src, args) in models.items():
-            if not a.no_identity:
-                res[f"{name}/identity"] = identity(name, src, args, tmp, a.port)
-            if a.scaling:
-                res[f"{name}/scaling"] = scaling(name, src, args, tmp, a.repeat)
+        makers = {"fixture": lambda: (FIXTURE, ["--rows", "8", "--length", "128"]), "moe": lambda: make_moe(tmp),
+                  "big": lambda: make_big(tmp, *(int(x) for x in a.big.split("x")))}
+        made: dict = {}
+
+        def model(name):
+            if name not in made:
+                made[name] = makers[name]()
+            return made[name]
+        # identity on the fixture and the MoE model, the scaling on the fixture and the bigger llama (--only: one)
+        for name in ([a.only] if a.only else ["fixture", "moe"]) if not a.no_identity else []:
+            res[f"{name}/identity"] = identity(name, *model(name), tmp, a.port)
+        for name in ([a.only] if a.only else ["fixture", "big"]) if a.scaling else []:
+            res[f"{name}/scaling"] = scaling(name, *model(name), tmp, a.repeat)
     res["load_after"] = os.getloadavg()
+    if a.scaling:
+        print_scaling(res)
     Path(a.out).write_text(json.dumps(res, indent=1, default=str))
 
 

@@ -135,6 +135,10 @@ def test_workers_give_the_one_process_bytes_even_when_a_worker_dies(tiny, tmp_pa
     assert [w for w in rep.warnings if "model.layers.1 was lost" in w and "measured again" in w], rep.warnings
     assert not [w for w in ref.warnings if "lost" in w]
     assert any("2/2 layers done" in w for w in seen), seen       # progress counts layers across workers
+    # where the time went: the workers' phases came back with the layers (both layers' blocks measured)
+    secs = rep.seconds
+    assert secs["measure/worker_attn"] > 0 and secs["measure/worker_mlp"] > 0, secs
+    assert 0 <= secs["measure/cluster_start_wait"] <= secs["measure"], secs
 
 
 @needs_ray

@@ -1,20 +1,21 @@
 """The EXL2 measurement fanned out over Ray workers (``measure_distributed``; the ``distributed`` extra).
 
 The measurement feeds the FP16 model's own outputs forward, so a decoder layer's measurement depends on nothing
-but the FP16 hidden state at its input.  The driver (the ``exl2fmt convert`` process) streams that reference
-trajectory layer by layer, a plain forward of each layer with its FP16 weights, and for every layer not yet
-measured puts the layer's input into Ray's object store and submits one task, ``measure_layer``: a worker opens
-the source itself (the shared-filesystem set-up of a cluster; a worker keeps the opened model between its
-tasks), runs ``measure.measure_block`` for the layer's attention and MLP halves exactly as the one-process
-``measure`` does, and returns the scored rows and a digest of the layer's output.  The driver checks that digest
-against its own next input, so a worker that computes other bits (other thread counts, hardware or libraries)
-stops the run (``CLUSTER_MISMATCH``) instead of giving output that differs from the one-process run.
+but the FP16 hidden state at its input.  The driver (the ``exl2fmt convert`` process) starts one ``MeasureWorker``
+actor per worker slot; each opens the source itself (the shared-filesystem set-up of a cluster) once, while the
+driver streams the reference trajectory layer by layer (a plain forward of each layer with its FP16 weights), and
+keeps it, with its warm libraries, for the whole run.  For every layer not yet measured the driver puts the
+layer's input into Ray's object store and hands the layer to the next idle actor (``measure_layer``): it runs
+``measure.measure_block`` for the layer's attention and MLP halves exactly as the one-process ``measure`` does,
+and returns the scored rows, a digest of the layer's output and where its time went.  The driver checks that
+digest against its own next input, so a worker that computes other bits (other thread counts, hardware or
+libraries) stops the run (``CLUSTER_MISMATCH``) instead of giving output that differs from the one-process run.
 
-Ray schedules the tasks; the driver keeps at most ``workers + 1`` of them submitted (so the reference pass runs
-ahead of the workers by at most that many layer inputs in the object store), records each layer's rows in
-``job.json`` as it arrives (in any order), and snapshots the input of the first layer not yet measured, so a
-killed driver resumes (``--resume``) from there.  A task whose worker dies is submitted again (Ray places it on
-any live worker), with a note in the report; ``MAX_ATTEMPTS`` losses of one layer stop the run (``WORKER_LOST``).
+The reference pass runs at most one layer ahead of the busy workers (so at most ``workers + 2`` layer inputs are
+in the object store); the driver records each layer's rows in ``job.json`` as they arrive (in any order) and
+snapshots the input of the first layer not yet measured, so a killed driver resumes (``--resume``) from there.
+When an actor's process dies its layer goes to another actor, a new actor takes the lost one's place, and the
+report notes it; ``MAX_ATTEMPTS`` losses of one layer stop the run (``WORKER_LOST``).
 
 Byte identity: the output depends on the intra-op thread counts of torch and Numba (they share one OpenMP
 runtime here); every worker runs with the driver's counts (``thread_env``), so ``--workers N`` gives the bytes
@@ -32,7 +33,7 @@ import socket
 import sys
 import tempfile
 import time
-from contextlib import contextmanager, redirect_stdout
+from contextlib import redirect_stdout
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -47,7 +48,7 @@ from .options import QuantOptions
 from .qparams import block_options
 from ..runner.weights import dense_linear
 
-__all__ = ["measure_distributed", "measure_layer", "versions", "thread_env", "cluster", "check_address",
+__all__ = ["measure_distributed", "measure_layer", "MeasureWorker", "versions", "thread_env", "Pool", "check_address",
            "MAX_ATTEMPTS"]
 
 #: How often one layer's task may be lost with its worker before the run stops.
@@ -153,30 +154,91 @@ def _token_auth() -> None:
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
-@contextmanager
-def cluster(o: QuantOptions):
-    """Ray, initialised for the run and shut down after it: a local cluster of ``o.workers`` CPUs (each task
-    takes one; with a CUDA device also one GPU each of the GPUs torch sees), or the running cluster at
-    ``o.ray_address``.  A caller that initialised Ray already keeps its own session.  Yields the ``ray``
-    module.  While the session lasts, what is printed to stdout goes to stderr: Ray prints its cluster's error
-    messages there ("A worker died ..."), which would break the report that ``--json`` writes to stdout."""
-    ray = _import_ray()
-    if ray.is_initialized():       # (each task carries its thread settings: ``_Fanout.submit``)
-        with redirect_stdout(sys.stderr):
-            yield ray
-        return
-    with redirect_stdout(sys.stderr):
-        _init(ray, o)
+class Pool:
+    """The Ray session and the ``MeasureWorker`` actors of one run, started in a background thread as soon as the
+    run starts (``quantize_model``), so that Ray's start and each worker's imports and model set-up (seconds:
+    bench/RESULTS.md) overlap the driver's own set-up and reference pass.  A local cluster of ``o.workers`` CPUs
+    (each actor takes one; with a CUDA device also one GPU each of the GPUs torch sees), or the running cluster at
+    ``o.ray_address``; a caller that initialised Ray already keeps its own session.  ``ready()`` waits for the
+    start (raising what it raised); ``close()`` shuts down what the run started (idempotent).  While the pool is
+    open, what is printed to stdout goes to stderr: Ray prints its cluster's error messages there ("A worker died
+    ..."), which would break the report that ``--json`` writes to stdout."""
+
+    def __init__(self, o: QuantOptions, src: str):
+        import threading
+
+        self.o, self.src = o, str(src)
+        self.ray = None
+        self.own = False              # this run initialised Ray (its workers then have the session's environment)
+        self.actors: list = []        # [(actor, ObjectRef of its set-up call)]
+        self.error: BaseException | None = None
+        self.seconds = 0.0            # from the start to the actors' creation
+        # (intra-op thread counts are per thread in OpenMP and Numba: read them here, in the caller's thread)
+        self.threads = thread_counts()
+        self.stdout = redirect_stdout(sys.stderr)
+        self.stdout.__enter__()
+        self.closed = False
+        self.started, self.stop = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._start, name="exl2fmt-ray-start", daemon=True)
+        self.thread.start()
+
+    def _start(self) -> None:
+        t0 = time.monotonic()
         try:
-            yield ray
+            ray = self.ray = _import_ray()
+            if not ray.is_initialized():
+                _init(ray, self.o, self.threads)
+                self.own = True
+            gpu = str(self.o.device).startswith("cuda")
+            if self.o.workers is not None:
+                self.slots = int(self.o.workers)
+            else:
+                res = ray.cluster_resources()
+                self.slots = max(1, int(res.get("GPU" if gpu else "CPU", 1)))
+            opts = {"num_cpus": 1, "num_gpus": 1 if gpu else 0, "max_restarts": 0, "max_task_retries": 0}
+            if not self.own:          # a caller's session: its job-wide environment is not ours
+                opts["runtime_env"] = {"env_vars": thread_env(self.threads)}
+            self.actor_class = ray.remote(MeasureWorker).options(**opts)
+            self.setup_ctx = ray.put(Context(self.src, self.o, versions(), self.threads))
+            for _ in range(self.slots):
+                self.actors.append(self.new_actor())
+        except BaseException as e:         # (raised again in the caller's thread by ready())
+            self.error = e
+        self.seconds = time.monotonic() - t0
+        self.started.set()
+        # the thread lives until the pool is closed: Ray's daemons (raylet, GCS) die with the thread that started
+        # them (their parent-death signal fires when that thread exits, not the process)
+        self.stop.wait()
+
+    def new_actor(self) -> tuple:
+        """A new actor and its set-up call (it opens the model while the driver works)."""
+        a = self.actor_class.remote()
+        return a, a.setup.remote(self.setup_ctx)
+
+    def ready(self) -> "Pool":
+        self.started.wait()
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.started.wait()
+        try:
+            if self.own and self.ray is not None and self.ray.is_initialized():
+                self.ray.shutdown()
         finally:
-            ray.shutdown()
+            self.stop.set()
+            self.thread.join()
+            self.stdout.__exit__(None, None, None)
 
 
-def _init(ray, o: QuantOptions) -> None:
+def _init(ray, o: QuantOptions, threads: dict) -> None:
     import logging
 
-    kw = dict(runtime_env={"env_vars": thread_env(thread_counts())}, logging_level=logging.ERROR,
+    kw = dict(runtime_env={"env_vars": thread_env(threads)}, logging_level=logging.ERROR,
               log_to_driver=False, include_dashboard=False)
     try:
         if o.ray_address:
@@ -251,24 +313,34 @@ def _digest(h: torch.Tensor) -> str:
 
 def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: int, keys: list[str],
                   attempt: int = 0) -> dict:
-    """Ray task: measure decoder layer ``i`` (its attention and MLP blocks whose keys are in ``keys``) on its FP16
-    input ``h`` float32 [rows, T, hidden] (C order, rows in ``measure.score_plan``'s order).  Returns {"rows":
-    {block key: [[option, bits, accuracy]]}, "digest": of the layer's FP16 output, "where": host and pid,
-    "seconds"}.  ``attempt``: how many times this layer was lost before (the fault-injection hook,
-    ``EXL2FMT_TEST_FAULT=measure-layer-I:SIGKILL``, fires on the first attempt only)."""
+    """Measure decoder layer ``i`` (its attention and MLP blocks whose keys are in ``keys``) on its FP16 input ``h``
+    float32 [rows, T, hidden] (C order, rows in ``measure.score_plan``'s order): what a ``MeasureWorker`` runs for
+    each layer, callable in any process.  Returns {"rows": {block key: [[option, bits, accuracy]]}, "digest": of
+    the layer's FP16 output, "where": host and pid, "seconds", "phases": {phase: seconds}} (the phases: "setup",
+    this process's model opened and checked, zero once it is; "input", the input copied out of the object store;
+    "attn" and "mlp", the two blocks; "digest").  ``attempt``: how many times this layer was lost before (the
+    fault-injection hook, ``EXL2FMT_TEST_FAULT=measure-layer-I:SIGKILL``, fires on the first attempt only)."""
     from ..container.partials import fault_point
 
-    t0 = time.monotonic()
+    t0 = t = time.monotonic()
+    phases = {}
+
+    def lap(name):
+        nonlocal t
+        now = time.monotonic()
+        phases[name] = phases.get(name, 0.0) + now - t
+        t = now
+
     where = f"{socket.gethostname()} pid {os.getpid()}"
-    o = ctx.options
-    if str(o.device).startswith("cuda"):          # Ray hands the task one GPU: the first this process sees
-        o = replace(o, device="cuda")
+    o = _worker_options(ctx.options)
     spec = _worker_spec(ctx, o.device)
+    lap("setup")
     if attempt == 0:
         fault_point(f"measure-layer-{i}")
     options_of = (lambda kind: block_options(kind, extended=o.extended))
     x = torch.from_numpy(np.array(h)).to(torch.device(o.device))      # (a writable copy of the store's array)
     del h
+    lap("input")
     vdir = Path(tempfile.mkdtemp(prefix="exl2fmt-measure-"))
     out = {}
     try:
@@ -278,6 +350,7 @@ def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: i
                                     score=key in keys)
             if rows is not None:
                 out[key] = rows
+            lap(kind)
     except (torch.OutOfMemoryError, MemoryError) as e:
         raise Exl2Error(ErrorCode.WORKER_OUT_OF_MEMORY, f"worker {where} ran out of memory measuring "
                         f"{spec.layer_prefix(i)} ({type(e).__name__}: {str(e)[:200]})",
@@ -288,7 +361,31 @@ def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: i
     digest = _digest(x)
     del x
     release_memory()
-    return {"rows": out, "digest": digest, "where": where, "seconds": time.monotonic() - t0}
+    lap("digest")
+    return {"rows": out, "digest": digest, "where": where, "seconds": time.monotonic() - t0, "phases": phases}
+
+
+def _worker_options(o: QuantOptions) -> QuantOptions:
+    if str(o.device).startswith("cuda"):          # Ray hands the worker one GPU: the first this process sees
+        return replace(o, device="cuda")
+    return o
+
+
+class MeasureWorker:
+    """A Ray actor that measures layers: one per worker slot, started with the run, it opens the source model once
+    (``setup``, submitted as its first call, so that it runs while the driver's reference pass produces the
+    first layer inputs) and keeps it, with its warm libraries, for every layer it is given (``measure_layer``)."""
+
+    def setup(self, ctx: Context) -> dict:
+        """Open and check the model (``_worker_spec``): {"where", "seconds"}."""
+        t0 = time.monotonic()
+        _worker_spec(ctx, _worker_options(ctx.options).device)
+        return {"where": f"{socket.gethostname()} pid {os.getpid()}", "seconds": time.monotonic() - t0}
+
+    def measure_layer(self, ctx: Context, i: int, h: np.ndarray, batches: list, n_score: int, keys: list[str],
+                      attempt: int = 0) -> dict:
+        """The module's ``measure_layer`` in this worker."""
+        return measure_layer(ctx, i, h, batches, n_score, keys, attempt)
 
 
 # ------------------------------------------------------------------------------------------------ the driver side
@@ -315,51 +412,67 @@ def _lost_errors(ray) -> tuple:
 
 
 class _Fanout:
-    """The driver's side of one distributed measurement: the tasks in flight, the layer inputs they hold, the
-    results as they arrive."""
+    """The driver's side of one distributed measurement: the pool of ``MeasureWorker`` actors, the layers waiting
+    for one (``queue``), the calls in flight, the results as they arrive, and where the time went (``profile``)."""
 
-    def __init__(self, ray, spec, work: Work, o: QuantOptions, progress, report, ctx_ref, batches, n_score,
-                 slots: int):
-        self.ray, self.spec, self.work, self.o = ray, spec, work, o
+    def __init__(self, pool: Pool, spec, work: Work, progress, report, ctx_ref, batches, n_score):
+        self.pool, self.ray, self.spec, self.work = pool, pool.ray, spec, work
         self.progress, self.report = progress, report
-        self.ctx_ref, self.batches, self.n_score, self.slots = ctx_ref, batches, n_score, slots
+        self.ctx_ref, self.batches, self.n_score, self.slots = ctx_ref, batches, n_score, pool.slots
         self.measured = work.job["measured"]
         self.blocks = model_blocks(spec)
-        self.inflight: dict = {}      # ObjectRef -> layer
+        self.inflight: dict = {}      # ObjectRef -> ("setup", actor) or (layer, actor)
+        self.idle: list = []          # actors whose set-up is submitted and that measure nothing now
+        self.queue: list = []         # layers whose input is in the store, waiting for an idle actor
         self.inputs: dict = {}        # layer -> ObjectRef of its FP16 input (until it is measured)
         self.digests: dict = {}       # layer -> digest of the driver's FP16 output of the layer
         self.keys: dict = {}          # layer -> the block keys its task scores
         self.attempts: dict = {}      # layer -> lost attempts so far
-        self.gpu = str(o.device).startswith("cuda")
-        self.task = ray.remote(measure_layer)
-        self.env = {"env_vars": thread_env(thread_counts())}
+        self.replaced = 0             # actors started again after a loss
+        self.profile: dict = {"worker_setup": [], "worker_phases": {}, "wait": 0.0}
+        for a, ref in pool.actors:
+            self.inflight[ref] = ("setup", a)
+            self.idle.append(a)
 
-    def submit(self, i: int) -> None:
-        opts = {"num_cpus": 1, "num_gpus": 1 if self.gpu else 0, "max_retries": 0, "runtime_env": self.env}
-        ref = self.task.options(**opts).remote(self.ctx_ref, i, self.inputs[i], self.batches, self.n_score,
-                                               self.keys[i], self.attempts.get(i, 0))
-        self.inflight[ref] = i
+    def start_actor(self) -> None:
+        """A new actor, its set-up submitted."""
+        a, ref = self.pool.new_actor()
+        self.inflight[ref] = ("setup", a)
+        self.idle.append(a)
+
+    def add(self, i: int) -> None:
+        self.queue.append(i)
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Give the waiting layers, lowest first, to the idle actors (a call queues behind an actor's set-up)."""
+        self.queue.sort()
+        while self.queue and self.idle:
+            i, a = self.queue.pop(0), self.idle.pop(0)
+            ref = a.measure_layer.remote(self.ctx_ref, i, self.inputs[i], self.batches, self.n_score, self.keys[i],
+                                         self.attempts.get(i, 0))
+            self.inflight[ref] = (i, a)
+
+    def busy(self) -> bool:
+        return any(what != "setup" for what, _ in self.inflight.values()) or bool(self.queue)
 
     def collect(self) -> None:
-        """Wait for one task; record its rows (or submit a lost layer again)."""
+        """Wait for one call to finish; record a layer's rows (or hand a lost layer to another actor)."""
         ray = self.ray
+        t = time.monotonic()
         ready, _ = ray.wait(list(self.inflight), num_returns=1)
+        self.profile["wait"] += time.monotonic() - t
         ref = ready[0]
-        i = self.inflight.pop(ref)
-        layer = self.spec.layer_prefix(i)
+        i, actor = self.inflight.pop(ref)
+        layer = "the worker's set-up" if i == "setup" else self.spec.layer_prefix(i)
         try:
             res = ray.get(ref)
         except ray.exceptions.OutOfMemoryError as e:
             raise Exl2Error(ErrorCode.WORKER_OUT_OF_MEMORY, f"Ray stopped the worker measuring {layer}: the "
-                            f"machine ran out of memory ({str(e).splitlines()[0][:200]})", tensor=layer) from None
+                            f"machine ran out of memory ({str(e).splitlines()[0][:200]})",
+                            tensor=None if i == "setup" else layer) from None
         except _lost_errors(ray) as e:
-            n = self.attempts[i] = self.attempts.get(i, 0) + 1
-            if n >= MAX_ATTEMPTS:
-                raise Exl2Error(ErrorCode.WORKER_LOST, f"{layer}: its worker was lost {n} times ({type(e).__name__}"
-                                "; killed by the system for memory?)", tensor=layer) from None
-            self.report.warnings.append(f"the worker measuring {layer} was lost ({type(e).__name__}); the layer "
-                                        "was measured again on another worker")
-            self.submit(i)
+            self.lost(i, actor, layer, e)
             return
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
@@ -368,21 +481,57 @@ class _Fanout:
             if isinstance(cause, BaseException):
                 raise cause
             raise
+        if i == "setup":
+            self.profile["worker_setup"].append(res["seconds"])
+            return
+        self.idle.append(actor)
+        self.dispatch()
+        self.record(i, res)
+
+    def lost(self, i, actor, layer: str, e: BaseException) -> None:
+        """``actor``'s process is gone: forget it (and any other call it had), start another in its place, and
+        hand its layer to the next idle actor; ``MAX_ATTEMPTS`` losses of one layer stop the run."""
+        for ref, (j, a) in list(self.inflight.items()):
+            if a is actor:
+                del self.inflight[ref]
+                if j != "setup":
+                    self.queue.append(j)
+        if actor in self.idle:
+            self.idle.remove(actor)
+        self.replaced += 1
+        if self.replaced > MAX_ATTEMPTS * self.slots:
+            raise Exl2Error(ErrorCode.WORKER_LOST, f"{self.replaced} workers were lost, the last one during "
+                            f"{layer} ({type(e).__name__})")
+        if i != "setup":
+            n = self.attempts[i] = self.attempts.get(i, 0) + 1
+            if n >= MAX_ATTEMPTS:
+                raise Exl2Error(ErrorCode.WORKER_LOST, f"{layer}: its worker was lost {n} times ({type(e).__name__}"
+                                "; killed by the system for memory?)", tensor=layer) from None
+            self.report.warnings.append(f"the worker measuring {layer} was lost ({type(e).__name__}); the layer "
+                                        "was measured again on another worker")
+            self.queue.append(i)
+        self.start_actor()
+        self.dispatch()
+
+    def record(self, i: int, res: dict) -> None:
+        layer = self.spec.layer_prefix(i)
         if res["digest"] != self.digests[i]:
             raise Exl2Error(ErrorCode.CLUSTER_MISMATCH, f"{layer}: the worker ({res['where']}) computes other FP16 "
                             "bits than the driver (other CPU or GPU model, BLAS, or thread settings), so the output "
                             "would differ from a one-process run", tensor=layer)
         for key, rows in res["rows"].items():
             self.measured[key] = rows
+        for k, v in res.get("phases", {}).items():
+            self.profile["worker_phases"][k] = self.profile["worker_phases"].get(k, 0.0) + v
         self.work.save()
         del self.inputs[i]
         self.snapshot()
         if self.progress:
             done = sum(k in self.measured for k in (self.spec.block_key(j, kd) for j, kd in self.blocks))
-            layers = self.spec.num_layers
+            running = sum(what != "setup" for what, _ in self.inflight.values())
             self.progress("measure", done * 1000, len(self.blocks) * 1000,
-                          f"{layer} measured by {res['where']} in {res['seconds']:.1f} s ({done // 2}/{layers} "
-                          f"layers done, {len(self.inflight)} running)")
+                          f"{layer} measured by {res['where']} in {res['seconds']:.1f} s ({done // 2}/"
+                          f"{self.spec.num_layers} layers done, {running} running)")
 
     def snapshot(self) -> None:
         """The input of the first layer not yet measured, as the one-process snapshot (every layer before it is
@@ -395,9 +544,21 @@ class _Fanout:
 
 
 def measure_distributed(spec, src: str, ids_h, options_of, work: Work, o: QuantOptions, progress, report,
-                        ids_shape: tuple) -> tuple[dict, torch.Tensor]:
+                        ids_shape: tuple, pool: Pool | None = None) -> tuple[dict, torch.Tensor]:
     """``measure.measure`` on Ray workers (module docstring): the same (measured rows, final FP16 hidden state in
-    the calibration's row order), byte for byte.  ``src``: the source model's path, which every worker reads."""
+    the calibration's row order), byte for byte.  ``src``: the source model's path, which every worker reads.
+    ``pool``: the run's ``Pool``, started early (None: started here); it is closed before this returns.  Where the
+    time went goes into ``report.seconds`` (keys "measure/...": the driver's reference pass and its waits, the
+    cluster's start, the slowest worker set-up, the workers' phases summed over the layers)."""
+    pool = pool or Pool(o, src)
+    try:
+        return _measure_on(pool, spec, src, ids_h, work, o, progress, report, ids_shape)
+    finally:
+        pool.close()
+
+
+def _measure_on(pool: Pool, spec, src: str, ids_h, work: Work, o: QuantOptions, progress, report,
+                ids_shape: tuple) -> tuple[dict, torch.Tensor]:
     device = torch.device(o.device)
     blocks = model_blocks(spec)
     start, states = work.restore("measure", (*ids_shape, spec.hidden_size), blocks=len(blocks))
@@ -415,31 +576,35 @@ def measure_distributed(spec, src: str, ids_h, options_of, work: Work, o: QuantO
     if order is not None and states is None:
         h = h.index_select(0, order.to(h.device))
     h = h.to(device)
-    with cluster(o) as ray:
-        if o.workers is not None:
-            slots = int(o.workers)
-        else:
-            res = ray.cluster_resources()
-            slots = max(1, int(res.get("GPU" if device.type == "cuda" else "CPU", 1)))
-        ctx = Context(str(src), o, versions(), thread_counts())
-        fan = _Fanout(ray, spec, work, o, progress, report, ray.put(ctx), batches, n_score, slots)
-        if progress:
-            progress("measure", start * 500, len(blocks) * 1000, f"starting {slots} workers")
-        for i in range(start // 2, spec.num_layers):
-            keys = [spec.block_key(i, k) for k in ("attn", "mlp") if spec.block_key(i, k) not in measured]
-            if keys:
-                fan.keys[i] = keys
-                fan.inputs[i] = ray.put(h.detach().cpu().numpy())
-            h = _reference_layer(spec, i, h, batches, device)
-            release_memory()
-            if keys:
-                fan.digests[i] = _digest(h)
-                fan.submit(i)
-            while len(fan.inflight) > fan.slots:
-                fan.collect()
-        spec.release()
-        while fan.inflight:
+    t = time.monotonic()
+    ray = pool.ready().ray
+    t_start_wait, t_ref = time.monotonic() - t, 0.0
+    fan = _Fanout(pool, spec, work, progress, report, ray.put(Context(str(src), o, versions(), pool.threads)),
+                  batches, n_score)
+    if progress:
+        progress("measure", start * 500, len(blocks) * 1000, f"starting {pool.slots} workers")
+    for i in range(start // 2, spec.num_layers):
+        keys = [spec.block_key(i, k) for k in ("attn", "mlp") if spec.block_key(i, k) not in measured]
+        if keys:
+            fan.keys[i] = keys
+            fan.inputs[i] = ray.put(h.detach().cpu().numpy())
+        t = time.monotonic()
+        h = _reference_layer(spec, i, h, batches, device)
+        release_memory()
+        t_ref += time.monotonic() - t
+        if keys:
+            fan.digests[i] = _digest(h)
+            fan.add(i)
+        while len(fan.queue) > 1:       # the reference pass runs at most one layer ahead of the workers
             fan.collect()
+    spec.release()
+    while fan.busy():
+        fan.collect()
+    prof = fan.profile
+    report.seconds.update({"measure/cluster_start": pool.seconds, "measure/cluster_start_wait": t_start_wait,
+                           "measure/reference": t_ref, "measure/driver_wait": prof["wait"],
+                           "measure/worker_setup_max": max(prof["worker_setup"], default=0.0),
+                           **{f"measure/worker_{k}": v for k, v in prof["worker_phases"].items()}})
     ordered = {k: measured[k] for k in (spec.block_key(i, kind) for i, kind in blocks) if k in measured}
     measured.clear()                 # in block order, as the one-process measurement fills it
     measured.update(ordered)

@@ -98,7 +98,12 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         check_address(o)
     model = open_model(src_p)
     froze = False
+    pool = None
     try:
+        if o.distributed and o.target == "exl2" and not o.measurement:
+            # Ray and its workers start in the background now, while this process sets up and tokenizes
+            from .distributed import Pool
+            pool = Pool(o, str(src_p.resolve()))
         config = model.config
         if config is None:
             raise Exl2Error(ErrorCode.CONFIG_MISSING, "the quantizer needs config.json", file=str(src_p))
@@ -142,7 +147,9 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         measured = strategy = h_ref_final = None
         if o.target == "exl2":
             measured, strategy, h_ref_final = _measure_and_optimize(spec, srcw, ids, ids_h, options_of, work, o,
-                                                                    progress, report, loaded, src_p)
+                                                                    progress, report, loaded, src_p, pool)
+        if pool is not None:          # (the workers' memory back before the quantize pass)
+            pool.close()
         t = time.monotonic()
         quantize_pass(spec, srcw, ids, ids_h, strategy, options_of, work, o, progress, report, h_ref_final)
         h_ref_final = None
@@ -158,6 +165,8 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         report.warnings.extend(lower_shield())
         return report
     finally:
+        if pool is not None:
+            pool.close()
         if froze:
             gc.unfreeze()
         model.close()
@@ -180,11 +189,11 @@ def _calibration_ids(src_p: Path, o: QuantOptions, spec) -> torch.Tensor:
 
 
 def _measure_and_optimize(spec, srcw, ids, ids_h, options_of, work: Work, o: QuantOptions, progress,
-                          report: QuantReport, loaded: dict | None, src_p: Path):
+                          report: QuantReport, loaded: dict | None, src_p: Path, pool=None):
     """The EXL2 strategy: measured (or read from ``o.measurement``, ``loaded``) and optimized once per job, the
     measurement saved where asked.  Returns (measured, strategy, the FP16 trajectory's end when this run
-    measured).  With ``o.distributed`` the measurement runs on Ray workers (``distributed``), which read the source
-    at ``src_p`` themselves."""
+    measured).  With ``o.distributed`` the measurement runs on Ray workers (``distributed``; ``pool``: the run's
+    ``distributed.Pool``, started early), which read the source at ``src_p`` themselves."""
     t = time.monotonic()
     h_ref_final = None
     if o.measurement:
@@ -193,7 +202,7 @@ def _measure_and_optimize(spec, srcw, ids, ids_h, options_of, work: Work, o: Qua
         if work.job.get("strategy") is None and o.distributed:
             from .distributed import measure_distributed
             measured, h_ref_final = measure_distributed(spec, str(src_p.resolve()), ids_h, options_of, work, o, progress,
-                                                        report, tuple(ids.shape))
+                                                        report, tuple(ids.shape), pool)
         elif work.job.get("strategy") is None:
             measured, h_ref_final = measure(spec, srcw, ids_h, options_of, work, o, progress, report,
                                             tuple(ids.shape))
