@@ -20,7 +20,9 @@ reconstruction with the best fp16 scale per (group, column) (``codec.gptq_fit.fi
 against the EXL2 reconstruction is reported.
 
 Layers outside the decoder blocks (``lm_head``) and layers whose N is not a multiple of 32 are written as
-dense fp16 ``weight`` (exact: the EXL2 reconstruction, padding removed); in-block ones are then listed in
+dense fp16 ``weight`` (exact: the EXL2 reconstruction, padding removed), except the quantized head of a model
+whose config ties its head to its embedding: GPTQ loaders tie it to the fp16 embedding, so it is not written
+(``_tied_heads``); in-block ones are then listed in
 ``modules_in_block_to_quantize``.  ``config.json`` gets ``quantization_config`` and ``quantize_config.json`` is
 written (A6); the report says which GPTQ kernels can run the result (A9, A10).
 """
@@ -195,6 +197,8 @@ class Exl2ToGptq(Converter):
             self.group_size = gs
         self.act_order = False
         self.dense_in_block: list[str] = []
+        dropped = self._tied_heads(dense_infos)
+        dense_infos = [(info, n) for info, n in dense_infos if info.key not in dropped]
         for info, n in gptq_infos:
             units.append(self._gptq_unit(info, n))
         for info, n in dense_infos:
@@ -203,10 +207,33 @@ class Exl2ToGptq(Converter):
                 self.dense_in_block.append(info.key)
                 self.report.warnings.append(f"{info.key}: N = {n} is not a multiple of 32: written as a dense "
                                             "fp16 layer")
-        handled = {info.key for info, _ in gptq_infos + dense_infos}
+        handled = {info.key for info, _ in gptq_infos + dense_infos} | dropped
         units += [self.cast_unit(nm, self.plain_dtype) for nm in self.plain_tensor_names(handled)]
         units.sort(key=lambda u: (u.key.startswith("lm_head"), natural_key(u.key)))
         return units
+
+    def _tied_heads(self, dense_infos) -> set[str]:
+        """The quantized head (no bias) of a source whose config ties its head to its embedding: not written.
+        Written dense beside ``tie_word_embeddings: true`` (56.6 MB of SmolLM2-135M's 169 MB GPTQ file) it
+        made a file whose loaders disagree: transformers 5.25 keeps a stored ``lm_head.weight`` that differs from
+        the embedding (and warns), vLLM's weight loader skips it as an alias of the tied embedding.  The output
+        keeps the tie and the fp16 embedding serves as the head in every loader, as in GPTQ files of tied models
+        and exl2fmt's own EXL2 files of them (issue 40).  ``--to fp16`` keeps the EXL2 head instead (and
+        unties)."""
+        from ..arch import ties_head
+        from ..names import is_head
+
+        if not ties_head(self.config):
+            return set()
+        out = {info.key for info, _ in dense_infos if is_head(info.key) and info.format is Format.EXL2
+               and not info.has_bias}
+        for key in sorted(out):
+            self.report.warnings.append(
+                f"{key}: the source ties its head to its embedding (tie_word_embeddings) and also stores a "
+                "quantized head; it is not written: the fp16 embedding serves as the head, as GPTQ files of tied "
+                "models do (a second dense head beside the tie is read by transformers and skipped by vLLM; "
+                "`--to fp16` keeps the quantized head)")
+        return out
 
     def _true_n(self, info) -> int:
         from ..arch import expected_features

@@ -250,7 +250,7 @@ def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
                                 tensor=name, file=str(tensors[name].file)))
     rows = []
     covered: set[str] = set()
-    from .arch import features_of
+    from .arch import features_of, ties_head
 
     features = features_of(config)
     for key in sorted(det.layers, key=layer_order_key):
@@ -331,7 +331,7 @@ def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
             "file_bytes": sum(model.headers[str(f)].file_size for f in model.files),
             "bpw": bpw,
             # no head layer and a config that ties the head to the embedding: the embedding serves as the head
-            "head_tied": not head and _ties_head(cfg),
+            "head_tied": not head and ties_head(cfg),
             "weight_memory_bytes": memory,
         },
         "layers": rows if want_layers else [],
@@ -341,13 +341,6 @@ def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
         "issues": [i.as_dict() for i in issues],
     }
     return report
-
-
-def _ties_head(cfg: dict) -> bool:
-    """config.json ties the LM head to the input embedding (``tie_word_embeddings`` true at the top level or in a
-    multimodal model's ``text_config``)."""
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
-    return cfg.get("tie_word_embeddings") is True or text.get("tie_word_embeddings") is True
 
 
 # ------------------------------------------------------------------------------------------------ GGUF

@@ -154,3 +154,19 @@ def test_the_tied_file_is_smaller_by_the_head(runs):
     finally:
         ma.close()
         mb.close()
+
+
+@pytest.mark.parametrize("name", ["tied", "tied-head6", "untied"])
+def test_exl2_to_gptq_writes_no_dead_head_for_a_tied_model(runs, name, tmp_path):
+    """EXL2 -> GPTQ: a tied model's quantized EXL2 head (``head_bits`` given, or ExLlamaV2's own files) is not
+    written as a dense ``lm_head.weight`` that GPTQ loaders would ignore (they tie the head to the embedding);
+    an untied model's head stays dense, the EXL2 reconstruction."""
+    from exl2fmt.validate import validate_model
+
+    d = runs[name][1]
+    rep = convert(d, tmp_path / "g", "gptq")
+    names = _names(tmp_path / "g")
+    assert ("lm_head.weight" in names) == (name == "untied") and not any(n.startswith("lm_head.q") for n in names)
+    assert any("ties its head to its embedding" in w for w in rep.warnings) == (name == "tied-head6")
+    assert json.loads((tmp_path / "g" / "config.json").read_text())["tie_word_embeddings"] is (name != "untied")
+    assert not validate_model(tmp_path / "g", deep=True).failed
