@@ -170,3 +170,28 @@ def test_exl2_to_gptq_writes_no_dead_head_for_a_tied_model(runs, name, tmp_path)
     assert any("ties its head to its embedding" in w for w in rep.warnings) == (name == "tied-head6")
     assert json.loads((tmp_path / "g" / "config.json").read_text())["tie_word_embeddings"] is (name != "untied")
     assert not validate_model(tmp_path / "g", deep=True).failed
+
+
+def test_a_redundant_stored_head_of_a_tied_source_is_not_copied(runs, tmp_path):
+    """A tied source that also stores ``lm_head.weight`` (which transformers ties away): the GPTQ output keeps one
+    matrix, the embedding, as its head."""
+    from safetensors.numpy import load_file, save_file
+
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
+
+    src = runs["tied"][0]
+    d = tmp_path / "src"
+    d.mkdir()
+    for f in src.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    t = load_file(str(src / "model.safetensors"))
+    t["lm_head.weight"] = t["model.embed_tokens.weight"].copy()
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, VOCAB, (2, 32)))
+    quantize_model(d, tmp_path / "g", QuantOptions(target="gptq", bits=4, group_size=32, calibration=str(ids),
+                                                   rows=2, length=32, device="cpu"),
+                   verify_output=validate_quantized_output)
+    names = _names(tmp_path / "g")
+    assert "model.embed_tokens.weight" in names and not any(n.startswith("lm_head.") for n in names)
