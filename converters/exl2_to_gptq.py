@@ -20,7 +20,9 @@ reconstruction with the best fp16 scale per (group, column) (``codec.gptq_fit.fi
 against the EXL2 reconstruction is reported.
 
 Layers outside the decoder blocks (``lm_head``) and layers whose N is not a multiple of 32 are written as
-dense fp16 ``weight`` (exact: the EXL2 reconstruction, padding removed); in-block ones are then listed in
+dense fp16 ``weight`` (exact: the EXL2 reconstruction, padding removed), except the quantized head of a model
+whose config ties its head to its embedding: GPTQ loaders tie it to the fp16 embedding, so it is not written
+(``_tied_heads``); in-block ones are then listed in
 ``modules_in_block_to_quantize``.  ``config.json`` gets ``quantization_config`` and ``quantize_config.json`` is
 written (A6); the report says which GPTQ kernels can run the result (A9, A10).
 """
@@ -79,10 +81,10 @@ def gptq_stored_bits(K: int, N: int, bits: int, group_size: int) -> int:
 
 
 def sized_bits_group(shapes: list[tuple[int, int]], source_bits: int) -> tuple[int, int]:
-    """The default (bits, group size) of EXL2 -> GPTQ (issue 40): of 2/3/4/8 bits x groups of 128/64/32 rows,
-    the cheapest whose stored bits over ``shapes`` ([(N, K)], the layers written as GPTQ) are >= the EXL2
-    layers' own ``source_bits``, so the output lands at or just above the source's size and never quantizes
-    coarser than the source on average; the largest (8-bit, 32 rows) when none reaches it."""
+    """Of 2/3/4/8 bits x groups of 128/64/32 rows, the cheapest (bits, group size) whose stored bits over
+    ``shapes`` ([(N, K)], the layers written as GPTQ) are >= the EXL2 layers' own ``source_bits``; the largest
+    (8-bit, 32 rows) when none reaches it.  The default EXL2 -> GPTQ (issue 40) takes its bits, so that the
+    output never quantizes coarser than the source on average, and the group size of ``auto_group_size``."""
     cands = sorted((sum(gptq_stored_bits(k, n, b, gs) for n, k in shapes), b, gs)
                    for b in GPTQ_BITS for gs in _AUTO_SIZES)
     for total, b, gs in cands:
@@ -166,27 +168,33 @@ class Exl2ToGptq(Converter):
             elif info.format is not Format.DENSE:
                 raise Exl2Error(ErrorCode.FORMAT_UNSUPPORTED, f"{info.format.value} layer in an EXL2 model",
                                 tensor=key)
+        rows = []
+        if o.group_size is None:
+            from ..groups import decode_q_groups
+
+            for info, _ in gptq_infos:
+                qg = self.reader.read(info.slots[Q_GROUPS].name)
+                rows.append(decode_q_groups(qg, info.slots[Q_WEIGHT].shape[0], tensor=info.key).rows.tolist())
         if sized and gptq_infos:  # neither flag: near the source's size (issue 40)
             src_bits = sum(info.stored_bytes * 8 for info, _ in gptq_infos)
             shapes = [(n, info.in_features) for info, n in gptq_infos]
-            bits, self.group_size = sized_bits_group(shapes, src_bits)
-            self.bits = bits
+            # the bits: the cheapest that reach the source's size; the group: the widest that splits every EXL2
+            # group, so that every group of at most those bits is carried over exactly (SmolLM2 EXL2 4.0: g128
+            # re-rounds 189 of 210 layers, KL to the source 0.50 / 0.84; g32 0.27 / 0.41 for 5 % more bytes:
+            # bench/RESULTS.md)
+            bits, _ = sized_bits_group(shapes, src_bits)
+            self.bits, self.group_size = bits, auto_group_size(rows)
             numel = sum(n * k for n, k in shapes)
             got = sum(gptq_stored_bits(k, n, bits, self.group_size) for n, k in shapes)
             self.report.options["sized"] = {"source_bpw": round(src_bits / numel, 4),
                                             "gptq_bpw": round(got / numel, 4), "bits": bits,
                                             "group_size": self.group_size}
             self.report.warnings.append(
-                f"bits and group size chosen near the source's size: the EXL2 layers hold {src_bits / numel:.3f} "
-                f"bpw, GPTQ {bits}-bit with {self.group_size}-row groups {got / numel:.3f} bpw (--bits 4 gives the "
-                "previous default: 4-bit, the widest group that splits every EXL2 group, exact for <= 4-bit groups)")
+                f"bits chosen near the source's size: the EXL2 layers hold {src_bits / numel:.3f} bpw, GPTQ "
+                f"{bits}-bit with {self.group_size}-row groups (the widest that split every EXL2 group: its groups "
+                f"of <= {bits} bits carried over exactly) {got / numel:.3f} bpw (--bits 4 gives the previous "
+                "default: 4-bit with the same group rule)")
         elif o.group_size is None:
-            rows = []
-            for info, _ in gptq_infos:
-                from ..groups import decode_q_groups
-
-                qg = self.reader.read(info.slots[Q_GROUPS].name)
-                rows.append(decode_q_groups(qg, info.slots[Q_WEIGHT].shape[0], tensor=info.key).rows.tolist())
             self.group_size = auto_group_size(rows) if rows else 128
         else:
             gs = int(o.group_size)
@@ -195,6 +203,8 @@ class Exl2ToGptq(Converter):
             self.group_size = gs
         self.act_order = False
         self.dense_in_block: list[str] = []
+        dropped = self._tied_heads(dense_infos)
+        dense_infos = [(info, n) for info, n in dense_infos if info.key not in dropped]
         for info, n in gptq_infos:
             units.append(self._gptq_unit(info, n))
         for info, n in dense_infos:
@@ -203,10 +213,33 @@ class Exl2ToGptq(Converter):
                 self.dense_in_block.append(info.key)
                 self.report.warnings.append(f"{info.key}: N = {n} is not a multiple of 32: written as a dense "
                                             "fp16 layer")
-        handled = {info.key for info, _ in gptq_infos + dense_infos}
+        handled = {info.key for info, _ in gptq_infos + dense_infos} | dropped
         units += [self.cast_unit(nm, self.plain_dtype) for nm in self.plain_tensor_names(handled)]
         units.sort(key=lambda u: (u.key.startswith("lm_head"), natural_key(u.key)))
         return units
+
+    def _tied_heads(self, dense_infos) -> set[str]:
+        """The quantized head (no bias) of a source whose config ties its head to its embedding: not written.
+        Written dense beside ``tie_word_embeddings: true`` (56.6 MB of SmolLM2-135M's 169 MB GPTQ file) it
+        made a file whose loaders disagree: transformers 5.25 keeps a stored ``lm_head.weight`` that differs from
+        the embedding (and warns), vLLM's weight loader skips it as an alias of the tied embedding.  The output
+        keeps the tie and the fp16 embedding serves as the head in every loader, as in GPTQ files of tied models
+        and exl2fmt's own EXL2 files of them (issue 40).  ``--to fp16`` keeps the EXL2 head instead (and
+        unties)."""
+        from ..arch import ties_head
+        from ..names import is_head
+
+        if not ties_head(self.config):
+            return set()
+        out = {info.key for info, _ in dense_infos if is_head(info.key) and info.format is Format.EXL2
+               and not info.has_bias}
+        for key in sorted(out):
+            self.report.warnings.append(
+                f"{key}: the source ties its head to its embedding (tie_word_embeddings) and also stores a "
+                "quantized head; it is not written: the fp16 embedding serves as the head, as GPTQ files of tied "
+                "models do (a second dense head beside the tie is read by transformers and skipped by vLLM; "
+                "`--to fp16` keeps the quantized head)")
+        return out
 
     def _true_n(self, info) -> int:
         from ..arch import expected_features

@@ -12,13 +12,22 @@ from typing import Callable
 
 from .config_values import sane_int
 
-__all__ = ["expected_features", "features_of", "GptqConfig", "gptq_config", "EXLLAMAV2_VERSION", "exl2_quantization_config",
+__all__ = ["ties_head", "expected_features", "features_of", "GptqConfig", "gptq_config", "EXLLAMAV2_VERSION", "exl2_quantization_config",
            "GPTQMODEL_V1_ZEROS", "AUTOGPTQ_KEYS", "gptq_quantization_config", "autogptq_quantize_config"]
 
 #: The ExLlamaV2 release whose EXL2 layout, candidate tables and ``quantization_config`` keys exl2fmt follows.
 #: ExLlamaV2 writes its own version number as ``quantization_config.version``; exl2fmt writes this one there
 #: (the keys ExLlamaV2 writes keep ExLlamaV2's meaning) and names itself under ``producer``.
 EXLLAMAV2_VERSION = "0.3.2"
+
+
+def ties_head(config) -> bool:
+    """config.json (a dict) ties the LM head to the input embedding: ``tie_word_embeddings`` true at the top level
+    or in a multimodal model's ``text_config``.  Such a model may store no ``lm_head`` at all (the embedding
+    serves; ExLlamaV2 0.3.2 maps ``lm_head`` to ``model.embed_tokens`` then)."""
+    cfg = config if isinstance(config, dict) else {}
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    return cfg.get("tie_word_embeddings") is True or text.get("tie_word_embeddings") is True
 
 
 def exl2_quantization_config(bits: float, head_bits: int | None, calibration: dict | None, producer_version: str,

@@ -250,7 +250,7 @@ def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
                                 tensor=name, file=str(tensors[name].file)))
     rows = []
     covered: set[str] = set()
-    from .arch import features_of
+    from .arch import features_of, ties_head
 
     features = features_of(config)
     for key in sorted(det.layers, key=layer_order_key):
@@ -330,6 +330,8 @@ def _inspect_safetensors(p: Path, model, want_layers: bool) -> dict:
             "stored_bytes": stored_bytes,
             "file_bytes": sum(model.headers[str(f)].file_size for f in model.files),
             "bpw": bpw,
+            # no head layer and a config that ties the head to the embedding: the embedding serves as the head
+            "head_tied": not head and ties_head(cfg),
             "weight_memory_bytes": memory,
         },
         "layers": rows if want_layers else [],

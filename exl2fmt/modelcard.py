@@ -209,7 +209,7 @@ def model_card(*, fmt: str, src: str | os.PathLike, config: dict | None, version
                inspect_report: dict | None, command: str | None = None, copied: list[str] = (),
                left_out: list[str] = (), note: str | None = None) -> str:
     """The card's text.  ``facts``: ``bits`` (target), ``decoder_bpw``, ``head_bits``, ``head_bpw``,
-    ``group_size``, ``calibration`` ({dataset, rows, length} or None for weight-only), ``ppl_source``,
+    ``head_tied`` (no separate head: the embedding serves), ``group_size``, ``calibration`` ({dataset, rows, length} or None for weight-only), ``ppl_source``,
     ``ppl_output``, ``weight_only`` (any may be None)."""
     src_p = Path(os.fspath(src))
     src_dir = src_p if src_p.is_dir() else src_p.parent
@@ -232,6 +232,8 @@ def model_card(*, fmt: str, src: str | os.PathLike, config: dict | None, version
         v = facts.get(k)
         if v is not None:
             y.append(f"  {k}: {round(v, 4) if isinstance(v, float) else v}")
+    if facts.get("head_tied"):
+        y.append("  head: tied to the embedding")
     if cal:
         y += ["  calibration:", f"    dataset: {_yaml_str(cal.get('dataset'))}", f"    rows: {cal.get('rows')}",
               f"    length: {cal.get('length')}"]
@@ -260,6 +262,8 @@ def model_card(*, fmt: str, src: str | os.PathLike, config: dict | None, version
         hb = facts.get("head_bpw")
         lines.append(f"| LM head | {facts.get('head_bits') or '-'} bits"
                      + (f" ({hb:.3f} bpw)" if hb is not None else "") + " |")
+    elif facts.get("head_tied"):
+        lines.append("| LM head | tied to the embedding (fp16) |")
     if cal:
         lines.append(f"| calibration | {_md(cal.get('dataset'))}, {cal.get('rows')} rows × {cal.get('length')} "
                      "tokens |")
@@ -318,6 +322,7 @@ def write_quant_card(out_dir, src, config: dict | None, options, report, files: 
     facts = {"bits": o.bits, "decoder_bpw": report.decoder_bpw,
              "head_bits": o.head_bits if exl2 and not weight_only else None,
              "head_bpw": report.head_bpw if exl2 else None,
+             "head_tied": exl2 and not weight_only and o.head_bits is None,
              "group_size": None if exl2 else o.group_size,
              "calibration": None if weight_only else {
                  "dataset": os.path.basename(o.calibration) if o.calibration else "the built-in set",
@@ -326,7 +331,7 @@ def write_quant_card(out_dir, src, config: dict | None, options, report, files: 
              "ppl_output": None if weight_only else report.calibration_ppl}
     # the output's own name is left out: the same inputs give the same card, wherever it is written
     cmd = f"exl2fmt convert {_base_model(config, Path(os.fspath(src)))} OUTPUT --to {o.target} " \
-          f"--bits {o.bits}" + (f" --head-bits {o.head_bits}" if exl2 and not weight_only else "") + \
+          f"--bits {o.bits}" + (f" --head-bits {o.head_bits}" if exl2 and not weight_only and o.head_bits is not None else "") + \
           (f" --group-size {o.group_size}" if not exl2 else "")
     rep = inspect_model(out_dir)
     return write_model_card(out_dir, fmt=o.target, src=src, config=config, version=__version__, facts=facts,

@@ -78,8 +78,13 @@ def convert_command(
                                                   "the GPTQ bits). --to exl2 from FP16/BF16: the average bits per "
                                                   "weight of the decoder linears, overhead included, 2.0-8.5 "
                                                   "(default 4.125).")] = None,
-    head_bits: Annotated[int, typer.Option("--head-bits", help="FP16 -> exl2: bits of the LM head "
-                                           f"({', '.join(map(str, sorted(EXL2_BITS)))}).")] = 6,
+    head_bits: Annotated[Optional[int], typer.Option("--head-bits", show_default=False, help="FP16 -> exl2: bits "
+                                                     "of the quantized LM head "
+                                                     f"({', '.join(map(str, sorted(EXL2_BITS)))}). Default: 6; "
+                                                     "none for a model that ties its head to its embedding "
+                                                     "(tie_word_embeddings: the fp16 embedding serves as the "
+                                                     "head, as in GPTQ files); given, a tied model's head is "
+                                                     "also written, quantized.")] = None,
     calibration: Annotated[Optional[str], typer.Option("--calibration", metavar="FILE", show_default=False,
                                                        help="FP16 -> exl2/gptq: calibration data: .txt, .jsonl "
                                                        "(\"text\" field), or token ids (.npy, .safetensors "
@@ -251,6 +256,8 @@ def convert_command(
     * `exl2fmt convert ./model-exl2 ./model-gptq-static --to gptq --bits 4 --group-size 128 --order static` (for vLLM)
     * `exl2fmt convert ./model-gptq ./model-exl2 --to exl2 --bits 6`
     * `exl2fmt convert ./Llama-fp16 ./Llama-exl2-4.0 --to exl2 --bits 4.0 --head-bits 6 --save-measurement m.json`
+    * `exl2fmt convert ./SmolLM2-fp16 ./SmolLM2-exl2-4.0 --to exl2 --bits 4.0` (a tied head: no separate head
+      written; `--head-bits 6` adds a quantized one)
     * `exl2fmt convert ./Llama-fp16 ./Llama-exl2-6.0 --to exl2 --bits 6.0 --measurement m.json`
     * `exl2fmt convert ./Llama-fp16 ./Llama-gptq --to gptq --bits 4 --group-size 128 --calibration text.jsonl`
     * `exl2fmt convert ./model-gptq ./model-fp16 --to fp16 --json > report.json`

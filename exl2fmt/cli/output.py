@@ -308,6 +308,8 @@ class Output:
         pairs.append(("stored", f"{human_bytes(s['stored_bytes'])} in {s['tensors']} tensors"))
         b = s["bpw"]
         parts = [f"{k} {_f(b[k], 3)}" for k in ("decoder", "head", "embeddings", "overall") if b.get(k) is not None]
+        if s.get("head_tied"):
+            parts.insert(1, "head tied to embedding (fp16)")
         if b.get("decoder_incl_16bit") is not None:        # MoE routers stay 16-bit, outside the decoder bpw
             parts.append(f"(decoder with the 16-bit routers {_f(b['decoder_incl_16bit'], 3)})")
         pairs.append(("bits per weight", "  ".join(parts) + "  (overhead included)" if parts else "-"))

@@ -120,9 +120,11 @@ def compile_output(spec, src, src_dir: Path, tmp: Path, work: Work, o: QuantOpti
                    config: dict, layer_keys: list[str]) -> None:
     """The output model from the work directory's layer files and the source's other tensors, plus side files
     and metadata."""
-    keys = layer_keys + (["lm_head"] if o.target == "exl2" else [])
+    keys = layer_keys + (["lm_head"] if o.quantized_head else [])
     replaced = keys + [k for i in range(spec.num_layers) for k in spec.source_keys(i)]   # fused sources too
     skip = {f"{k}.{s}" for k in replaced for s in ("weight", "bias")}
+    if spec.tied:        # the embedding is the head: a redundant stored copy of it is not written (its bias is)
+        skip.add("lm_head.weight")
     write_output(tmp, src, [(k, work.layer_path(k)) for k in keys], skip, o, report)
     # the model's own files only (tokenizer, generation config, license...): not a training log; the source's
     # README.md becomes a marked section of the output's own card (written after verification)
@@ -165,7 +167,7 @@ def check_output(tmp: Path, work: Work, layer_keys: list[str], o: QuantOptions, 
     is set to what they measure)."""
     out = SourceReader(open_model(tmp))             # pread, not the map: one tensor resident at a time
     try:
-        for k in layer_keys + (["lm_head"] if o.target == "exl2" else []):
+        for k in layer_keys + (["lm_head"] if o.quantized_head else []):
             m = SourceReader(open_model(work.layer_path(k)))
             try:
                 for slot in m.model.names():

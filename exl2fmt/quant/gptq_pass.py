@@ -1,7 +1,7 @@
 """The quantize pass: sequential GPTQ through the model (``quantize_pass``).  Each block's Hessians come from the
 *quantized* model's activations, and within a block the layers are quantized in order (q/k/v, then o_proj with
 inputs recomputed through the quantized q/k/v; gate/up, then down_proj), so errors are compensated downstream.
-The head is quantized last with ``head_bits`` (EXL2); the FP16 and quantized calibration perplexities close the
+The head is quantized last with ``head_bits`` (EXL2, unless a tied model's embedding serves as its head); the FP16 and quantized calibration perplexities close the
 pass (``calibration_ppl``).  Every quantized layer goes to the work directory as it is made (``Work.layer_path``),
 and a hidden-state snapshot after each decoder layer lets an interrupted run resume."""
 
@@ -78,9 +78,11 @@ class _QuantizePass:
         for bi in range(start, len(blocks)):
             self.block(bi)
 
-        # the head (EXL2 only; GPTQ keeps a dense head, as GPTQ tools do)
+        # the head (EXL2 only; GPTQ keeps a dense head, as GPTQ tools do; a tied model's EXL2 head is its FP16
+        # embedding unless --head-bits asked for a quantized one)
         if progress:
-            progress("head", 0, 1, "lm_head and calibration perplexity")
+            progress("head", 0, 1, "lm_head and calibration perplexity" if o.quantized_head else
+                     "calibration perplexity")
         spec.release()
         ids = ids.to(device)
         # the effective head: the embedding table when the model ties them (or stores no lm_head)
@@ -89,7 +91,7 @@ class _QuantizePass:
         dense_head = dense_linear(src.get(head_name, torch.float32, device), b)
         report.calibration_ppl_fp16 = calibration_ppl(spec, src, self.h_ref, ids, dense_head)
         self.h_ref = None
-        if o.target == "exl2":
+        if o.quantized_head:
             del dense_head
             release_memory()
             head = self.head(head_name, b)
@@ -256,7 +258,8 @@ class _QuantizePass:
         report.warnings.extend(padded_expert_warnings(report.blocks))
         report.calibration_ppl = calibration_ppl(spec, self.src, self.h, ids, head)
         bpw = report.decoder_bpw if report.decoder_bpw is not None else o.bits
-        warning = ppl_warning(report.calibration_ppl_fp16, report.calibration_ppl, bpw)
+        warning = ppl_warning(report.calibration_ppl_fp16, report.calibration_ppl, bpw,
+                              quantized_head=o.quantized_head or o.target != "exl2")
         if warning is not None:
             report.warnings.append(warning)
 

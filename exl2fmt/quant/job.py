@@ -197,11 +197,13 @@ def disk_needed(spec, src, o: QuantOptions, measuring: bool) -> tuple[int, int]:
               for N, K in [spec.linear_shape(n)])
     quant_bits = float(o.bits) + 0.2 if o.target == "exl2" else float(o.bits) + 0.3
     head = spec.vocab_size * spec.hidden_size
-    head_bits = (o.head_bits + 1.5) if o.target == "exl2" else 16
+    head_bits = (o.head_bits + 1.5) if o.quantized_head else 16      # (a tied head: the fp16 embedding)
     other = sum(int(np.prod(src.shape(n))) for n in src.names()) - lin - head
     headers = 2048 * len(src.names())          # safetensors header entries: ~6 slots x ~200 bytes per weight
     out = lin * quant_bits / 8 + head * head_bits / 8 + max(other, 0) * 2 + headers
-    quantized = lin * quant_bits / 8 + (head * head_bits / 8 if o.target == "exl2" else 0)
+    if o.quantized_head and getattr(spec, "tied", False):   # the quantized head beside the fp16 embedding
+        out += head * 2
+    quantized = lin * quant_bits / 8 + (head * head_bits / 8 if o.quantized_head else 0)
     block = max(sum(K * N for n in block_linears(spec, kind, i) for N, K in [spec.linear_shape(n)])
                 for i, kind in model_blocks(spec))
     hessian = max(K * K * 4 for i, kind in model_blocks(spec) for n in block_linears(spec, kind, i)

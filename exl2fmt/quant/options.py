@@ -16,10 +16,14 @@ from ..layout import GPTQ_BITS
 from .qparams import head_qparams
 from .scoring import resolve_precision
 
-__all__ = ["QuantOptions", "Progress", "default_measure_rows", "default_batch_tokens", "MEASURE_MIN_TOKENS",
+__all__ = ["QuantOptions", "Progress", "DEFAULT_HEAD_BITS", "resolve_head_bits", "default_measure_rows", "default_batch_tokens", "MEASURE_MIN_TOKENS",
            "MAX_BATCH_TOKENS", "BATCH_ACTIVATION_BYTES"]
 
 Progress = Callable[[str, int, int, str], None]   # (phase, done, total, what)
+
+#: The bits of the EXL2 head of a model whose head is its own matrix (and of a tied model's with --head-bits
+#: given without a value of its own): ExLlamaV2's default.
+DEFAULT_HEAD_BITS = 6
 
 
 @dataclass
@@ -28,7 +32,11 @@ class QuantOptions:
 
     target: str = "exl2"
     bits: float | None = None             # exl2: average bpw of the decoder linears (default 4.125); gptq: 2/3/4/8
-    head_bits: int = 6                    # exl2 head setting (2/3/4/5/6/8)
+    # exl2 head setting (2/3/4/5/6/8): the bits of a quantized ``lm_head``.  None = auto (``resolve_head_bits``,
+    # once the model is open): no separate head for a model that ties its head to its embedding (the FP16
+    # embedding serves as the head, as ExLlamaV2 loads it), ``DEFAULT_HEAD_BITS`` otherwise.  Given explicitly,
+    # a tied model's head is also written, quantized
+    head_bits: int | None = None
     group_size: int = 128                 # gptq
     sym: bool = True                      # gptq
     act_order: bool | None = None         # True = order "act", False = "natural"; None: from ``order``
@@ -77,6 +85,11 @@ class QuantOptions:
     # ``device``, of that cluster).  Neither changes a byte of the output, so neither is in the fingerprint
     workers: int | None = None
     ray_address: str | None = None
+
+    @property
+    def quantized_head(self) -> bool:
+        """An EXL2 ``lm_head`` is quantized and written (``head_bits`` resolved to a value; ``resolve_head_bits``)."""
+        return self.target == "exl2" and self.head_bits is not None
 
     @property
     def distributed(self) -> bool:
@@ -133,9 +146,9 @@ class QuantOptions:
         # (only the EXL2 measurement scores candidates: other targets record no count)
         o.measure_rows = min(int(o.measure_rows), o.rows) if o.target == "exl2" else None
         # checked here, before calibration and measurement, rather than when the head or first layer is reached
-        if o.target == "exl2":
+        if o.target == "exl2" and o.head_bits is not None:
             head_qparams(o.head_bits)
-        elif o.group_size != -1 and (o.group_size <= 0 or o.group_size % 32):
+        elif o.target != "exl2" and o.group_size != -1 and (o.group_size <= 0 or o.group_size % 32):
             raise Exl2Error(ErrorCode.USAGE, f"--group-size must be -1 or a positive multiple of 32, got "
                             f"{o.group_size}")
         return o
@@ -182,6 +195,17 @@ def default_batch_tokens(length: int, widest: int, device: str) -> int:
     length = max(1, int(length))
     rows = max(1, min(BATCH_ACTIVATION_BYTES // (4 * length * max(1, int(widest))), MAX_BATCH_TOKENS // length))
     return rows * length
+
+
+def resolve_head_bits(o: "QuantOptions", tied: bool) -> int | None:
+    """``o.head_bits`` once the model is known: as given when given; else None (no separate head: the embedding
+    serves) for an EXL2 output of a model that ties its head to its embedding (``tied``), and
+    ``DEFAULT_HEAD_BITS`` otherwise (also for GPTQ, which keeps a dense head and only records the value in its
+    options).  A tied model's quantized head costs ~20 % of the file of a 135M model for a KL change of 0.0006
+    (bench/RESULTS.md, issue 40)."""
+    if o.head_bits is not None:
+        return int(o.head_bits)
+    return None if (o.target == "exl2" and tied) else DEFAULT_HEAD_BITS
 
 
 def _check_cluster_options(o: "QuantOptions") -> None:

@@ -13,7 +13,8 @@
 4. **Optimization** (``optimize``): ``solver.solve`` picks one option per block so that the decoder linears'
    stored bits (overhead included) stay within ``bits x sum(K x N)``.
 5. **Quantization** (``gptq_pass``): sequential GPTQ through the model on the quantized model's own activations;
-   the head is quantized last with ``head_bits``; embeddings and norms are written as fp16.
+   the head is quantized last with ``head_bits`` (EXL2; none for a model that ties its head to its embedding
+   unless ``head_bits`` is given: the embedding serves); embeddings and norms are written as fp16.
 6. **Compile** (``compile``): ``output.safetensors`` (or shards with an index) in a temporary sibling of DST, side
    files copied, ``config.json`` with ``quantization_config``, a per-layer manifest ``exl2fmt-manifest.json``;
    then the caller's ``verify_output`` (the converters pass the deep validator), every layer must dequantize to
@@ -52,7 +53,7 @@ from ..runner.model import EXL2_ARCHS, HFModel
 from .job import Work, check_disk, disk_needed
 from .measure import measure, measured_from_file, read_measurement_for, write_measurement_file
 from .optimize import optimize
-from .options import Progress, QuantOptions, default_batch_tokens
+from .options import Progress, QuantOptions, default_batch_tokens, resolve_head_bits
 from .qparams import block_options
 from .report import QuantReport
 from .weight_only import weight_only
@@ -113,8 +114,11 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         except Exl2Error as e:
             if e.code is not ErrorCode.ARCH_UNSUPPORTED:
                 raise
+            o.head_bits = resolve_head_bits(o, False)     # (recorded in the options only: no head is quantized)
             return weight_only(model, src_p, dst_p, o, force, progress, config, str(e.message), t0, verify_output)
         spec.check_weights()
+        # a model that ties its head to its embedding gets no separate EXL2 head unless --head-bits asks for one
+        o.head_bits = resolve_head_bits(o, spec.tied)
         if o.batch_tokens is None:
             widest = max(max(spec.linear_shape(n)) for i, kind in model_blocks(spec)
                          for n in block_linears(spec, kind, i))

@@ -66,8 +66,13 @@ class QuantReport:
         out = [f"{self.source} -> {self.destination} ({self.target})"]
         if self.decoder_bpw is not None:
             tgt = self.options.get("bits")
-            out.append(f"decoder linears: {self.decoder_bpw:.4f} bpw (target {tgt}); head {self.head_bpw:.3f} bpw"
-                       if self.head_bpw is not None else f"decoder linears: {self.decoder_bpw:.4f} bpw")
+            if self.head_bpw is not None:
+                out.append(f"decoder linears: {self.decoder_bpw:.4f} bpw (target {tgt}); head {self.head_bpw:.3f} bpw")
+            elif self.target == "exl2" and self.options.get("head_bits") is None:
+                out.append(f"decoder linears: {self.decoder_bpw:.4f} bpw (target {tgt}); head: tied to the embedding "
+                           "(fp16; --head-bits N writes a quantized one)")
+            else:
+                out.append(f"decoder linears: {self.decoder_bpw:.4f} bpw")
         if self.calibration_ppl is not None:
             ref = "" if self.calibration_ppl_fp16 is None else f" (FP16 {self.calibration_ppl_fp16:.3f})"
             out.append(f"calibration perplexity of the quantized model: {self.calibration_ppl:.3f}{ref}")
@@ -114,14 +119,16 @@ def padded_expert_warnings(blocks: list[dict]) -> list[str]:
     return out
 
 
-def ppl_warning(a: float, q: float, bpw: float) -> str | None:
+def ppl_warning(a: float, q: float, bpw: float, quantized_head: bool = True) -> str | None:
     """The warning when the quantized calibration perplexity ``q`` is not finite or rose above the FP16 one ``a``
-    by more than ``ppl_rise_bound(bpw)``; None otherwise."""
+    by more than ``ppl_rise_bound(bpw)``; None otherwise.  ``quantized_head``: the output has a quantized head
+    (so more --head-bits is worth suggesting); False when the FP16 embedding serves as the head."""
     bound = ppl_rise_bound(bpw)
     if math.isfinite(q) and q <= (1.0 + bound) * a:
         return None
     rise = f" (+{100 * (q / a - 1):.0f} %" if math.isfinite(q) else " ("
     return (f"the calibration perplexity rose from {a:.3f} (FP16) to {q:.3f} (quantized){rise}, "
             f"more than the +{100 * bound:.0f} % expected at {bpw:.2f} bpw): the quantization "
-            "lost more than it should; try more --bits or --head-bits, or calibration text closer "
+            f"lost more than it should; try more --bits{' or --head-bits' if quantized_head else ''}, or "
+            "calibration text closer "
             "to the model's use")
