@@ -1185,12 +1185,14 @@ def test_too_little_disk_space_is_refused_before_any_work(tiny_llama, exl2_defau
     from exl2fmt.runner.weights import WeightSource
     from exl2fmt.quant import job as J
     from exl2fmt.quant import pipeline as P
+    from exl2fmt.quant.options import resolve_head_bits
     from exl2fmt.runner.model import HFModel
 
     src, ids = tiny_llama
     srcw = WeightSource(src)
     spec = HFModel(json.loads((src / "config.json").read_text()), srcw)
     o = _opts(ids).resolved()
+    o.head_bits = resolve_head_bits(o, spec.tied)     # as the pipeline completes it once the model is open
     out_need, work_need = J.disk_needed(spec, srcw, o, measuring=True)
     need = out_need + work_need
     srcw.close()
