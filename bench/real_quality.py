@@ -238,6 +238,8 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     kinds = list(res["fp16_ppl"])
+    names = list(dict.fromkeys(tool_name(r["row"]) for r in res["rows"]))
+    color = {t: plt.cm.tab10(i % 10) for i, t in enumerate(names)}        # one colour per tool in every panel
     fig, axes = plt.subplots(2, len(kinds), figsize=(12, 8.5))
     for col, kind in enumerate(kinds):
         for row, (xkey, xlabel) in enumerate((("bpw", "bits per weight (decoder linears, overhead included)"),
@@ -250,7 +252,7 @@ def plot(res: dict, path: Path) -> None:
                     tools.setdefault(tool_name(r["row"]), []).append((x, r["eval"][kind]["kl"]))
             for tool, pts in tools.items():
                 pts.sort()
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=tool)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=tool, color=color[tool])
             ax.set_yscale("log")
             ax.set_xlabel(xlabel)
             ax.set_ylabel("KL to FP16 (nats/token)")
