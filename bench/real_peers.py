@@ -20,10 +20,26 @@ Peers (``--peer NAME[:BITS]``, repeatable):
                        scheme), lm_head left FP16
 * ``autoround``        AutoRound 0.16 W{BITS}A16 g128 sym (``--iters``, default its 200), exported as
                        ``auto_gptq`` (read by exl2fmt)
+* ``llamacpp:TYPE``    llama.cpp's ``llama-quantize`` to TYPE (Q3_K_M, Q4_K_M, Q5_K_M, Q6_K, IQ4_XS, ...) with an
+                       importance matrix from ``llama-imatrix`` on the same calibration text (below); the binaries
+                       from ``--llama-bin``, the F16 GGUF from llama.cpp's own ``convert_hf_to_gguf.py``
+                       (``--llama-src``: the llama.cpp source tree, run with this Python)
+
+llama.cpp takes text, not ids: its calibration file ``<runs>/cal.txt`` is the text rows of ``cal.npy`` decoded by
+the model's tokenizer (the built-in set's one row of random ids has no text and is left out), and
+``llama-imatrix -c 512 --chunks <text rows>`` reads it back as the same number of 512-token chunks (its own
+tokenization of the decoded text; it puts BOS first in each chunk where the model adds one).  A llama.cpp row's
+time is the ``llama-imatrix`` run plus its own ``llama-quantize`` run (the F16 GGUF conversion is timed apart, in
+``<runs>/llamacpp-f16.run.json``); its peak RSS is the larger of the two.  Its GGUF is decoded to FP16
+by exl2fmt (``convert --to fp16``, K-quants and IQ types through the ``gguf`` package).
 
 ``--tied-head 4.25,8.0`` scores exl2fmt's EXL2 files of those bitrates without their separate quantized head (the
 FP16 embedding as head, as ExLlamaV2 runs a tied-embedding model's file that has no ``lm_head``), with the file
-bytes they would have.  ``--cal-rows N`` takes every k-th calibration row (said in the row's label).
+bytes they would have.  ``--exl2-nohead 5.0`` quantizes the FP16 model to EXL2 at that bitrate
+with the exl2fmt this Python imports, reusing ``<runs>/measurement.json`` (only the quantize pass runs), and
+checks that the file has no separate head: run it with an exl2fmt whose default writes none for a tied model
+(``PYTHONPATH=<a checkout of that change>``); its row carries the same label as ``--tied-head``'s.
+``--cal-rows N`` takes every k-th calibration row (said in the row's label).
 
 Setup (once, outside the repository)::
 
@@ -37,6 +53,8 @@ Run (heavy; one at a time on a shared machine)::
 
     nice -n 19 python bench/real_peers.py --model smollm2 --peer llmc-gptq:4 --python $S/V/bin/python
     nice -n 19 python bench/real_peers.py --model smollm2 --peer gptqmodel:3 --python /work/scratch/h16/V/bin/python
+    B=/work/scratch/peers/llamacpp; nice -n 19 python bench/real_peers.py --model smollm2 --peer llamacpp:Q4_K_M \
+        --llama-bin $B/build/bin --llama-src $B/llama_cpp_python-0.3.36/vendor/llama.cpp
 
 ``bpw`` is the decoder linears' stored bits per weight as exl2fmt's ``inspect`` counts them (for
 compressed-tensors files: the packed weights, scales, zero points and g_idx of those layers, counted the same
@@ -262,6 +280,83 @@ def tied_head_row(runs: Path, bits: str) -> dict:
             **{k: prev[k] for k in ("seconds", "peak_rss_mb") if k in prev}, "dir": str(d), "quant_dir": str(q)}
 
 
+def calibration_text(runs: Path, cal: Path) -> tuple[Path, int]:
+    """``<runs>/cal.txt``: the text rows of ``cal`` (int64 [rows, 512], the built-in set) decoded as one stream by
+    the model's tokenizer, and the number of text rows (the built-in set ends with its random-id rows)."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from exl2fmt.quant.calib import default_random_rows
+
+    ids = np.load(cal)
+    n_text = ids.shape[0] - default_random_rows(ids.shape[0])
+    out = runs / "cal.txt"
+    if not out.exists():
+        tok = Tokenizer.from_file(str(runs / "fp16" / "tokenizer.json"))
+        out.write_text(tok.decode(ids[:n_text].reshape(-1).tolist(), skip_special_tokens=False), encoding="utf-8")
+    return out, n_text
+
+
+def llamacpp_file(runs: Path, qtype: str, a, env: dict) -> tuple[Path, dict]:
+    """The llama.cpp GGUF of ``qtype`` (made once: F16 GGUF, imatrix, quantize) and its time/peak RSS."""
+    f16, imat = runs / "llamacpp-f16.gguf", runs / "llamacpp-imatrix.gguf"
+    q = runs / f"llamacpp-{qtype}.gguf"
+    if q.exists():
+        return q, json.loads((runs / f"llamacpp-{qtype}.run.json").read_text())
+    if not a.llama_bin:
+        raise SystemExit("--llama-bin (llama.cpp's build/bin) is needed to make a llama.cpp file")
+    binp = Path(a.llama_bin)
+    if not f16.exists():
+        if not a.llama_src:
+            raise SystemExit("--llama-src (llama.cpp's source tree, for convert_hf_to_gguf.py) is needed")
+        tmp = f16.with_suffix(".tmp")
+        how = run_child([sys.executable, str(Path(a.llama_src) / "convert_hf_to_gguf.py"), str(runs / "fp16"),
+                         "--outtype", "f16", "--outfile", str(tmp)], runs / "llamacpp-f16.log", env, runs)
+        tmp.rename(f16)
+        (runs / "llamacpp-f16.run.json").write_text(json.dumps(how))
+    if not imat.exists():
+        text, n_text = calibration_text(runs, calibration_ids(runs))
+        tmp = imat.with_name("llamacpp-imatrix.tmp.gguf")
+        how = run_child([str(binp / "llama-imatrix"), "-m", str(f16), "-f", str(text), "-c", str(CAL_LENGTH),
+                         "--chunks", str(n_text), "-t", "2", "--no-ppl", "-o", str(tmp)],
+                        runs / "llamacpp-imatrix.log", env, runs)
+        tmp.rename(imat)
+        (runs / "llamacpp-imatrix.run.json").write_text(json.dumps(how))
+    tmp = q.with_name(q.stem + ".tmp.gguf")
+    how = run_child([str(binp / "llama-quantize"), "--imatrix", str(imat), str(f16), str(tmp), qtype, "2"],
+                    runs / f"llamacpp-{qtype}.log", env, runs)
+    tmp.rename(q)
+    im = json.loads((runs / "llamacpp-imatrix.run.json").read_text())
+    how = {"seconds": round(im["seconds"] + how["seconds"], 1), "cpu_s": round(im["cpu_s"] + how["cpu_s"], 1),
+           "peak_rss_mb": max(im["peak_rss_mb"], how["peak_rss_mb"]), "quantize_s": how["seconds"],
+           "imatrix_s": im["seconds"]}
+    (runs / f"llamacpp-{qtype}.run.json").write_text(json.dumps(how))
+    return q, how
+
+
+def nohead_exl2_row(runs: Path, bits: str, env: dict) -> dict:
+    """exl2fmt EXL2 at ``bits`` written with no separate head (an exl2fmt whose tied-model default is that), from the
+    saved measurement; refused if the file has a head after all."""
+    from exl2fmt import inspect_model
+
+    q, d = runs / f"exl2-{bits}-nohead", runs / f"exl2-{bits}-nohead-fp16"
+    if not q.exists():
+        how = run_child(EXL2FMT + ["convert", str(runs / "fp16"), str(q), "--to", "exl2", "--bits", bits,
+                                   "--measurement", str(runs / "measurement.json")], runs / f"exl2-{bits}-nohead.log",
+                        env, runs)          # not ROOT: ``-m`` puts the working directory first on sys.path
+        (runs / f"exl2-{bits}-nohead.run.json").write_text(json.dumps(how))
+    summary = inspect_model(str(q))["summary"]
+    if summary["bpw"]["head"] is not None:
+        raise SystemExit(f"{q} has a separate head ({summary['bpw']['head']} bpw): run with an exl2fmt that "
+                         "writes none for a tied model")
+    if not d.exists():
+        run_child(EXL2FMT + ["convert", str(q), str(d), "--to", "fp16"], runs / f"exl2-{bits}-nohead-deq.log", env,
+                  ROOT)
+    how = json.loads((runs / f"exl2-{bits}-nohead.run.json").read_text())
+    return {"row": f"exl2fmt EXL2 {bits}, no separate head (FP16 tied embedding)", "bpw": summary["bpw"]["decoder"],
+            "file_bytes": safetensors_bytes(q), **how, "dir": str(d), "quant_dir": str(q), "written_without_head": True}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -277,6 +372,10 @@ def main() -> None:
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--tied-head", default="", help="EXL2 bitrates (e.g. 4.0,4.25) to score without their separate "
                     "head, as ExLlamaV2 runs a tied-embedding model's file that has none")
+    ap.add_argument("--exl2-nohead", default="", help="EXL2 bitrates to quantize with no separate head (needs an "
+                    "exl2fmt that writes none for a tied model) from the saved measurement")
+    ap.add_argument("--llama-bin", default=None, help="llama.cpp's build/bin (llama-imatrix, llama-quantize)")
+    ap.add_argument("--llama-src", default=None, help="llama.cpp's source tree (convert_hf_to_gguf.py)")
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -306,6 +405,19 @@ def main() -> None:
     todo = []
     for spec in a.peer:
         name, _, bits = spec.partition(":")
+        if name == "llamacpp":
+            q, how = llamacpp_file(runs, bits, a, env)
+            d = runs / f"llamacpp-{bits}-fp16"
+            if not d.exists():
+                run_child(EXL2FMT + ["convert", str(q), str(d), "--to", "fp16"], runs / f"llamacpp-{bits}-deq.log",
+                          env, ROOT)
+            from exl2fmt import inspect_model
+
+            label = f"llama.cpp {bits} imatrix"
+            rows[label] = {"row": label, "bpw": inspect_model(str(q))["summary"]["bpw"]["decoder"],
+                           "file_bytes": q.stat().st_size, **how, "dir": str(d), "quant_dir": str(q)}
+            todo.append(label)
+            continue
         bits = int(bits or 4)
         tag = f"{name}-{bits}" + (f"-i{a.iters}" if name == "autoround" else "")
         q, d = runs / f"peer-{tag}", runs / f"peer-{tag}-fp16"
@@ -348,6 +460,10 @@ def main() -> None:
         rows[label] = {"row": label, "bpw": bpw, "file_bytes": safetensors_bytes(q), **how, "dir": str(d),
                        "quant_dir": str(q)}
         todo.append(label)
+    for bits in [b for b in a.exl2_nohead.split(",") if b]:
+        r = nohead_exl2_row(runs, bits, env)
+        rows[r["row"]] = r
+        todo.append(r["row"])
     for bits in [b for b in a.tied_head.split(",") if b]:
         r = tied_head_row(runs, bits)
         rows[r["row"]] = r

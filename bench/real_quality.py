@@ -18,7 +18,8 @@ process) beside its row.
 
     python bench/real_quality.py --model smollm2 [--bits 3.0,4.0,5.0] [--cache DIR] [--out DIR] [--gptq-bits 4,8]
 
-Writes ``OUT/results.json`` and prints a markdown table; ``--plot FILE`` draws KL against bpw (needs matplotlib).
+Writes ``OUT/results.json`` and prints a markdown table; ``--plot FILE`` draws KL against bpw and against file MB
+(needs matplotlib).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -223,33 +223,44 @@ def tool_name(row: str) -> str:
     """A peer's line in the plot: its name and method, without the bit width (one line across sizes)."""
     if row.startswith("exl2fmt"):
         return " ".join(row.split()[:2]) + (", FP16 tied head" if "no separate head" in row else "")
+    if row.startswith("llama.cpp"):
+        return "llama.cpp imatrix"
     words = [w for w in row.split() if not w[0].isdigit() and not w.startswith("W")]
-    return " ".join(words[:4]) if row.startswith(("GPTQModel", "llm-compressor", "AutoRound", "llama.cpp")) else row
+    return " ".join(words[:4]) if row.startswith(("GPTQModel", "llm-compressor", "AutoRound")) else row
 
 
 def plot(res: dict, path: Path) -> None:
+    """KL against decoder bpw (top row) and against file MB (bottom row; rows without a file size are left out),
+    one panel per held-out text, one line per tool, log KL."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(res["fp16_ppl"]), figsize=(11, 4))
-    for ax, kind in zip(axes, res["fp16_ppl"]):
-        tools: dict[str, list] = {}
-        for r in res["rows"]:
-            tool = tool_name(r["row"])
-            tools.setdefault(tool, []).append((r["bpw"], r["eval"][kind]["kl"]))
-        for tool, pts in tools.items():
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=tool)
-        ax.set_yscale("log")
-        ax.set_xlabel("bits per weight (decoder linears, overhead included)")
-        ax.set_ylabel("KL to FP16 (nats/token)")
-        ax.set_title(f"{res['model']}: {kind} text")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend()
+    kinds = list(res["fp16_ppl"])
+    names = list(dict.fromkeys(tool_name(r["row"]) for r in res["rows"]))
+    color = {t: plt.cm.tab10(i % 10) for i, t in enumerate(names)}        # one colour per tool in every panel
+    fig, axes = plt.subplots(2, len(kinds), figsize=(12, 8.5))
+    for col, kind in enumerate(kinds):
+        for row, (xkey, xlabel) in enumerate((("bpw", "bits per weight (decoder linears, overhead included)"),
+                                              ("file_bytes", "file MB (every tensor byte: head, embeddings)"))):
+            ax = axes[row][col]
+            tools: dict[str, list] = {}
+            for r in res["rows"]:
+                if r.get(xkey):
+                    x = r[xkey] / 1e6 if xkey == "file_bytes" else r[xkey]
+                    tools.setdefault(tool_name(r["row"]), []).append((x, r["eval"][kind]["kl"]))
+            for tool, pts in tools.items():
+                pts.sort()
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=tool, color=color[tool])
+            ax.set_yscale("log")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("KL to FP16 (nats/token)")
+            ax.set_title(f"{res['model']}: {kind} text")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
