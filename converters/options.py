@@ -87,9 +87,10 @@ QUANT_OPTIONS: tuple[Option, ...] = (
     Option("measure_rows", "--measure-rows"),
     Option("measure_search", "--measure-search"),
     Option("measure_precision", "--measure-precision"),
-    # (the GPTQ target has no measurement, and its quantize pass is not distributed yet)
-    Option("workers", "--workers", targets=("exl2",)),
-    Option("ray_address", "--ray-address", targets=("exl2",)),
+    # (EXL2: the measurement and the quantize pass's independent groups; GPTQ: its quantize pass's)
+    Option("workers", "--workers"),
+    Option("ray_address", "--ray-address"),
+    Option("shared_fs", "--shared-fs/--no-shared-fs"),
 )
 
 #: the quantizer's options by the command-line flag that sets them, for messages

@@ -66,13 +66,15 @@ def test_cluster_options_are_checked_and_stay_out_of_the_fingerprint():
         with pytest.raises(Exl2Error) as e:
             QuantOptions(ray_address=bad).resolved()
         assert e.value.code is ErrorCode.USAGE and "--ray-address" in e.value.message
-    with pytest.raises(Exl2Error) as e:                 # the GPTQ target has no measurement to distribute
-        QuantOptions(target="gptq", workers=2).resolved()
-    assert e.value.code is ErrorCode.USAGE and "--to exl2" in e.value.message
+    assert QuantOptions(target="gptq", workers=2).resolved().distributed     # its quantize pass is distributed
+    with pytest.raises(Exl2Error) as e:                 # how workers get the weights: only with workers
+        QuantOptions(shared_fs=False).resolved()
+    assert e.value.code is ErrorCode.USAGE and "--no-shared-fs" in e.value.message and "--workers" in e.value.message
     a = QuantOptions(workers=3, ray_address="10.0.0.1:6379").resolved()
     assert a.distributed and not QuantOptions().resolved().distributed
     # the output (its manifest holds the fingerprint) and a resumed job do not depend on how it was run
     assert a.fingerprint() == QuantOptions().resolved().fingerprint()
+    assert QuantOptions(workers=2, shared_fs=False).resolved().fingerprint() == QuantOptions().resolved().fingerprint()
 
 
 def test_errors_cross_process_boundaries_intact():

@@ -135,18 +135,26 @@ def convert_command(
                                                   "/ --ray-address: each worker's device (cuda: one GPU per "
                                                   "worker).")] = None,
     workers: Annotated[Optional[int], typer.Option("--workers", metavar="N", show_default=False,
-                                                   help="FP16 -> exl2: measure on N worker processes of a local "
-                                                   "Ray cluster (pip install 'exl2fmt[distributed]'); with "
-                                                   "--ray-address at most N layers at once on that cluster. The "
+                                                   help="FP16 -> exl2/gptq: run the EXL2 measurement and the "
+                                                   "quantize pass's independent groups (the experts of a MoE "
+                                                   "block; q/k/v, gate/up) on N worker processes of a local Ray "
+                                                   "cluster (pip install 'exl2fmt[distributed]'); with "
+                                                   "--ray-address at most N tasks at once on that cluster. The "
                                                    "output is byte-identical to the run without it (each worker "
                                                    "uses this process's torch/Numba thread counts: set "
                                                    "OMP_NUM_THREADS / NUMBA_NUM_THREADS to choose them).")] = None,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", metavar="HOST:PORT", show_default=False,
-                                                       help="FP16 -> exl2: measure on the running Ray cluster "
-                                                       "whose head is HOST:PORT (`ray start --head` on it; the "
-                                                       "workers read SRC at the same path: a shared "
-                                                       "filesystem). Default: one task per CPU (per GPU with "
-                                                       "--device cuda) of the cluster.")] = None,
+                                                       help="FP16 -> exl2/gptq: use the running Ray cluster "
+                                                       "whose head is HOST:PORT (`ray start --head` on it). "
+                                                       "Default: one task per CPU (per GPU with --device cuda) "
+                                                       "of the cluster.")] = None,
+    shared_fs: Annotated[Optional[bool], typer.Option("--shared-fs/--no-shared-fs", show_default=False,
+                                                      help="With --workers / --ray-address: whether the workers "
+                                                      "can read SRC at the same path (a shared filesystem; the "
+                                                      "default, not detected). --no-shared-fs: they never open "
+                                                      "it; this process reads each layer's tensors and ships "
+                                                      "them through Ray's object store (the quantize pass "
+                                                      "always ships its weights that way).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="FP16 -> exl2/gptq: seed of the built-in calibration "
                                       "set; same inputs and seed give byte-identical output.")] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="FP16 -> exl2/gptq: continue an interrupted run from "
@@ -265,6 +273,8 @@ def convert_command(
     * `exl2fmt convert ./model-gptq ./model.gguf --to gguf` · `exl2fmt convert ./model.gguf ./model-fp16 --to fp16`
     * `exl2fmt convert ./Llama-fp16 ./Llama-exl2 --to exl2 --bits 4.0 --workers 4` (the measurement on 4 local
       Ray workers) · `... --ray-address 10.0.0.1:6379 --device cuda` (on a cluster, one GPU per worker)
+    * `exl2fmt convert ./Mixtral-fp16 ./Mixtral-gptq --to gptq --bits 4 --workers 8` (the experts' GPTQ on 8
+      workers) · `... --ray-address 10.0.0.1:6379 --no-shared-fs` (workers that cannot read SRC)
 
     **Exit codes**: 0 converted and verified · 1 the source breaks a rule or the output failed verification ·
     2 usage error (unknown pair, an option that does not apply, DST exists without --force, DST inside SRC) ·

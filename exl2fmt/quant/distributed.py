@@ -46,9 +46,9 @@ from .job import Work
 from .measure import measure_block, score_plan
 from .options import QuantOptions
 from .qparams import block_options
-from ..runner.weights import dense_linear
+from ..runner.weights import WeightSource, dense_linear
 
-__all__ = ["measure_distributed", "measure_layer", "MeasureWorker", "versions", "thread_env", "Pool", "check_address",
+__all__ = ["measure_distributed", "measure_layer", "quantize_group", "catalog_of", "MeasureWorker", "versions", "thread_env", "Pool", "check_address",
            "MAX_ATTEMPTS"]
 
 #: How often one layer's task may be lost with its worker before the run stops.
@@ -60,13 +60,19 @@ CONNECT_SECONDS = 5.0
 @dataclass
 class Context:
     """What every task needs besides its layer (put into the object store once per run): the source model
-    ``src`` (a path every worker reads: the shared filesystem), the resolved options, the driver's ``versions()``
-    and its thread counts (``thread_counts``)."""
+    ``src`` (a path every worker reads: the shared filesystem; None where workers do not open it), the resolved
+    options, the driver's ``versions()`` and its thread counts (``thread_counts``).  Without a shared filesystem
+    (``shared_fs`` False) a measuring worker builds its model from ``config`` (config.json's dict) and
+    ``catalog`` (every tensor name of the source -> (shape, safetensors dtype)), and each task ships the layer's
+    tensors."""
 
-    src: str
+    src: str | None
     options: QuantOptions
     versions: dict
     threads: dict
+    shared_fs: bool = True
+    catalog: dict | None = None
+    config: dict | None = None
 
 
 # ------------------------------------------------------------------------------------------------ the environment
@@ -116,7 +122,7 @@ def thread_env(threads: dict) -> dict[str, str]:
 def _import_ray():
     from ..extras import require
 
-    require("distributed", "--workers / --ray-address (the distributed measurement)")
+    require("distributed", "--workers / --ray-address (distributed quantization)")
     import ray
     return ray
 
@@ -164,10 +170,14 @@ class Pool:
     open, what is printed to stdout goes to stderr: Ray prints its cluster's error messages there ("A worker died
     ..."), which would break the report that ``--json`` writes to stdout."""
 
-    def __init__(self, o: QuantOptions, src: str):
+    def __init__(self, o: QuantOptions, src: str, catalog: dict | None = None, config: dict | None = None,
+                 measure: bool = True):
         import threading
 
         self.o, self.src = o, str(src)
+        # what the workers' set-up gets: the source's path to open (a measurement on a shared filesystem), or
+        # the model's names and config (a measurement without one: ``shared_fs`` False), or neither
+        self.catalog, self.config, self.measure = catalog, config, measure
         self.ray = None
         self.own = False              # this run initialised Ray (its workers then have the session's environment)
         self.actors: list = []        # [(actor, ObjectRef of its set-up call)]
@@ -199,7 +209,7 @@ class Pool:
             if not self.own:          # a caller's session: its job-wide environment is not ours
                 opts["runtime_env"] = {"env_vars": thread_env(self.threads)}
             self.actor_class = ray.remote(MeasureWorker).options(**opts)
-            self.setup_ctx = ray.put(Context(self.src, self.o, versions(), self.threads))
+            self.setup_ctx = ray.put(self.context())
             for _ in range(self.slots):
                 self.actors.append(self.new_actor())
         except BaseException as e:         # (raised again in the caller's thread by ready())
@@ -209,6 +219,13 @@ class Pool:
         # the thread lives until the pool is closed: Ray's daemons (raylet, GCS) die with the thread that started
         # them (their parent-death signal fires when that thread exits, not the process)
         self.stop.wait()
+
+    def context(self) -> Context:
+        """The run's ``Context`` for the workers (``shared_fs`` from the options)."""
+        shared = bool(getattr(self.o, "shared_fs", True))
+        ship = self.measure and not shared
+        return Context(self.src if (self.measure and shared) else None, self.o, versions(), self.threads,
+                       shared_fs=shared, catalog=self.catalog if ship else None, config=self.config if ship else None)
 
     def new_actor(self) -> tuple:
         """A new actor and its set-up call (it opens the model while the driver works)."""
@@ -265,6 +282,18 @@ def _init(ray, o: QuantOptions, threads: dict) -> None:
         raise
 
 
+def layer_tensors(spec, i: int) -> dict:
+    """Decoder layer ``i``'s tensors as stored (name -> torch tensor, float16 / bfloat16 / float32)."""
+    pre = spec.layer_prefix(i) + "."
+    return {n: spec.src.get(n, spec.src.stored_dtype(n)) for n in spec.src.names() if n.startswith(pre)}
+
+
+def catalog_of(src) -> dict:
+    """name -> (shape, safetensors dtype) of every tensor of ``src`` (a ``WeightSource`` or ``ModelFiles``)."""
+    files = src.files if isinstance(src, WeightSource) else src
+    return {n: (tuple(files.info(n).shape), files.info(n).dtype) for n in files.names()}
+
+
 # ------------------------------------------------------------------------------------------------ the worker side
 
 _WORKER: dict = {}        # per worker process: the opened source model, kept between tasks
@@ -274,13 +303,41 @@ def _worker_spec(ctx: Context, device: str):
     """The worker's ``HFModel`` of ``ctx.src`` (opened on its first task, reused after), checked against the
     driver's versions and thread counts."""
     from ..container import open_model
+    from ..container.partials import fault_point
     from ..runner.model import HFModel
     from ..runner.weights import WeightSource
 
-    key = (ctx.src, device)
+    key = (ctx.src, ctx.shared_fs, device)
     hit = _WORKER.get("model")
     if hit is not None and hit[0] == key:
         return hit[2]
+    _worker_checked(ctx)
+    if hit is not None:
+        _WORKER.pop("model")[1].close()
+    if not ctx.shared_fs:             # no shared filesystem: the model's skeleton, each task ships its layer
+        model = ShippedSource(ctx.catalog or {})
+        spec = HFModel(ctx.config, model, device, split_fused=True)
+    else:
+        fault_point("worker-open-source")      # (the tests' hook: a worker that would open the source dies)
+        model = open_model(Path(ctx.src))
+        try:
+            spec = HFModel(model.config, WeightSource(model), device, split_fused=True)
+        except BaseException:
+            model.close()
+            raise
+    _WORKER["model"] = (key, model, spec)
+    # what exists now (torch, transformers, Ray, the model's skeleton) lives as long as the worker: set aside from
+    # the cyclic GC, as the driver does (pipeline.quantize_model), so that each block's gc.collect walks only what
+    # the task made (in a worker it took 0.47 s a call on the fixture without this)
+    gc.freeze()
+    return spec
+
+
+def _worker_checked(ctx: Context) -> None:
+    """The worker runs the driver's versions (``CLUSTER_MISMATCH`` otherwise) with its thread counts (set here);
+    checked once per process and context."""
+    if _WORKER.get("checked") == (tuple(sorted(ctx.versions.items())), tuple(sorted(ctx.threads.items()))):
+        return
     mine = versions()
     diff = {k: (v, mine.get(k)) for k, v in ctx.versions.items() if mine.get(k) != v}
     if diff:
@@ -291,20 +348,7 @@ def _worker_spec(ctx: Context, device: str):
         torch.set_num_threads(int(ctx.threads["torch"]))
     if numba.get_num_threads() != ctx.threads["numba"]:
         numba.set_num_threads(int(ctx.threads["numba"]))
-    if hit is not None:
-        _WORKER.pop("model")[1].close()
-    model = open_model(Path(ctx.src))
-    try:
-        spec = HFModel(model.config, WeightSource(model), device, split_fused=True)
-    except BaseException:
-        model.close()
-        raise
-    _WORKER["model"] = (key, model, spec)
-    # what exists now (torch, transformers, Ray, the model's skeleton) lives as long as the worker: set aside from
-    # the cyclic GC, as the driver does (pipeline.quantize_model), so that each block's gc.collect walks only what
-    # the task made (in a worker it took 0.47 s a call on the fixture without this)
-    gc.freeze()
-    return spec
+    _WORKER["checked"] = (tuple(sorted(ctx.versions.items())), tuple(sorted(ctx.threads.items())))
 
 
 def _digest(h: torch.Tensor) -> str:
@@ -312,14 +356,17 @@ def _digest(h: torch.Tensor) -> str:
 
 
 def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: int, keys: list[str],
-                  attempt: int = 0) -> dict:
+                  attempt: int = 0, tensors: dict | None = None, probe: list | None = None) -> dict:
     """Measure decoder layer ``i`` (its attention and MLP blocks whose keys are in ``keys``) on its FP16 input ``h``
     float32 [rows, T, hidden] (C order, rows in ``measure.score_plan``'s order): what a ``MeasureWorker`` runs for
     each layer, callable in any process.  Returns {"rows": {block key: [[option, bits, accuracy]]}, "digest": of
     the layer's FP16 output, "where": host and pid, "seconds", "phases": {phase: seconds}} (the phases: "setup",
     this process's model opened and checked, zero once it is; "input", the input copied out of the object store;
     "attn" and "mlp", the two blocks; "digest").  ``attempt``: how many times this layer was lost before (the
-    fault-injection hook, ``EXL2FMT_TEST_FAULT=measure-layer-I:SIGKILL``, fires on the first attempt only)."""
+    fault-injection hook, ``EXL2FMT_TEST_FAULT=measure-layer-I:SIGKILL``, fires on the first attempt only).  ``tensors``: the layer's stored tensors (name -> torch tensor in its
+    stored dtype) where the worker does not read the source (``ctx.shared_fs`` False); ``probe``: [an object
+    reference to the same of the first layer of layer ``i``'s build], fetched only by a worker that has not yet
+    probed that build (``HFModel.structure_of``)."""
     from ..container.partials import fault_point
 
     t0 = t = time.monotonic()
@@ -334,6 +381,17 @@ def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: i
     where = f"{socket.gethostname()} pid {os.getpid()}"
     o = _worker_options(ctx.options)
     spec = _worker_spec(ctx, o.device)
+    if not ctx.shared_fs:
+        first = spec.probe_layer(i)
+        if first is not None and first != i:     # its build's structure is probed on that build's first layer
+            got = probe[0]
+            if not isinstance(got, dict):     # (an object reference: Ray leaves those inside a list alone)
+                import ray
+                got = ray.get(got)
+            spec.src.ship(got)
+            spec.structure_of(i)
+            spec.release()
+        spec.src.ship(tensors or {})
     lap("setup")
     if attempt == 0:
         fault_point(f"measure-layer-{i}")
@@ -357,6 +415,8 @@ def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: i
                         tensor=spec.layer_prefix(i)) from None
     finally:
         spec.release()
+        if not ctx.shared_fs:
+            spec.src.ship({})
         shutil.rmtree(vdir, ignore_errors=True)
     digest = _digest(x)
     del x
@@ -377,15 +437,90 @@ class MeasureWorker:
     first layer inputs) and keeps it, with its warm libraries, for every layer it is given (``measure_layer``)."""
 
     def setup(self, ctx: Context) -> dict:
-        """Open and check the model (``_worker_spec``): {"where", "seconds"}."""
+        """Check the versions and threads, and open the model where this worker will measure layers
+        (``_worker_spec``; not for the quantize pass alone): {"where", "seconds"}."""
         t0 = time.monotonic()
-        _worker_spec(ctx, _worker_options(ctx.options).device)
+        if ctx.src is not None or (not ctx.shared_fs and ctx.config is not None):
+            _worker_spec(ctx, _worker_options(ctx.options).device)
+        else:
+            _worker_checked(ctx)
         return {"where": f"{socket.gethostname()} pid {os.getpid()}", "seconds": time.monotonic() - t0}
 
     def measure_layer(self, ctx: Context, i: int, h: np.ndarray, batches: list, n_score: int, keys: list[str],
-                      attempt: int = 0) -> dict:
+                      attempt: int = 0, tensors: dict | None = None, probe: list | None = None) -> dict:
         """The module's ``measure_layer`` in this worker."""
-        return measure_layer(ctx, i, h, batches, n_score, keys, attempt)
+        return measure_layer(ctx, i, h, batches, n_score, keys, attempt, tensors, probe)
+
+    def quantize_group(self, ctx: Context, task, H: np.ndarray, weights: list, attempt: int = 0) -> dict:
+        """The module's ``quantize_group`` in this worker (the weights come as object references inside the list,
+        which Ray does not resolve: fetched here, one at a time)."""
+        import ray
+
+        weights = [(ray.get(w) if isinstance(w, ray.ObjectRef) else w, b) for w, b in weights]
+        return quantize_group(ctx, task, H, weights, attempt)
+
+
+def quantize_group(ctx: Context, task, H: np.ndarray, weights: list, attempt: int = 0) -> dict:
+    """``group_quant.quantize_group`` of one task of the distributed quantize pass (``distributed_quant``): the
+    group's Hessian ``H`` float32 [K, K] and per linear (weight float32 [N, K], bias float32 [N] or None), as
+    the driver put them into the object store; callable in any process.  Returns {"done": [Quantized] with the
+    reconstructions as float16 numpy arrays (exact), "where", "seconds"}.  The fault-injection hook
+    ``EXL2FMT_TEST_FAULT=quantize-KEY:SIGKILL`` (KEY: the group's first linear) fires on the first attempt."""
+    from ..container.partials import fault_point
+    from .group_quant import quantize_group as run
+
+    t0 = time.monotonic()
+    where = f"{socket.gethostname()} pid {os.getpid()}"
+    _worker_checked(ctx)
+    if attempt == 0:
+        fault_point(f"quantize-{task.keys[0]}")
+    device = torch.device(_worker_options(ctx.options).device)
+    Ht = torch.from_numpy(np.array(H)).to(device)
+    del H
+    ws = [(torch.from_numpy(np.array(w)).to(device), None if b is None else torch.from_numpy(np.array(b)).to(device))
+          for w, b in weights]
+    try:
+        done = run(task, Ht, ws)
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        raise Exl2Error(ErrorCode.WORKER_OUT_OF_MEMORY, f"worker {where} ran out of memory quantizing "
+                        f"{', '.join(task.keys)} ({type(e).__name__}: {str(e)[:200]})", tensor=task.keys[0]) from None
+    for q in done:
+        q.hat = q.hat.to(torch.float16).cpu().numpy()
+    release_memory()
+    return {"done": done, "where": where, "seconds": time.monotonic() - t0}
+
+
+class ShippedSource(WeightSource):
+    """The weights of a worker without a shared filesystem: every tensor's name, shape and dtype (``catalog``,
+    from the driver), and the values only of the layer its current task shipped (``ship``).  It opens no file;
+    asking for a tensor that was not shipped is ``TENSOR_NOT_FOUND``."""
+
+    _DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
+
+    def __init__(self, catalog: dict):
+        super().__init__({})
+        self.catalog = catalog
+
+    def ship(self, tensors: dict) -> None:
+        self._mem = dict(tensors)
+
+    @property
+    def config(self):
+        return None
+
+    def has(self, name: str) -> bool:
+        return name in self.catalog
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.catalog:
+            return super().shape(name)
+        return tuple(self.catalog[name][0])
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        return self._DTYPES.get(self.catalog.get(name, (None, "F32"))[1], torch.float32)
+
+    def close(self) -> None:
+        self._mem = {}
 
 
 # ------------------------------------------------------------------------------------------------ the driver side
@@ -404,7 +539,8 @@ def _reference_layer(spec, i: int, h: torch.Tensor, batches: list, device) -> to
     return h
 
 
-def _lost_errors(ray) -> tuple:
+def lost_errors(ray) -> tuple:
+    """The Ray exceptions that mean a worker process (or its machine, or an object it held) is gone."""
     ex = ray.exceptions
     names = ("WorkerCrashedError", "NodeDiedError", "LocalRayletDiedError", "ObjectLostError",
              "OwnerDiedError", "ActorDiedError")
@@ -425,6 +561,8 @@ class _Fanout:
         self.idle: list = []          # actors whose set-up is submitted and that measure nothing now
         self.queue: list = []         # layers whose input is in the store, waiting for an idle actor
         self.inputs: dict = {}        # layer -> ObjectRef of its FP16 input (until it is measured)
+        self.tensors: dict = {}       # layer -> ObjectRef of its weights, without a shared filesystem (until then)
+        self.probes: dict = {}        # layer -> [ObjectRef of the weights of its build's first layer], likewise
         self.digests: dict = {}       # layer -> digest of the driver's FP16 output of the layer
         self.keys: dict = {}          # layer -> the block keys its task scores
         self.attempts: dict = {}      # layer -> lost attempts so far
@@ -450,7 +588,7 @@ class _Fanout:
         while self.queue and self.idle:
             i, a = self.queue.pop(0), self.idle.pop(0)
             ref = a.measure_layer.remote(self.ctx_ref, i, self.inputs[i], self.batches, self.n_score, self.keys[i],
-                                         self.attempts.get(i, 0))
+                                         self.attempts.get(i, 0), self.tensors.get(i), self.probes.get(i))
             self.inflight[ref] = (i, a)
 
     def busy(self) -> bool:
@@ -471,7 +609,7 @@ class _Fanout:
             raise Exl2Error(ErrorCode.WORKER_OUT_OF_MEMORY, f"Ray stopped the worker measuring {layer}: the "
                             f"machine ran out of memory ({str(e).splitlines()[0][:200]})",
                             tensor=None if i == "setup" else layer) from None
-        except _lost_errors(ray) as e:
+        except lost_errors(ray) as e:
             self.lost(i, actor, layer, e)
             return
         except ray.exceptions.RayTaskError as e:
@@ -525,6 +663,8 @@ class _Fanout:
             self.profile["worker_phases"][k] = self.profile["worker_phases"].get(k, 0.0) + v
         self.work.save()
         del self.inputs[i]
+        self.tensors.pop(i, None)
+        self.probes.pop(i, None)
         self.snapshot()
         if self.progress:
             done = sum(k in self.measured for k in (self.spec.block_key(j, kd) for j, kd in self.blocks))
@@ -547,14 +687,17 @@ def measure_distributed(spec, src: str, ids_h, options_of, work: Work, o: QuantO
                         ids_shape: tuple, pool: Pool | None = None) -> tuple[dict, torch.Tensor]:
     """``measure.measure`` on Ray workers (module docstring): the same (measured rows, final FP16 hidden state in
     the calibration's row order), byte for byte.  ``src``: the source model's path, which every worker reads.
-    ``pool``: the run's ``Pool``, started early (None: started here); it is closed before this returns.  Where the
+    ``pool``: the run's ``Pool``, started early, which the caller closes (None: started here and closed before
+    this returns).  Where the
     time went goes into ``report.seconds`` (keys "measure/...": the driver's reference pass and its waits, the
     cluster's start, the slowest worker set-up, the workers' phases summed over the layers)."""
-    pool = pool or Pool(o, src)
+    own = pool is None
+    pool = pool or Pool(o, src, catalog_of(spec.src), getattr(spec.src, "config", None))
     try:
         return _measure_on(pool, spec, src, ids_h, work, o, progress, report, ids_shape)
     finally:
-        pool.close()
+        if own:
+            pool.close()
 
 
 def _measure_on(pool: Pool, spec, src: str, ids_h, work: Work, o: QuantOptions, progress, report,
@@ -579,15 +722,23 @@ def _measure_on(pool: Pool, spec, src: str, ids_h, work: Work, o: QuantOptions, 
     t = time.monotonic()
     ray = pool.ready().ray
     t_start_wait, t_ref = time.monotonic() - t, 0.0
-    fan = _Fanout(pool, spec, work, progress, report, ray.put(Context(str(src), o, versions(), pool.threads)),
-                  batches, n_score)
+    fan = _Fanout(pool, spec, work, progress, report, ray.put(pool.context()), batches, n_score)
     if progress:
         progress("measure", start * 500, len(blocks) * 1000, f"starting {pool.slots} workers")
+    firsts: dict = {}                 # without a shared filesystem: the first layer of each build, for its probe
     for i in range(start // 2, spec.num_layers):
         keys = [spec.block_key(i, k) for k in ("attn", "mlp") if spec.block_key(i, k) not in measured]
         if keys:
             fan.keys[i] = keys
             fan.inputs[i] = ray.put(h.detach().cpu().numpy())
+            if not o.shared_fs:       # the layer's stored tensors travel with its task
+                first = spec.variant_first(i)
+                fan.tensors[i] = ray.put(layer_tensors(spec, i))
+                if first == i:        # (held for the whole measurement: one layer per build)
+                    firsts[i] = fan.tensors[i]
+                elif first not in firsts:
+                    firsts[first] = ray.put(layer_tensors(spec, first))
+                fan.probes[i] = [firsts[first]]
         t = time.monotonic()
         h = _reference_layer(spec, i, h, batches, device)
         release_memory()

@@ -12,9 +12,10 @@ from dataclasses import asdict
 
 import torch
 
-from . import gptq, job         # (gptq's and job's functions by module: tests wrap them)
+from . import gptq         # (gptq's functions by module: tests wrap them)
 from .common import block_linears, model_blocks, rel_err_tokens, release_memory, row_batches
-from .gptq import EXL2_PERCDAMP, GPTQ_PERCDAMP, proxy_error_of_rows, proxy_rows, quantize_exl2, quantize_gptq
+from .gptq import EXL2_PERCDAMP, GPTQ_PERCDAMP, quantize_exl2
+from .group_quant import GroupTask, Quantized, quantize_group, rows_error
 from .job import Work, save_tensors
 from .options import QuantOptions
 from .qparams import QParams, head_qparams
@@ -30,12 +31,20 @@ _TAIL_BYTES = 128 << 20
 
 
 def quantize_pass(spec, src, ids, ids_h, strategy, options_of, work: Work, o: QuantOptions, progress, report,
-                  h_ref_final: torch.Tensor | None = None) -> None:
+                  h_ref_final: torch.Tensor | None = None, pool=None) -> None:
     """The GPTQ pass, block by block on the quantized model's own hidden states, then the head and the two
-    calibration perplexities.  ``h_ref_final``: the FP16 model's last hidden state when the measurement of
+    calibration perplexities.  ``pool``: the run's ``distributed.Pool`` (None: one process), whose workers
+    quantize the groups that do not depend on each other (``distributed_quant``; the same bytes).  ``h_ref_final``: the FP16 model's last hidden state when the measurement of
     this run computed it (``measure.measure``); otherwise the FP16 trajectory is advanced here, one block forward
     more per block."""
-    _QuantizePass(spec, src, strategy, options_of, work, o, progress, report).run(ids, ids_h, h_ref_final)
+    qp = _QuantizePass(spec, src, strategy, options_of, work, o, progress, report)
+    if pool is not None:
+        from .distributed_quant import QuantFanout
+
+        qp.remote = QuantFanout(pool, o)
+    qp.run(ids, ids_h, h_ref_final)
+    if qp.remote is not None:
+        report.seconds.update({k: round(v, 3) for k, v in qp.remote.seconds.items()})
 
 
 class _QuantizePass:
@@ -52,6 +61,7 @@ class _QuantizePass:
         self.final = False
         self.ref_key = "h_ref"
         self.batches: list[slice] = []
+        self.remote = None                # distributed_quant.QuantFanout with a pool of Ray workers
 
     def run(self, ids, ids_h, h_ref_final: torch.Tensor | None) -> None:
         spec, src, o, work, progress, report = self.spec, self.src, self.o, self.work, self.progress, self.report
@@ -100,26 +110,55 @@ class _QuantizePass:
         release_memory()
         self.finish_report(ids, head)
 
-    def quantize_layer(self, i: int, kind: str, n: str, w, b, prep):
-        """Linear ``n`` of layer ``i``'s ``kind`` block, weight ``w`` float32 [N, K] and bias ``b``, quantized with
-        the prepared Hessian ``prep`` at the strategy's setting (EXL2) or the GPTQ options; its packed tensors go
-        to the work directory unless an earlier run of this job wrote them.  Returns (result, packed tensors)."""
-        spec, o, work = self.spec, self.o, self.work
-        key = spec.linear_key(i, n)
-        error = prep.H is not None           # (else the caller computes it once the Hessian is read back)
+    def group_task(self, i: int, kind: str, group, K: int) -> GroupTask:
+        """What quantizing ``group`` (linears of layer ``i``'s ``kind`` block sharing a K-feature input) needs
+        besides its arrays: the strategy's EXL2 plan of each linear (its override, else the block's option) or
+        the GPTQ settings, the damping and the order."""
+        spec, o = self.spec, self.o
+        plans = None
         if o.target == "exl2":
-            ov = self.strategy["overrides"].get(key)
-            qp = QParams.from_json(ov, key) if ov is not None else \
-                self.options_of(kind)[self.strategy["options"][spec.block_key(i, kind)]].get(n)
-            r = quantize_exl2(w, prep, qp.bits_rows(w.shape[1]), bool(o.refine_scales), error=error)
-        else:
-            r = quantize_gptq(w, prep, o.bits, o.group_size, sym=o.sym, error=error)
-        bias = None if b is None else b.cpu().numpy()
-        tensors = r.tensors(bias)
-        path = work.layer_path(key)
-        if not path.exists() or key not in work.job["quantized"]:
-            save_tensors(path, tensors)
-        return r, tensors
+            plans = []
+            for n in group:
+                key = spec.linear_key(i, n)
+                ov = self.strategy["overrides"].get(key)
+                qp = QParams.from_json(ov, key) if ov is not None else \
+                    self.options_of(kind)[self.strategy["options"][spec.block_key(i, kind)]].get(n)
+                plans.append(tuple(qp.bits_rows(K)))
+            plans = tuple(plans)
+        gs = _gptq_groups(o, K)
+        return GroupTask(names=tuple(group), keys=tuple(spec.linear_key(i, n) for n in group), target=o.target,
+                         plans=plans, refine_scales=bool(o.refine_scales),
+                         gptq=None if o.target == "exl2" else (int(o.bits), int(o.group_size), bool(o.sym)),
+                         prepare=dict(percdamp=self.damp, act_order=o.act_order,
+                                      within_groups=gs if o.order == "group" else None,
+                                      fixed_groups=gs if o.order == "static" else None),
+                         rows_error=rows_error(K, self.device))
+
+    def take(self, q: Quantized, bi: int, W, lin, blk) -> None:
+        """A quantized linear of block ``bi`` (made here or by a worker): its packed tensors to the work directory
+        (unless an earlier run of this job wrote them), its reconstruction swapped into ``lin``, the float32
+        original freed where no FP16 forward of it follows."""
+        spec, work, progress = self.spec, self.work, self.progress
+        i, kind = self.blocks[bi]
+        path = work.layer_path(q.key)
+        if not path.exists() or q.key not in work.job["quantized"]:
+            save_tensors(path, q.tensors)
+        q.tensors = None
+        b = W[q.name][1]
+        lin[q.name] = dense_linear(q.hat if q.hat.dtype == torch.float32 else q.hat.float(), b)
+        q.hat = None
+        # no FP16 forward of this layer follows (the trajectory was handed over; not MoE, whose dense sweep
+        # after the block counts the routed tokens): the float32 original is not needed again (freed before
+        # down_proj is factored)
+        if self.final and not spec.is_moe(i) and blk.drop_linear(q.name):
+            W[q.name] = (None, b)
+        if progress:
+            progress("quantize", bi * 10 + 1 + block_linears(spec, kind, i).index(q.name), len(self.blocks) * 10,
+                     q.key)
+
+    def record_errors(self, done: list[Quantized]) -> None:
+        for q in done:
+            self.work.job.setdefault("layers", {})[q.key] = asdict(LayerResult(q.key, q.plan, q.bpw, q.error))
 
     def block(self, bi: int) -> None:
         """Quantize block ``bi`` (its linears group by group), record its results in the job, and move ``h`` (and
@@ -133,8 +172,11 @@ class _QuantizePass:
         lin = {n: dense_linear(w, b) for n, (w, b) in W.items()}
         y_d = None
         groups = spec.groups(kind, i)        # linears sharing an input, in the order the forward runs them
-        for gi in range(len(groups)):
-            y_d, lin = self.group(blk, bi, groups, gi, W, lin, y_d)
+        if self.remote is not None and spec.is_moe(i) and kind == "mlp":
+            y_d = self.remote.moe_block(self, bi, blk, W, lin, self.h)     # the experts on the workers
+        else:
+            for gi in range(len(groups)):
+                y_d, lin = self.group(blk, bi, groups, gi, W, lin, y_d)
         h = self.h
         y_q = blk.finish(h, lin)                 # the MLP half replays this (quantized) attention result
         if blk.expert_tokens is not None:    # MoE: the tokens per expert are reported from the dense sweep's routing
@@ -144,8 +186,9 @@ class _QuantizePass:
             "block": key, "option": None if self.strategy is None else self.strategy["options"].get(key),
             "rfn_error": rel_err_tokens(y_q, y_d)}
         if blk.expert_tokens is not None:      # MoE: calibration tokens routed to each expert (quantized model)
+            # (in the block's order of linears, however the pass took its groups: the workers' waves)
             work.job["blocks"][key].update(expert_tokens=blk.expert_tokens, expert_hessian_padded={
-                spec.linear_key(i, n): pad for n, pad in blk.padded.items() if pad})
+                spec.linear_key(i, n): blk.padded[n] for n in blk.names if blk.padded.get(n)})
         for n in blk.names:
             k = spec.linear_key(i, n)
             if k not in work.job["quantized"]:
@@ -186,39 +229,18 @@ class _QuantizePass:
                 lin = {n: lin[n] for n in group}   # reconstructions are done with
         else:                            # a later group's only needs its input: the forward stops there
             blk.sweep(h, lin, {owner: acc}, stop_at=owner)
-        gs = _gptq_groups(o, W[owner][0].shape[1])
-        # on the CPU the Hessian waits in the work directory while it is factored and its linears swept (K x K
-        # float32, a third of the factorization's peak); the proxy errors are
-        # computed once it is read back, from the rows they read of each weight and reconstruction
-        spill = work.root / "hessian.safetensors" if (job.SPILL_HESSIANS and self.device.type == "cpu"
-                                                      and K * K * 4 >= job.SPILL_MIN_BYTES) else None
-        prep = gptq.prepare(job.spilled(acc.take(), spill), percdamp=self.damp, act_order=o.act_order,  # one a group
-                            within_groups=gs if o.order == "group" else None,
-                            fixed_groups=gs if o.order == "static" else None, keep_hessian=spill is None)
+        if self.remote is not None and len(group) > 1:     # q/k/v, gate/up: one worker each
+            self.remote.group(self, bi, group, acc.take(), W, lin, blk)
+            return y_d, lin
+        # on the CPU a large Hessian waits in the work directory while it is factored and its linears swept (K x K
+        # float32, a third of the factorization's peak); the proxy errors are computed once it is read back
+        task = self.group_task(i, kind, group, K)
+        spill = work.root / "hessian.safetensors" if task.rows_error else None
+        weights = [W[n] for n in group]
+        done = quantize_group(task, acc.take(), weights, spill,
+                              on_linear=lambda q: self.take(q, bi, W, lin, blk))
         del acc
-        done: list[tuple] = []           # (key, plan, bpw, error or the rows it is computed from)
-        for n in group:
-            w, b = W[n]
-            r, packed = self.quantize_layer(i, kind, n, w, b, prep)
-            lin[n] = dense_linear(r.weight_hat, b)
-            N = w.shape[0]
-            probe = r.error if spill is None else (w[proxy_rows(N)].clone(), r.weight_hat[proxy_rows(N)].clone())
-            # no FP16 forward of this layer follows (the trajectory was handed over; not MoE, whose dense
-            # sweep below counts the routed tokens): the float32 original is not needed again (freed before
-            # down_proj is factored)
-            w = None
-            if self.final and not spec.is_moe(i) and blk.drop_linear(n):
-                W[n] = (None, b)
-            done.append((spec.linear_key(i, n), plan_of(r), bpw_of(packed, N), probe))
-            if progress:
-                progress("quantize", bi * 10 + 1 + block_linears(spec, kind, i).index(n), len(self.blocks) * 10,
-                         done[-1][0])
-        if spill is not None:            # the factor and sweep are done with: the Hessian back for the errors
-            prep = r = packed = None
-            H = job.unspilled(spill, K)
-        for lk, plan, bpw, probe in done:
-            err = probe if spill is None else proxy_error_of_rows(*probe, H)
-            work.job.setdefault("layers", {})[lk] = asdict(LayerResult(lk, plan, bpw, err))
+        self.record_errors(done)
         return y_d, lin
 
     def head(self, head_name: str, b):

@@ -85,6 +85,9 @@ class QuantOptions:
     # ``device``, of that cluster).  Neither changes a byte of the output, so neither is in the fingerprint
     workers: int | None = None
     ray_address: str | None = None
+    # False (``--no-shared-fs``): the workers never open the source; the driver reads each layer's tensors and
+    # ships them through Ray's object store (the quantize pass ships its weights that way in either case)
+    shared_fs: bool = True
 
     @property
     def quantized_head(self) -> bool:
@@ -93,7 +96,8 @@ class QuantOptions:
 
     @property
     def distributed(self) -> bool:
-        """The measurement runs on Ray workers (``workers`` or ``ray_address`` given)."""
+        """The measurement and the quantize pass's independent groups run on Ray workers (``workers`` or
+        ``ray_address`` given)."""
         return self.workers is not None or bool(self.ray_address)
 
     def resolved(self) -> "QuantOptions":
@@ -156,7 +160,7 @@ class QuantOptions:
     def fingerprint(self) -> dict:
         """What a resumed run must share with the interrupted one (paths and cosmetics excluded)."""
         d = asdict(self)
-        for k in ("resume", "work_dir", "save_measurement", "shard_size", "workers", "ray_address"):
+        for k in ("resume", "work_dir", "save_measurement", "shard_size", "workers", "ray_address", "shared_fs"):
             d.pop(k)
         return d
 
@@ -209,11 +213,11 @@ def resolve_head_bits(o: "QuantOptions", tied: bool) -> int | None:
 
 
 def _check_cluster_options(o: "QuantOptions") -> None:
-    """``workers``: a whole number from 1 to 1024; ``ray_address``: HOST:PORT (a port 1-65535) or "auto"; either
-    only for EXL2 (what they distribute is the measurement)."""
-    if o.distributed and o.target != "exl2":
-        raise Exl2Error(ErrorCode.USAGE, "--workers / --ray-address distribute the EXL2 measurement: they apply "
-                        f"only to --to exl2, not --to {o.target}")
+    """``workers``: a whole number from 1 to 1024; ``ray_address``: HOST:PORT (a port 1-65535) or "auto";
+    ``shared_fs`` False only with one of them."""
+    if not o.shared_fs and not o.distributed:
+        raise Exl2Error(ErrorCode.USAGE, "--no-shared-fs says how Ray workers get the weights: it needs --workers "
+                        "or --ray-address")
     if o.workers is not None:
         if isinstance(o.workers, bool) or not isinstance(o.workers, (int, np.integer)) or not 1 <= o.workers <= 1024:
             raise Exl2Error(ErrorCode.USAGE, f"--workers must be a whole number from 1 to 1024, got {o.workers!r}")

@@ -94,17 +94,19 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
     if o.device.startswith("cuda") and not torch.cuda.is_available():
         raise Exl2Error(ErrorCode.USAGE, f"--device {o.device}: torch {torch.__version__} sees no CUDA device")
     if o.distributed:                # the extra installed, the cluster's head reachable: before any work
-        require("distributed", "--workers / --ray-address (the distributed measurement)")
+        require("distributed", "--workers / --ray-address (distributed quantization)")
         from .distributed import check_address
         check_address(o)
     model = open_model(src_p)
     froze = False
     pool = None
     try:
-        if o.distributed and o.target == "exl2" and not o.measurement:
-            # Ray and its workers start in the background now, while this process sets up and tokenizes
-            from .distributed import Pool
-            pool = Pool(o, str(src_p.resolve()))
+        if o.distributed:
+            # Ray and its workers start in the background now, while this process sets up and tokenizes; they
+            # measure (EXL2) and quantize the quantize pass's independent groups
+            from .distributed import Pool, catalog_of
+            pool = Pool(o, str(src_p.resolve()), catalog_of(model), model.config,
+                        measure=o.target == "exl2" and not o.measurement)
         config = model.config
         if config is None:
             raise Exl2Error(ErrorCode.CONFIG_MISSING, "the quantizer needs config.json", file=str(src_p))
@@ -152,10 +154,10 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, options: Quan
         if o.target == "exl2":
             measured, strategy, h_ref_final = _measure_and_optimize(spec, srcw, ids, ids_h, options_of, work, o,
                                                                     progress, report, loaded, src_p, pool)
-        if pool is not None:          # (the workers' memory back before the quantize pass)
-            pool.close()
         t = time.monotonic()
-        quantize_pass(spec, srcw, ids, ids_h, strategy, options_of, work, o, progress, report, h_ref_final)
+        quantize_pass(spec, srcw, ids, ids_h, strategy, options_of, work, o, progress, report, h_ref_final, pool)
+        if pool is not None:
+            pool.close()
         h_ref_final = None
         release_memory()                 # the head's work matrices: hand the pages back before compiling
         report.seconds["quantize"] = time.monotonic() - t
@@ -197,7 +199,8 @@ def _measure_and_optimize(spec, srcw, ids, ids_h, options_of, work: Work, o: Qua
     """The EXL2 strategy: measured (or read from ``o.measurement``, ``loaded``) and optimized once per job, the
     measurement saved where asked.  Returns (measured, strategy, the FP16 trajectory's end when this run
     measured).  With ``o.distributed`` the measurement runs on Ray workers (``distributed``; ``pool``: the run's
-    ``distributed.Pool``, started early), which read the source at ``src_p`` themselves."""
+    ``distributed.Pool``, started early), which read the source at ``src_p`` themselves (or are shipped each
+    layer's tensors: ``o.shared_fs`` False)."""
     t = time.monotonic()
     h_ref_final = None
     if o.measurement:

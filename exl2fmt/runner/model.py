@@ -289,6 +289,16 @@ class HFModel:
     def layer_expert_names(self, i: int) -> tuple[str, ...]:
         return self.expert_names if self.is_moe(i) else ()
 
+    def variant_first(self, i: int) -> int:
+        """The first layer of layer ``i``'s build (the one ``structure_of(i)`` probes)."""
+        return self._v_first[self.variant_of[i]]
+
+    def probe_layer(self, i: int) -> int | None:
+        """The layer whose weights ``structure_of(i)`` still has to run (the first layer of ``i``'s build), or None
+        once that build is probed."""
+        v = self.variant_of[i]
+        return None if self._v_structure[v] is not None else self._v_first[v]
+
     def structure_of(self, i: int) -> "_Structure":
         """The structure of layer ``i``'s build (variant), probed on the variant's first layer on first use."""
         v = self.variant_of[i]
