@@ -38,6 +38,7 @@ QUANT_EXAMPLES = {
     "measure_precision": (["--measure-precision", "fp32"], "fp32"),
     "workers": (["--workers", "2"], 2),
     "ray_address": (["--ray-address", "127.0.0.1:6379"], "127.0.0.1:6379"),
+    "shared_fs": (["--no-shared-fs"], False),
 }
 CONVERT_EXAMPLES = {
     "bits": (["--bits", "4"], 4),
