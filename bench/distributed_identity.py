@@ -15,6 +15,15 @@ the fixture and on a bigger synthetic llama (``--big HIDDENxLAYERS``, default 51
 
     python bench/distributed_identity.py --out /tmp/dist.json [--scaling --repeat 2] [--only fixture|moe|big]
     python bench/distributed_identity.py --out /tmp/scal.json --scaling --no-identity --repeat 3   # the ratios
+
+``--quantize``: the distributed quantize pass (the experts of a MoE block, q/k/v and gate/up on the workers):
+byte identity of exl2 and gptq on the tiny Mixtral for one process, --workers 1, 2, 3 and --workers 2, 3
+--no-shared-fs; with ``--scaling`` the quantize pass's seconds, single-threaded, one process / --workers 1 / 2
+interleaved on a bigger Mixtral (``--moe-big HIDDENxEXPERTSxLAYERS``, default 512x8x4; EXL2 from a saved
+measurement, so the run is the quantize pass alone):
+
+    python bench/distributed_identity.py --quantize --out /tmp/q.json                                 # identity
+    python bench/distributed_identity.py --quantize --scaling --no-identity --repeat 3 --out /tmp/qs.json
 """
 
 from __future__ import annotations
@@ -75,11 +84,11 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def convert(src: Path, dst: Path, args: list[str], env: dict | None = None, kill_after: float | None = None
-            ) -> dict:
+def convert(src: Path, dst: Path, args: list[str], env: dict | None = None, kill_after: float | None = None,
+            to: tuple[str, ...] = ("--to", "exl2", "--bits", "4.0")) -> dict:
     """One run; returns {"hashes", "seconds", "warnings", "killed"}.  ``kill_after``: once a worker has run a
     measure_layer task for that many seconds, SIGKILL it (a process this run started)."""
-    cmd = [str(BIN / "exl2fmt"), "convert", str(src), str(dst), "--to", "exl2", "--bits", "4.0", "--seed", "0",
+    cmd = [str(BIN / "exl2fmt"), "convert", str(src), str(dst), *to, "--seed", "0",
            "--device", "cpu", "--force", "--json", *args]
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})},
@@ -221,6 +230,103 @@ def print_scaling(res: dict) -> None:
                 print(f"{key.split('/')[0]} {label} (best round), measurement's parts in s: {parts}")
 
 
+# ------------------------------------------------------------------------------------------------ the quantize pass
+
+TARGETS = {"exl2": ("--to", "exl2", "--bits", "5.0"), "gptq": ("--to", "gptq", "--bits", "4")}
+
+
+def make_moe_big(where: Path, spec: str) -> tuple[Path, list[str]]:
+    """A seeded random Mixtral ``HIDDENxEXPERTSxLAYERS`` (experts ``HIDDEN`` wide, top 2, 8 heads, vocabulary
+    2048); calibration 8 x 128 random ids."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import make_tiny, width_dims
+
+    hidden, experts, layers = (int(x) for x in spec.split("x"))
+    d = make_tiny("mixtral", where / f"mixtral-{spec}", **{**width_dims("mixtral", hidden, 2048),
+                  "num_hidden_layers": layers, "num_local_experts": experts, "num_experts_per_tok": 2})
+    ids = where / "ids-moe-big.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 2048, (8, 128)))
+    return d, ["--calibration", str(ids), "--rows", "8", "--length", "128"]
+
+
+QUANT_RUNS = (("one-process", []), ("--workers 1", ["--workers", "1"]), ("--workers 2", ["--workers", "2"]),
+              ("--workers 3", ["--workers", "3"]), ("--workers 2 --no-shared-fs", ["--workers", "2", "--no-shared-fs"]),
+              ("--workers 3 --no-shared-fs", ["--workers", "3", "--no-shared-fs"]))
+
+
+def identity_quant(name: str, src: Path, args: list[str], tmp: Path) -> dict:
+    """EXL2 (measurement and quantize pass) and GPTQ, one process against every ``QUANT_RUNS`` row."""
+    out = {}
+    for target, to in TARGETS.items():
+        runs = {label: convert(src, tmp / f"{name}-{target}", [*args, *extra], to=to) for label, extra in QUANT_RUNS}
+        ref = runs["one-process"]["hashes"]
+        for label, r in runs.items():
+            print(f"{name} {target} {label:28s} {'identical' if r['hashes'] == ref else 'DIFFERENT'}  quantize "
+                  f"{r['seconds'].get('quantize', 0):6.1f} s  total {r['seconds'].get('total', 0):6.1f} s", flush=True)
+        out[target] = {label: {"identical": r["hashes"] == ref, "seconds": r["seconds"]} for label, r in runs.items()}
+    return out
+
+
+def scaling_quant(name: str, src: Path, args: list[str], tmp: Path, repeat: int, targets: list[str]) -> dict:
+    """The quantize pass (the report's ``seconds.quantize``: for EXL2 from a saved measurement, so the run is
+    the quantize pass alone) with every process single-threaded: one process, --workers 1, --workers 2,
+    interleaved, ``repeat`` rounds."""
+    one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+    res = {}
+    for target in targets:
+        extra = list(args)
+        if target == "exl2":
+            m = tmp / f"{name}-measurement.json"
+            if not m.exists():
+                convert(src, tmp / f"{name}-m", [*args, "--save-measurement", str(m)], env=one, to=TARGETS[target])
+            extra += ["--measurement", str(m)]
+        runs: dict[str, list] = {label: [] for label, _ in SCALING_RUNS}
+        hashes = {}
+        for _ in range(repeat):
+            for label, w in SCALING_RUNS:
+                r = convert(src, tmp / f"{name}-q", [*extra, *w], env=one, to=TARGETS[target])
+                runs[label].append({**r["seconds"], "wall": r["wall"], "load": os.getloadavg()[0]})
+                hashes.setdefault(label, r["hashes"])
+                print(f"{name} {target} single-threaded {label:12s} quantize {r['seconds']['quantize']:6.1f} s  "
+                      f"total {r['seconds']['total']:6.1f} s  load {os.getloadavg()[0]:.1f}", flush=True)
+        res[target] = {"runs": runs, "identical": all(h == hashes["one-process"] for h in hashes.values())}
+    return res
+
+
+def print_scaling_quant(name: str, res: dict) -> None:
+    print("\n| model | target | run | quantize (min) | --workers 1 / this | one process / this | rounds | load |")
+    print("|---|---|---|---:|---:|---:|---:|---|")
+    for target, v in res.items():
+        m = {label: min(r["quantize"] for r in rs) for label, rs in v["runs"].items()}
+        for label, rs in v["runs"].items():
+            loads = [r["load"] for r in rs]
+            print(f"| {name} | {target} | {label} | {m[label]:.1f} s | {m['--workers 1'] / m[label]:.2f}x | "
+                  f"{m['one-process'] / m[label]:.2f}x | {len(rs)} | {min(loads):.1f}-{max(loads):.1f} |")
+        print(f"| {name} | {target} | outputs identical across the three | {v['identical']} | | | | |")
+        best = min(v["runs"]["--workers 2"], key=lambda r: r["quantize"])
+        print(f"{name} {target} --workers 2 (best round), the pass's parts in s: "
+              f"{ {k: round(x, 1) for k, x in best.items() if k.startswith('quantize/')} }")
+
+
+def quantize_main(a) -> None:
+    """``--quantize``: identity of the distributed quantize pass on the tiny MoE model (exl2 and gptq, N = 1, 2,
+    3, with and without --no-shared-fs), then its scaling on ``--moe-big`` (``--no-identity``: scaling only)."""
+    res: dict = {"load_before": os.getloadavg()}
+    with tempfile.TemporaryDirectory(prefix="exl2fmt-distq-") as t:
+        tmp = Path(t)
+        if not a.no_identity:
+            res["moe/identity"] = identity_quant("moe", *make_moe(tmp), tmp)
+        if a.scaling:
+            src, args = make_moe_big(tmp, a.moe_big)
+            res["moe-big/scaling"] = scaling_quant(f"mixtral-{a.moe_big}", src, args, tmp, a.repeat,
+                                                   a.targets.split(","))
+            print_scaling_quant(f"mixtral-{a.moe_big}", res["moe-big/scaling"])
+    res["load_after"] = os.getloadavg()
+    Path(a.out).write_text(json.dumps(res, indent=1, default=str))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -230,7 +336,13 @@ def main() -> None:
     ap.add_argument("--no-identity", action="store_true")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--port", type=int, default=6399)
+    ap.add_argument("--quantize", action="store_true", help="the distributed quantize pass (quantize_main)")
+    ap.add_argument("--moe-big", default="512x8x4", help="--quantize --scaling: the Mixtral HIDDENxEXPERTSxLAYERS")
+    ap.add_argument("--targets", default="gptq,exl2", help="--quantize --scaling: which targets to time")
     a = ap.parse_args()
+    if a.quantize:
+        quantize_main(a)
+        return
     res: dict = {"load_before": os.getloadavg()}
     with tempfile.TemporaryDirectory(prefix="exl2fmt-dist-") as t:
         tmp = Path(t)

@@ -211,7 +211,7 @@ class Pool:
             self.actor_class = ray.remote(MeasureWorker).options(**opts)
             self.setup_ctx = ray.put(self.context())
             for _ in range(self.slots):
-                self.actors.append(self.new_actor())
+                self.new_actor()
         except BaseException as e:         # (raised again in the caller's thread by ready())
             self.error = e
         self.seconds = time.monotonic() - t0
@@ -228,9 +228,15 @@ class Pool:
                        shared_fs=shared, catalog=self.catalog if ship else None, config=self.config if ship else None)
 
     def new_actor(self) -> tuple:
-        """A new actor and its set-up call (it opens the model while the driver works)."""
+        """A new actor and its set-up call (it opens the model while the driver works), counted among the
+        pool's live ``actors``."""
         a = self.actor_class.remote()
-        return a, a.setup.remote(self.setup_ctx)
+        self.actors.append((a, a.setup.remote(self.setup_ctx)))
+        return self.actors[-1]
+
+    def forget(self, actor) -> None:
+        """``actor``'s process is gone: no longer one of the pool's ``actors``."""
+        self.actors = [(a, r) for a, r in self.actors if a is not actor]
 
     def ready(self) -> "Pool":
         self.started.wait()
@@ -636,6 +642,7 @@ class _Fanout:
                     self.queue.append(j)
         if actor in self.idle:
             self.idle.remove(actor)
+        self.pool.forget(actor)
         self.replaced += 1
         if self.replaced > MAX_ATTEMPTS * self.slots:
             raise Exl2Error(ErrorCode.WORKER_LOST, f"{self.replaced} workers were lost, the last one during "

@@ -16,7 +16,8 @@ activations), and the driver runs every forward sweep itself.  What it hands to 
   down_proj) stays on the driver (nothing to overlap it with, and it would cost a transfer).
 
 A task ships its Hessian (float32 [K, K]) and its weights (float32 [N, K] each), put into Ray's object store by
-the driver (which holds the layer's weights for its own sweeps anyway: workers never read the source here), and
+the driver (which holds the layer's weights for its own sweeps anyway: workers never read the source here) as
+soon as its sweep made the Hessian, so the workers start while the driver sweeps the next chunk, and
 returns per linear its packed tensors, its reconstruction in float16 (exact: it holds fp16 values), its plan, bpw
 and proxy error.  Results are taken in the order they arrive; what they change (``lin``, the work directory's
 layer files, job.json) does not depend on that order.  A worker lost in a task has the task run again elsewhere
@@ -62,21 +63,32 @@ class QuantFanout:
         self.ctx_ref = self.ray.put(Context(None, o, versions(), pool.threads, shared_fs=False))
         self.idle = [a for a, _ in pool.actors]
         self.inflight: dict = {}          # ObjectRef -> (task index, actor)
+        self.items: dict = {}             # task index -> (task, Hessian ref, weights, on_result) until taken
+        self.queue: list = []             # task indices waiting for an idle worker
+        self.attempts: dict = {}          # task index -> lost attempts so far
+        self.count = 0
         self.replaced = 0
         self.seconds = {"quantize/worker_tasks": 0.0, "quantize/driver_wait": 0.0, "quantize/put": 0.0}
 
     # ---------------------------------------------------------------------------------------------- dispatch
-    def run(self, items: list, on_result) -> None:
-        """Run ``items`` [(GroupTask, Hessian ObjectRef, [(weight ref, bias ref)])] on the workers, calling
-        ``on_result(index, [Quantized])`` as each comes back (in any order)."""
-        queue = list(range(len(items)))
-        attempts: dict[int, int] = {}
-        while queue or self.inflight:
-            while queue and self.idle:
-                k, a = queue.pop(0), self.idle.pop(0)
-                task, H, weights = items[k]
-                ref = a.quantize_group.remote(self.ctx_ref, task, H, weights, attempts.get(k, 0))
-                self.inflight[ref] = (k, a)
+    def submit(self, task, H_ref, weights, on_result) -> None:
+        """Queue one group task (its ``GroupTask``, the Hessian's object reference, [(weight reference, bias)])
+        and hand queued tasks to idle workers; ``on_result([Quantized])`` runs when it comes back."""
+        k = self.count
+        self.count += 1
+        self.items[k] = (task, H_ref, weights, on_result)
+        self.queue.append(k)
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        while self.queue and self.idle:
+            k, a = self.queue.pop(0), self.idle.pop(0)
+            task, H, weights, _ = self.items[k]
+            self.inflight[a.quantize_group.remote(self.ctx_ref, task, H, weights, self.attempts.get(k, 0))] = (k, a)
+
+    def drain(self, limit: int = 0) -> None:
+        """Take results back (in the order they arrive) until at most ``limit`` tasks are queued or running."""
+        while len(self.queue) + len(self.inflight) > limit:
             t = time.monotonic()
             ready, _ = self.ray.wait(list(self.inflight), num_returns=1)
             self.seconds["quantize/driver_wait"] += time.monotonic() - t
@@ -84,8 +96,9 @@ class QuantFanout:
             try:
                 res = self.ray.get(ready[0])
             except lost_errors(self.ray) as e:
-                queue.insert(0, k)
-                self.lost(k, actor, items[k][0], e, attempts)
+                self.queue.insert(0, k)
+                self.lost(k, actor, self.items[k][0], e, self.attempts)
+                self.dispatch()
                 continue
             except self.ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None)
@@ -93,8 +106,10 @@ class QuantFanout:
                     raise cause from None
                 raise
             self.idle.append(actor)
+            self.dispatch()
             self.seconds["quantize/worker_tasks"] += res["seconds"]
-            on_result(k, [_back(q) for q in res["done"]])
+            on_result = self.items.pop(k)[3]
+            on_result([_back(q) for q in res["done"]])
 
     def lost(self, k: int, actor, task, e: BaseException, attempts: dict) -> None:
         what = ", ".join(task.keys)
@@ -103,6 +118,7 @@ class QuantFanout:
         if n >= MAX_ATTEMPTS or self.replaced > MAX_ATTEMPTS * self.pool.slots:
             raise Exl2Error(ErrorCode.WORKER_LOST, f"{what}: its worker was lost {n} times ({type(e).__name__})",
                             tensor=task.keys[0]) from None
+        self.pool.forget(actor)
         a, _ = self.pool.new_actor()
         self.idle.append(a)
 
@@ -123,14 +139,11 @@ class QuantFanout:
         K = H.shape[0]
         H_ref = self.put(H.cpu().numpy())
         del H
-        items = [(qp.group_task(i, kind, (n,), K), H_ref, self._weights(W, (n,))) for n in group]
         done: list[Quantized] = []
-
-        def took(k, qs):
-            for q in qs:
-                qp.take(q, bi, W, lin, blk)
-            done.extend(qs)
-        self.run(items, took)
+        took = self._taker(qp, bi, W, lin, blk, done)
+        for n in group:
+            self.submit(qp.group_task(i, kind, (n,), K), H_ref, self._weights(W, (n,)), took)
+        self.drain(0)
         qp.record_errors(done)
 
     def moe_block(self, qp, bi: int, blk, W, lin, h: torch.Tensor):
@@ -143,7 +156,8 @@ class QuantFanout:
             wave = [c[j] for c in ch if len(c) > j]
             Ks = {g[0]: W[g[0]][0].shape[1] for g in wave}
             by_owner = {g[0]: g for g in wave}
-            items = []
+            done: list[Quantized] = []
+            took = self._taker(qp, bi, W, lin, blk, done)
             for chunk in hessian_chunks([g[0] for g in wave], Ks):
                 accs = {ow: gptq.HessianAccumulator(Ks[ow], qp.device) for ow in chunk}
                 y = blk.sweep(h, lin, accs)
@@ -153,19 +167,24 @@ class QuantFanout:
                 for ow in chunk:
                     g = by_owner[ow]
                     H = accs.pop(ow).take()
-                    items.append((qp.group_task(i, kind, g, Ks[ow]), self.put(H.cpu().numpy()), self._weights(W, g)))
+                    self.submit(qp.group_task(i, kind, g, Ks[ow]), self.put(H.cpu().numpy()), self._weights(W, g),
+                                took)
                     del H
                 release_memory()
-            done: list[Quantized] = []
-
-            def took(k, qs):
-                for q in qs:
-                    qp.take(q, bi, W, lin, blk)
-                done.extend(qs)
-            self.run(items, took)
+                # results swapped in from here on change no later Hessian of this wave (module docstring); at
+                # most one task per worker stays queued while the next chunk is swept (the store's bound)
+                self.drain(self.pool.slots)
+            self.drain(0)             # the next wave's Hessians read this wave's results
             qp.record_errors(done)
-            del items
         return y_d
+
+    @staticmethod
+    def _taker(qp, bi, W, lin, blk, done: list):
+        def took(qs):
+            for q in qs:
+                qp.take(q, bi, W, lin, blk)
+            done.extend(qs)
+        return took
 
 
 def _back(q: Quantized) -> Quantized:
