@@ -478,6 +478,9 @@ def quantize_group(ctx: Context, task, H: np.ndarray, weights: list, attempt: in
     t0 = time.monotonic()
     where = f"{socket.gethostname()} pid {os.getpid()}"
     _worker_checked(ctx)
+    if not _WORKER.get("frozen"):    # (as _worker_spec: each task's gc.collect then walks only what it made)
+        gc.freeze()
+        _WORKER["frozen"] = True
     if attempt == 0:
         fault_point(f"quantize-{task.keys[0]}")
     device = torch.device(_worker_options(ctx.options).device)
