@@ -156,6 +156,30 @@ def test_a_layer_measured_from_shipped_tensors_is_the_layer_measured_from_the_fi
 
 
 @needs_ray
+def test_a_worker_that_quantizes_the_probe_to_other_bits_is_refused():
+    """The quantize pass's tasks carry the driver's digest of a fixed GPTQ problem; a worker whose digest
+    differs (other libraries or hardware) stops the run instead of writing other bits."""
+    from exl2fmt.quant import distributed as D
+    from exl2fmt.quant.group_quant import GroupTask, probe_digest
+
+    task = GroupTask(("w",), ("k.w",), "gptq", None, False, (4, 128, True), dict(percdamp=0.01, act_order=True))
+    H = np.eye(128, dtype=np.float32)
+    w = [(np.full((128, 128), 0.01, np.float32), None)]
+    o = _opts(None).resolved()
+    D._WORKER.clear()
+    try:
+        ctx = D.Context(None, o, D.versions(), D.thread_counts(), shared_fs=False, probe="0" * 32)
+        with pytest.raises(Exl2Error) as e:
+            D.quantize_group(ctx, task, H, list(w))
+        assert e.value.code is ErrorCode.CLUSTER_MISMATCH and "other bits" in e.value.message
+        ok = D.quantize_group(D.Context(None, o, D.versions(), D.thread_counts(), shared_fs=False,
+                                        probe=probe_digest("cpu")), task, H, list(w))
+        assert [q.key for q in ok["done"]] == ["k.w"] and ok["done"][0].hat.dtype == np.float16
+    finally:
+        D._WORKER.clear()
+
+
+@needs_ray
 def test_gptq_on_workers_without_a_shared_filesystem_gives_the_one_process_bytes(moe, tmp_path, monkeypatch):
     """GPTQ of a MoE model on 2 workers shipped only what they need (the quantize pass never opens the source):
     the experts (waves) and q/k/v (one linear per worker) are quantized on the workers, and every output file

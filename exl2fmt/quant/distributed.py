@@ -73,6 +73,7 @@ class Context:
     shared_fs: bool = True
     catalog: dict | None = None
     config: dict | None = None
+    probe: str | None = None          # the driver's group_quant.probe_digest (the quantize pass's tasks)
 
 
 # ------------------------------------------------------------------------------------------------ the environment
@@ -478,6 +479,14 @@ def quantize_group(ctx: Context, task, H: np.ndarray, weights: list, attempt: in
     t0 = time.monotonic()
     where = f"{socket.gethostname()} pid {os.getpid()}"
     _worker_checked(ctx)
+    if ctx.probe is not None and _WORKER.get("probe") != ctx.probe:
+        from .group_quant import probe_digest
+
+        if probe_digest(str(_worker_options(ctx.options).device)) != ctx.probe:
+            raise Exl2Error(ErrorCode.CLUSTER_MISMATCH, f"the worker {where} quantizes a test problem to other bits "
+                            "than the driver (other CPU or GPU model, BLAS, or thread settings), so the output "
+                            "would differ from a one-process run")
+        _WORKER["probe"] = ctx.probe
     if not _WORKER.get("frozen"):    # (as _worker_spec: each task's gc.collect then walks only what it made)
         gc.freeze()
         _WORKER["frozen"] = True

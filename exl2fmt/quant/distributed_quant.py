@@ -36,7 +36,7 @@ from ..errors import ErrorCode, Exl2Error
 from . import gptq
 from .common import release_memory
 from .distributed import MAX_ATTEMPTS, Context, lost_errors, versions
-from .group_quant import Quantized
+from .group_quant import Quantized, probe_digest
 from ..runner.moe import hessian_chunks
 
 __all__ = ["QuantFanout", "chains"]
@@ -60,7 +60,9 @@ class QuantFanout:
     def __init__(self, pool, o):
         self.pool, self.o = pool.ready(), o
         self.ray = pool.ray
-        self.ctx_ref = self.ray.put(Context(None, o, versions(), pool.threads, shared_fs=False))
+        # (the driver's bits of a small fixed problem: a worker that computes others stops the run)
+        self.ctx_ref = self.ray.put(Context(None, o, versions(), pool.threads, shared_fs=False,
+                                            probe=probe_digest(str(o.device))))
         self.idle = [a for a, _ in pool.actors]
         self.inflight: dict = {}          # ObjectRef -> (task index, actor)
         self.items: dict = {}             # task index -> (task, Hessian ref, weights, on_result) until taken

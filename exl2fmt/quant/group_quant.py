@@ -20,7 +20,7 @@ from . import gptq, job
 from .gptq import proxy_error_of_rows, proxy_rows, quantize_exl2, quantize_gptq
 from .report import bpw_of, plan_of
 
-__all__ = ["GroupTask", "Quantized", "quantize_group", "rows_error"]
+__all__ = ["GroupTask", "Quantized", "quantize_group", "rows_error", "probe_digest"]
 
 
 @dataclass(frozen=True)
@@ -104,3 +104,25 @@ def quantize_group(task: GroupTask, H: torch.Tensor, weights: list, spill: Path 
         for q in out:
             q.error, q.probe = proxy_error_of_rows(*q.probe, H), None
     return out
+
+
+def probe_digest(device: str = "cpu") -> str:
+    """A digest of a small fixed GPTQ problem (a seeded 256-feature Hessian, an EXL2 and a GPTQ linear through
+    ``quantize_group``): a worker whose libraries or hardware compute other bits than the driver's shows it here
+    before its results enter the output (``distributed_quant``; the measurement has its own check)."""
+    import hashlib
+
+    g = torch.Generator().manual_seed(36)
+    X = torch.randn((512, 256), generator=g)
+    H = (X.T @ X).div_(512).to(device)
+    w = (torch.randn((256, 256), generator=g) * 0.05).to(device)
+    h = hashlib.blake2b(digest_size=16)
+    for target in ("exl2", "gptq"):
+        task = GroupTask(("w",), ("w",), target, (((4, 128), (3, 128)),) if target == "exl2" else None, False,
+                         None if target == "exl2" else (4, 128, True), dict(percdamp=0.01, act_order=True))
+        for q in quantize_group(task, H.clone(), [(w, None)]):
+            h.update(q.hat.cpu().numpy().tobytes())
+            for k in sorted(q.tensors):
+                h.update(k.encode() + q.tensors[k].tobytes())
+            h.update(repr(q.error).encode())
+    return h.hexdigest()
