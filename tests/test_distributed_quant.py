@@ -149,7 +149,7 @@ def test_a_layer_measured_from_shipped_tensors_is_the_layer_measured_from_the_fi
     files = D.measure_layer(D.Context(str(src), o, D.versions(), D.thread_counts()), 1, h, [slice(0, 4)], 1, keys)
     D._WORKER.clear()
     ctx = D.Context(None, o, D.versions(), D.thread_counts(), shared_fs=False, catalog=cat, config=m.config)
-    shipped = D.measure_layer(ctx, 1, h, [slice(0, 4)], 1, keys, 0, second, [first])
+    shipped = D.measure_layer(ctx, 1, h, [slice(0, 4)], 1, keys, 0, second, {0: first})
     D._WORKER.clear()
     assert shipped["rows"] == files["rows"] and shipped["digest"] == files["digest"]
     assert set(files["rows"]) == set(keys)

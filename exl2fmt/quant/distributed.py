@@ -363,7 +363,7 @@ def _digest(h: torch.Tensor) -> str:
 
 
 def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: int, keys: list[str],
-                  attempt: int = 0, tensors: dict | None = None, probe: list | None = None) -> dict:
+                  attempt: int = 0, tensors: dict | None = None, probe: dict | None = None) -> dict:
     """Measure decoder layer ``i`` (its attention and MLP blocks whose keys are in ``keys``) on its FP16 input ``h``
     float32 [rows, T, hidden] (C order, rows in ``measure.score_plan``'s order): what a ``MeasureWorker`` runs for
     each layer, callable in any process.  Returns {"rows": {block key: [[option, bits, accuracy]]}, "digest": of
@@ -371,9 +371,9 @@ def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: i
     this process's model opened and checked, zero once it is; "input", the input copied out of the object store;
     "attn" and "mlp", the two blocks; "digest").  ``attempt``: how many times this layer was lost before (the
     fault-injection hook, ``EXL2FMT_TEST_FAULT=measure-layer-I:SIGKILL``, fires on the first attempt only).  ``tensors``: the layer's stored tensors (name -> torch tensor in its
-    stored dtype) where the worker does not read the source (``ctx.shared_fs`` False); ``probe``: [an object
-    reference to the same of the first layer of layer ``i``'s build], fetched only by a worker that has not yet
-    probed that build (``HFModel.structure_of``)."""
+    stored dtype) where the worker does not read the source (``ctx.shared_fs`` False); ``probe``: {the first
+    layer of each build of the model's layers: an object reference to its tensors (or the tensors)}, each fetched
+    only by a worker that has not yet probed that build (``HFModel.structure_of``)."""
     from ..container.partials import fault_point
 
     t0 = t = time.monotonic()
@@ -389,14 +389,14 @@ def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: i
     o = _worker_options(ctx.options)
     spec = _worker_spec(ctx, o.device)
     if not ctx.shared_fs:
-        first = spec.probe_layer(i)
-        if first is not None and first != i:     # its build's structure is probed on that build's first layer
-            got = probe[0]
-            if not isinstance(got, dict):     # (an object reference: Ray leaves those inside a list alone)
+        for first, got in (probe or {}).items():   # each build's structure is probed on its first layer
+            if spec.probe_layer(first) is None:
+                continue
+            if not isinstance(got, dict):     # (an object reference: Ray leaves those inside a dict alone)
                 import ray
                 got = ray.get(got)
             spec.src.ship(got)
-            spec.structure_of(i)
+            spec.structure_of(first)
             spec.release()
         spec.src.ship(tensors or {})
     lap("setup")
@@ -454,7 +454,7 @@ class MeasureWorker:
         return {"where": f"{socket.gethostname()} pid {os.getpid()}", "seconds": time.monotonic() - t0}
 
     def measure_layer(self, ctx: Context, i: int, h: np.ndarray, batches: list, n_score: int, keys: list[str],
-                      attempt: int = 0, tensors: dict | None = None, probe: list | None = None) -> dict:
+                      attempt: int = 0, tensors: dict | None = None, probe: dict | None = None) -> dict:
         """The module's ``measure_layer`` in this worker."""
         return measure_layer(ctx, i, h, batches, n_score, keys, attempt, tensors, probe)
 
@@ -580,7 +580,7 @@ class _Fanout:
         self.queue: list = []         # layers whose input is in the store, waiting for an idle actor
         self.inputs: dict = {}        # layer -> ObjectRef of its FP16 input (until it is measured)
         self.tensors: dict = {}       # layer -> ObjectRef of its weights, without a shared filesystem (until then)
-        self.probes: dict = {}        # layer -> [ObjectRef of the weights of its build's first layer], likewise
+        self.probes: dict = {}        # layer -> {first layer of each build: ObjectRef of its weights}, likewise
         self.digests: dict = {}       # layer -> digest of the driver's FP16 output of the layer
         self.keys: dict = {}          # layer -> the block keys its task scores
         self.attempts: dict = {}      # layer -> lost attempts so far
@@ -751,13 +751,10 @@ def _measure_on(pool: Pool, spec, src: str, ids_h, work: Work, o: QuantOptions, 
             fan.keys[i] = keys
             fan.inputs[i] = ray.put(h.detach().cpu().numpy())
             if not o.shared_fs:       # the layer's stored tensors travel with its task
-                first = spec.variant_first(i)
                 fan.tensors[i] = ray.put(layer_tensors(spec, i))
-                if first == i:        # (held for the whole measurement: one layer per build)
-                    firsts[i] = fan.tensors[i]
-                elif first not in firsts:
-                    firsts[first] = ray.put(layer_tensors(spec, first))
-                fan.probes[i] = [firsts[first]]
+                if not firsts:        # (held for the whole measurement: one layer per build)
+                    firsts.update({f: ray.put(layer_tensors(spec, f)) for f in spec.build_firsts()})
+                fan.probes[i] = firsts
         t = time.monotonic()
         h = _reference_layer(spec, i, h, batches, device)
         release_memory()

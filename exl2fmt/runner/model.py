@@ -289,9 +289,10 @@ class HFModel:
     def layer_expert_names(self, i: int) -> tuple[str, ...]:
         return self.expert_names if self.is_moe(i) else ()
 
-    def variant_first(self, i: int) -> int:
-        """The first layer of layer ``i``'s build (the one ``structure_of(i)`` probes)."""
-        return self._v_first[self.variant_of[i]]
+    def build_firsts(self) -> list[int]:
+        """The first layer of each build (variant) of the model's layers: those ``structure_of`` probes (a name's
+        group without a layer, ``owner(name)``, probes every build)."""
+        return list(self._v_first)
 
     def probe_layer(self, i: int) -> int | None:
         """The layer whose weights ``structure_of(i)`` still has to run (the first layer of ``i``'s build), or None
