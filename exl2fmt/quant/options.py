@@ -63,6 +63,10 @@ class QuantOptions:
     # feedback the tighter scales clip compensated rows and the KL rises: bench/RESULTS.md)
     refine_scales: bool | None = None
     norm: float = 2.0                     # solver objective: sum of block error ** norm
+    # weight each block's measured error by how much it grows on the way to the model's output (the gains of
+    # ``sensitivity.block_gains``, measured on a few calibration rows each time a plan is made) before the solver
+    # sums them; False: every block's error counts as measured (ExLlamaV2's objective)
+    block_gain: bool = True
     # calibration tokens per forward batch (whole rows, at least one; ``--batch-tokens``); None =
     # ``default_batch_tokens`` for the model, resolved once the model is open
     batch_tokens: int | None = None
