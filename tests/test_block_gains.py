@@ -131,7 +131,8 @@ def test_gains_are_stored_with_the_measurement_and_steer_the_plan(tmp_path):
     np.save(cal, np.random.default_rng(3).integers(3, 160, (4, 32)))
     meas = tmp_path / "m.json"
     rep = quantize_model(d, tmp_path / "q", QuantOptions(target="exl2", bits=4.5, device="cpu", calibration=str(cal),
-                                                        rows=4, length=32, save_measurement=str(meas)))
+                                                        rows=4, length=32, save_measurement=str(meas),
+                                                        block_gain=True))
     doc = json.loads(meas.read_text())
     keys = [f"model.layers.{i}.{k}" for i in range(LAYERS) for k in ("self_attn", "mlp")]
     assert sorted(doc[GAINS_KEY]) == sorted(keys) and rep.block_gains == doc[GAINS_KEY]
@@ -142,8 +143,9 @@ def test_gains_are_stored_with_the_measurement_and_steer_the_plan(tmp_path):
     steep.write_text(json.dumps(doc))
     flat = tmp_path / "flat.json"
     flat.write_text(json.dumps({k: v for k, v in doc.items() if k != GAINS_KEY}))
-    p_steep = plan_from_measurement(d, steep, 4.5)
-    p_flat = plan_from_measurement(d, flat, 4.5)
+    p_steep = plan_from_measurement(d, steep, 4.5, block_gain=True)
+    p_flat = plan_from_measurement(d, flat, 4.5, block_gain=True)
+    assert plan_from_measurement(d, steep, 4.5) == p_flat       # off (the default): the stored gains unused
     from exl2fmt.quant.measure import measured_from_file, read_measurement_for
     from exl2fmt.quant.qparams import block_options
     from exl2fmt.runner.model import HFModel

@@ -264,7 +264,7 @@ def measured_from_file(spec, loaded: dict, options_of, where) -> dict:
 
 
 def plan_from_measurement(src: str | os.PathLike, measurement: str | os.PathLike, bits: float,
-                          extended: bool = True) -> dict:
+                          extended: bool = True, block_gain: bool = False) -> dict:
     """The plan the EXL2 quantizer picks for ``src`` at ``bits`` from ``measurement`` (a measurement.json), without
     quantizing: {"options": {block key: option index}, "overrides": {linear key: QParams dict}, "decoder_bpw"}.
     The same optimization ``quantize_model`` runs; compare two measurements by the plans they give."""
@@ -276,8 +276,10 @@ def plan_from_measurement(src: str | os.PathLike, measurement: str | os.PathLike
         options_of = (lambda kind: block_options(kind, extended=o.extended))
         measured = measured_from_file(spec, read_measurement_for(spec, measurement), options_of, measurement)
         report = QuantReport(source=str(src), destination="", target="exl2", options=o.fingerprint())
-        # the gains stored with the measurement (none in ExLlamaV2's files: every block's error as measured)
-        gains = read_measurement_gains(measurement, [spec.block_key(i, k) for i, k in model_blocks(spec)])
+        # with ``block_gain``, the gains stored with the measurement (none in ExLlamaV2's files: every block's
+        # error as measured; this function measures none)
+        gains = read_measurement_gains(measurement, [spec.block_key(i, k) for i, k in model_blocks(spec)]) \
+            if block_gain else None
         plan = optimize(spec, srcw, measured, options_of, o, report, gains)
         return dict(plan, decoder_bpw=report.decoder_bpw)
     finally:
