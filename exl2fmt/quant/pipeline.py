@@ -215,7 +215,8 @@ def _measure_and_optimize(spec, srcw, ids, ids_h, options_of, work: Work, o: Qua
             measured = work.job["measured"]
     report.seconds["measure"] = time.monotonic() - t
     if work.job.get("strategy") is None:
-        # the gains on the measured errors: stored with a measurement that has them, else measured now
+        # the gains on the measured errors (--block-gains): stored with a measurement that has them, else
+        # measured now
         gains = None
         if o.block_gain:
             keys = [spec.block_key(i, k) for i, k in model_blocks(spec)]
@@ -225,14 +226,15 @@ def _measure_and_optimize(spec, srcw, ids, ids_h, options_of, work: Work, o: Qua
                 gains = block_gains(spec, ids, torch.device(o.device), o.batch_tokens, progress)
                 report.seconds["gains"] = time.monotonic() - t
         work.job["gains"] = gains
-        work.job["strategy"] = optimize(spec, srcw, measured, options_of, o, report, gains)
+    report.block_gains = work.job.get("gains")
+    if o.save_measurement:       # (before the plan: a budget it cannot meet still leaves the measurement)
+        write_measurement_file(Path(o.save_measurement), spec, measured, options_of, report.block_gains)
+    if work.job.get("strategy") is None:
+        work.job["strategy"] = optimize(spec, srcw, measured, options_of, o, report, report.block_gains)
         work.job["decoder_bpw"] = report.decoder_bpw
         work.job["snapshot"] = None
         work.save()
     strategy = work.job["strategy"]
-    report.block_gains = work.job.get("gains")
-    if o.save_measurement:
-        write_measurement_file(Path(o.save_measurement), spec, measured, options_of, report.block_gains)
     report.decoder_bpw = work.job.get("decoder_bpw")
     return measured, strategy, h_ref_final
 
