@@ -28,7 +28,8 @@ def tail(i, args, kw):
             kj = {k: v for k, v in kj.items() if k not in ("hidden_states", "past_key_values", "past_key_value")}
             o = base.layers[j](h, *aj[1:], **kj); h = o[0] if isinstance(o, tuple) else o
         lg = m.lm_head(base.norm(h))
-        if m.config.final_logit_softcapping: lg = torch.tanh(lg / m.config.final_logit_softcapping) * m.config.final_logit_softcapping
+        cap = getattr(m.config, "final_logit_softcapping", None)
+        if cap: lg = torch.tanh(lg / cap) * cap
         lp = torch.log_softmax(lg[:, :-1].float(), -1)
         return float((ref.exp() * (ref - lp)).sum(-1).mean())
 res = []
