@@ -83,6 +83,7 @@ QUANT_OPTIONS: tuple[Option, ...] = (
     Option("work_dir", "--work-dir"),
     Option("extended", "--upstream-tables", param="upstream_tables", from_cli=_not),
     Option("refine_scales", "--refine-scales/--upstream-scales"),
+    Option("block_gain", "--block-gains", targets=("exl2",), param="block_gains"),
     Option("batch_tokens", "--batch-tokens"),
     Option("measure_rows", "--measure-rows"),
     Option("measure_search", "--measure-search"),

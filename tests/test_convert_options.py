@@ -32,6 +32,7 @@ QUANT_EXAMPLES = {
     "work_dir": (["--work-dir", "w"], "w"),
     "extended": (["--upstream-tables"], False),
     "refine_scales": (["--refine-scales"], True),
+    "block_gain": (["--block-gains"], True),
     "batch_tokens": (["--batch-tokens", "8"], 8),
     "measure_rows": (["--measure-rows", "all"], "all"),
     "measure_search": (["--measure-search", "full"], "full"),

@@ -182,6 +182,12 @@ def convert_command(
     upstream_tables: Annotated[bool, typer.Option("--upstream-tables", help="FP16 -> exl2: choose only among "
                                                   "ExLlamaV2's own candidate settings (default: also exl2fmt's "
                                                   "extra rows; see bench/RESULTS.md).")] = False,
+    block_gains: Annotated[bool, typer.Option("--block-gains", help="FP16 -> exl2 (experimental): weight each "
+                                              "block's measured error by how much it grows on the way to the "
+                                              "model's output (measured on 2 calibration rows, stored in the "
+                                              "measurement) before the solver adds them up. Default: the errors "
+                                              "as measured (ExLlamaV2's objective); bench/RESULTS.md, issue 40.")
+                   ] = False,
     refine_scales: Annotated[Optional[bool], typer.Option("--refine-scales/--upstream-scales", show_default=False,
                                                           help="FP16 -> exl2: after ExLlamaV2's scale search, move "
                                                           "each column's 4-bit scale code to the neighbour with the "

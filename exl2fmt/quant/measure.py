@@ -24,7 +24,8 @@ from .job import Work
 from ..runner.moe import hessian_chunks
 from .optimize import optimize
 from .options import QuantOptions
-from .qparams import block_options, exllamav2_last_module_idx, read_measurement, write_measurement
+from .qparams import (block_options, exllamav2_last_module_idx, read_measurement, read_measurement_gains,
+                      write_measurement)
 from .report import QuantReport
 from ..runner.weights import WeightSource, dense_linear, widened_linear
 
@@ -199,10 +200,11 @@ def measure_block(spec, i: int, kind: str, h: torch.Tensor, batches: list[slice]
     return rows_out, h
 
 
-def write_measurement_file(path: Path, spec, measured: dict, options_of) -> None:
+def write_measurement_file(path: Path, spec, measured: dict, options_of, gains: dict | None = None) -> None:
     """ExLlamaV2's ``measurement.json`` from ``measured`` {block key: [[option index, bits, accuracy]]}: each
     row's ``total_bits`` is this model's exact cost of the setting, the rows in ascending cost
-    (``qparams.write_measurement``), ``last_module_idx`` counted as ExLlamaV2 counts modules."""
+    (``qparams.write_measurement``), ``last_module_idx`` counted as ExLlamaV2 counts modules; ``gains`` (block
+    key -> factor, ``sensitivity.block_gains``) in exl2fmt's own key beside them."""
     rows_by_key = {}
     where = block_index(spec)
     order = list(where)                                   # block order, however the run was resumed
@@ -219,7 +221,7 @@ def write_measurement_file(path: Path, spec, measured: dict, options_of) -> None
                 bits += qp.total_bits(K, N, spec.has_bias(n))
             out.append((opt, bits, acc))
         rows_by_key[key] = out
-    write_measurement(path, rows_by_key, exllamav2_last_module_idx(spec.num_layers))
+    write_measurement(path, rows_by_key, exllamav2_last_module_idx(spec.num_layers), gains=gains)
 
 
 def read_measurement_for(spec, path) -> dict:
@@ -262,7 +264,7 @@ def measured_from_file(spec, loaded: dict, options_of, where) -> dict:
 
 
 def plan_from_measurement(src: str | os.PathLike, measurement: str | os.PathLike, bits: float,
-                          extended: bool = True) -> dict:
+                          extended: bool = True, block_gain: bool = False) -> dict:
     """The plan the EXL2 quantizer picks for ``src`` at ``bits`` from ``measurement`` (a measurement.json), without
     quantizing: {"options": {block key: option index}, "overrides": {linear key: QParams dict}, "decoder_bpw"}.
     The same optimization ``quantize_model`` runs; compare two measurements by the plans they give."""
@@ -274,7 +276,11 @@ def plan_from_measurement(src: str | os.PathLike, measurement: str | os.PathLike
         options_of = (lambda kind: block_options(kind, extended=o.extended))
         measured = measured_from_file(spec, read_measurement_for(spec, measurement), options_of, measurement)
         report = QuantReport(source=str(src), destination="", target="exl2", options=o.fingerprint())
-        plan = optimize(spec, srcw, measured, options_of, o, report)
+        # with ``block_gain``, the gains stored with the measurement (none in ExLlamaV2's files: every block's
+        # error as measured; this function measures none)
+        gains = read_measurement_gains(measurement, [spec.block_key(i, k) for i, k in model_blocks(spec)]) \
+            if block_gain else None
+        plan = optimize(spec, srcw, measured, options_of, o, report, gains)
         return dict(plan, decoder_bpw=report.decoder_bpw)
     finally:
         model.close()

@@ -13,10 +13,11 @@ from .solver import solve
 __all__ = ["optimize", "spend_slack"]
 
 
-def optimize(spec, src, measured, options_of, o: QuantOptions, report) -> dict:
+def optimize(spec, src, measured, options_of, o: QuantOptions, report, gains: dict | None = None) -> dict:
     """The strategy for ``measured`` ({block key: [[option index, bits, accuracy]]}): {"options": {block key:
     option index}, "overrides": {linear key: QParams dict}}; sets ``report.decoder_bpw`` to the planned bits over
-    the decoder linears' K x N_pad."""
+    the decoder linears' K x N_pad.  ``gains`` ({block key: factor}, ``sensitivity.block_gains``) multiplies each
+    block's measured error (1 - accuracy) before the solver sums them; None: every factor 1."""
     keys, slots = [], []
     numel = 0
     for i, kind in model_blocks(spec):
@@ -30,7 +31,7 @@ def optimize(spec, src, measured, options_of, o: QuantOptions, report) -> dict:
             for n, qp in option_layers(opt, block_linears(spec, kind, i)):
                 N, K = spec.linear_shape(n)
                 c += qp.total_bits(K, N, spec.has_bias(n))
-            costs.append((c, 1.0 - acc))
+            costs.append((c, (1.0 - acc) * (gains.get(key, 1.0) if gains else 1.0)))
         keys.append(key)
         slots.append(costs)
         for n in block_linears(spec, kind, i):

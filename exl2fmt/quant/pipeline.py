@@ -52,9 +52,10 @@ from .gptq_pass import quantize_pass
 from ..runner.model import EXL2_ARCHS, HFModel
 from .job import Work, check_disk, disk_needed
 from .measure import measure, measured_from_file, read_measurement_for, write_measurement_file
+from .sensitivity import block_gains
 from .optimize import optimize
 from .options import Progress, QuantOptions, default_batch_tokens, resolve_head_bits
-from .qparams import block_options
+from .qparams import block_options, read_measurement_gains
 from .report import QuantReport
 from .weight_only import weight_only
 from ..runner.weights import WeightSource
@@ -216,10 +217,23 @@ def _measure_and_optimize(spec, srcw, ids, ids_h, options_of, work: Work, o: Qua
         else:
             measured = work.job["measured"]
     report.seconds["measure"] = time.monotonic() - t
-    if o.save_measurement:
-        write_measurement_file(Path(o.save_measurement), spec, measured, options_of)
     if work.job.get("strategy") is None:
-        work.job["strategy"] = optimize(spec, srcw, measured, options_of, o, report)
+        # the gains on the measured errors (--block-gains): stored with a measurement that has them, else
+        # measured now
+        gains = None
+        if o.block_gain:
+            keys = [spec.block_key(i, k) for i, k in model_blocks(spec)]
+            gains = read_measurement_gains(o.measurement, keys) if o.measurement else None
+            if gains is None:
+                t = time.monotonic()
+                gains = block_gains(spec, ids, torch.device(o.device), o.batch_tokens, progress)
+                report.seconds["gains"] = time.monotonic() - t
+        work.job["gains"] = gains
+    report.block_gains = work.job.get("gains")
+    if o.save_measurement:       # (before the plan: a budget it cannot meet still leaves the measurement)
+        write_measurement_file(Path(o.save_measurement), spec, measured, options_of, report.block_gains)
+    if work.job.get("strategy") is None:
+        work.job["strategy"] = optimize(spec, srcw, measured, options_of, o, report, report.block_gains)
         work.job["decoder_bpw"] = report.decoder_bpw
         work.job["snapshot"] = None
         work.save()
@@ -242,7 +256,7 @@ def _compile_and_publish(spec, srcw, src_p: Path, dst_p: Path, work: Work, o: Qu
         compile_output(spec, srcw, src_p if src_p.is_dir() else src_p.parent, tmp, work, o, report, config,
                        layer_keys)
         if o.target == "exl2":     # next to the model, as ExLlamaV2 leaves it: publishers reuse it
-            write_measurement_file(tmp / "measurement.json", spec, measured, options_of)
+            write_measurement_file(tmp / "measurement.json", spec, measured, options_of, report.block_gains)
         if progress:
             progress("verify", 0, 1, "validating the output")
         if verify_output is not None:

@@ -280,8 +280,10 @@ def pareto_rows(rows: list[tuple[Option, int, float]]) -> list[tuple[Option, int
 
 
 def write_measurement(path: str | os.PathLike, measured: dict[str, list[tuple[Option, int, float]]],
-                      last_module_idx: int) -> None:
+                      last_module_idx: int, gains: dict[str, float] | None = None) -> None:
     """Write ExLlamaV2's ``measurement.json``: ``measured`` maps block key -> [(option, total_bits, accuracy)].
+    ``gains`` (block key -> the solver's factor on its error, ``sensitivity.block_gains``) go in a top-level key
+    of exl2fmt's own, ``GAINS_KEY``, which ExLlamaV2 does not read.
 
     Each block's options are written by ``pareto_rows``: ascending cost, each more accurate than the last (the
     order ExLlamaV2's optimizer relies on), whatever order the caller's candidate table has.  ``last_module_idx``
@@ -296,11 +298,37 @@ def write_measurement(path: str | os.PathLike, measured: dict[str, list[tuple[Op
                 d[name] = qp.to_json()
             opts.append(d)
         doc["measurement"][key] = opts
+    if gains is not None:
+        doc[GAINS_KEY] = {k: float(v) for k, v in gains.items()}
     from ..container.publish import atomic_write
 
     data = json.dumps(doc, indent=4).encode("utf-8")
     # a new temp name (O_EXCL) next to the file, fsync, rename: never through a link planted at a guessable name
     atomic_write(Path(os.fspath(path)), lambda f: f.write(data))
+
+
+#: measurement.json's top-level key of exl2fmt's block gains ({block key: factor}); absent in ExLlamaV2's files
+GAINS_KEY = "exl2fmt_block_gains"
+
+
+def read_measurement_gains(path: str | os.PathLike, keys) -> dict[str, float] | None:
+    """The block gains stored in a ``measurement.json`` (``GAINS_KEY``) for the block ``keys``, or None when the
+    file has none (ExLlamaV2's files, exl2fmt's before the gains): ``MEASUREMENT_INVALID`` when present but not a
+    positive finite number for every one of ``keys``."""
+    p = os.fspath(path)
+    doc = jsonload.load_json(p, jsonload.MEASUREMENT)
+    g = doc.get(GAINS_KEY) if isinstance(doc, dict) else None
+    if g is None:
+        return None
+    if not isinstance(g, dict):
+        raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{GAINS_KEY}: expected an object", file=p)
+    out = {}
+    for k in keys:
+        v = g.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{GAINS_KEY}: block {k} has no positive gain", file=p)
+        out[k] = float(v)
+    return out
 
 
 _BLOCK_KEY = re.compile(r"^(.*)\.(\d+)\.(self_attn|mlp|block_sparse_moe)$")

@@ -47,6 +47,8 @@ class QuantReport:
     options: dict
     layers: list[LayerResult] = field(default_factory=list)
     blocks: list[dict] = field(default_factory=list)      # per block: key, option index, measured accuracy, rfn
+    # per block key: the factor the solver put on its measured error (``sensitivity.block_gains``); None: none
+    block_gains: dict | None = None
     decoder_bpw: float | None = None
     head_bpw: float | None = None
     calibration_ppl: float | None = None          # next-token perplexity on the calibration rows, quantized
