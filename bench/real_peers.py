@@ -115,6 +115,13 @@ def worker_llmc(src: str, cal: str, out: str, bits: int, method: str, group: int
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if method == "awq" and not torch.accelerator.is_available():
+        # llm-compressor 0.14's AWQ pins each cached batch (``IntermediatesCache.pin_memory``, for non-blocking
+        # host-to-device copies) unconditionally, and torch refuses to pin with no accelerator ("Cannot access
+        # accelerator device when none is available"); on the CPU there is no copy to speed up, so skip the pinning
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     ids = _cal_tensor(cal)
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
     # float32 on the CPU (torch's fp16 CPU matmuls are many times slower); stored as fp16 at the end
@@ -198,19 +205,34 @@ class PeerFailed(Exception):
         self.tail = tail
 
 
+# A child's own figures, taken by a small Python between this process and the child: Linux keeps the larger of a
+# process's peak RSS before and after ``exec`` (``ru_maxrss``), so a child forked from this process once it holds
+# the evaluator (several GB for Gemma's 262k-word log-probabilities) would report this process's peak as its own.
+# The launcher is started small, so the child it forks starts from its few MB; it reports the child's ``wait4``.
+_LAUNCH = ("import json, os, subprocess, sys\n"
+           "p = subprocess.Popen(sys.argv[2:])\n"
+           "_, status, ru = os.wait4(p.pid, 0)\n"
+           "rc = os.waitstatus_to_exitcode(status)\n"
+           "open(sys.argv[1], 'w').write(json.dumps([rc, ru.ru_utime + ru.ru_stime, ru.ru_maxrss]))\n"
+           "sys.exit(0 if rc == 0 else 1)\n")
+
+
 def run_child(cmd: list[str], log: Path, env: dict, cwd: Path) -> dict:
-    """Run one child process; its wall, CPU user+sys and peak RSS (``wait4``) and the 1-minute load average at
-    its start and end (the machine is shared: the figures are only comparable at like load)."""
+    """Run one child process; its wall, CPU user+sys and peak RSS (its own ``wait4``, through ``_LAUNCH``) and the
+    1-minute load average at its start and end (the machine is shared: figures are only comparable at like load)."""
     load0 = os.getloadavg()[0]
+    stats = log.with_name(log.name + ".wait4.json")
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-        _, status, ru = os.wait4(p.pid, 0)
-    rc = os.waitstatus_to_exitcode(status)
+        subprocess.run([sys.executable, "-c", _LAUNCH, str(stats), *cmd], stdout=f, stderr=subprocess.STDOUT,
+                       env=env, cwd=cwd)
+    seconds = time.perf_counter() - t0
+    rc, cpu, maxrss = json.loads(stats.read_text()) if stats.exists() else (-1, 0.0, 0)
+    stats.unlink(missing_ok=True)
     if rc != 0:
         raise PeerFailed(f"failed ({rc}): {' '.join(cmd)}", log.read_text(errors="replace")[-3000:])
-    return {"seconds": round(time.perf_counter() - t0, 1), "cpu_s": round(ru.ru_utime + ru.ru_stime, 1),
-            "peak_rss_mb": round(ru.ru_maxrss / 1024), "load": [round(load0, 2), round(os.getloadavg()[0], 2)]}
+    return {"seconds": round(seconds, 1), "cpu_s": round(cpu, 1), "peak_rss_mb": round(maxrss / 1024),
+            "load": [round(load0, 2), round(os.getloadavg()[0], 2)]}
 
 
 def calibration_ids(runs: Path) -> Path:
