@@ -147,10 +147,10 @@ def peer_rows(out: Path, tokens: int, own: set[str]) -> tuple[list[dict], list[d
 
 
 def peer_scores(out: Path, tokens: int) -> dict[str, dict]:
-    """Scores ``real_peers.py`` already saved, by the directory they scored (same token budget)."""
+    """Scores ``real_peers.py`` already saved, by the name of the directory they scored (same token budget)."""
     store = out / "peers.json"
     rows = json.loads(store.read_text()).values() if store.exists() else ()
-    return {r["dir"]: r["eval"] for r in rows if r.get("tokens") == tokens and "eval" in r and "dir" in r}
+    return {Path(r["dir"]).name: r["eval"] for r in rows if r.get("tokens") == tokens and "eval" in r and "dir" in r}
 
 
 def time_cell(r: dict) -> str:
@@ -183,13 +183,14 @@ def main() -> None:
 
     # a row's output directory is never rewritten, so its scores from an earlier run on the same token budget stand
     prev = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
-    known = {r["dir"]: r["eval"] for r in prev.get("rows", ()) if "eval" in r} \
+    # (by the directory's name: every row's directory lies in OUT, which may have been moved or linked elsewhere)
+    known = {Path(r["dir"]).name: r["eval"] for r in prev.get("rows", ()) if "eval" in r} \
         if prev.get("tokens") == a.tokens and not a.rescore else {}
     known = {**(peer_scores(out, a.tokens) if not a.rescore else {}), **known}
 
     def dense(name: str, q_dir: Path, how: dict) -> Path:
         d = out / f"{q_dir.name}-fp16"
-        if not d.exists() and str(d) not in known:         # a scored row's decode may have been deleted (disk)
+        if not d.exists() and d.name not in known:         # a scored row's decode may have been deleted (disk)
             run_tool(EXL2FMT + ["convert", str(q_dir), str(d), "--to", "fp16"], out / f"{q_dir.name}-deq.log")
         rows.append({"row": name, "bpw": decoder_bpw(q_dir), "file_bytes": file_bytes(q_dir), **how, "dir": str(d)})
         return d
@@ -213,14 +214,14 @@ def main() -> None:
             dense(f"exl2fmt GPTQ {bits}-bit g128", q, how)
 
     ref_ppl = prev.get("fp16_ppl") if prev.get("tokens") == a.tokens and not a.rescore else None
-    if ref_ppl is None or any(r["dir"] not in known for r in rows):
+    if ref_ppl is None or any(Path(r["dir"]).name not in known for r in rows):
         sys.path.insert(0, str(ROOT / "bench"))
         from real_eval import Evaluator
 
         ev = Evaluator(fp16, a.tokens)
         ref_ppl = ev.ref_ppl
     for r in rows:
-        r["eval"] = known.get(r["dir"]) or ev.evaluate(r["dir"])
+        r["eval"] = known.get(Path(r["dir"]).name) or ev.evaluate(r["dir"])
     peers, failed = peer_rows(out, a.tokens, {r["row"] for r in rows})
     rows += peers
     ref_bytes = file_bytes(fp16)
