@@ -411,8 +411,12 @@ def peer_spec(name: str, bits: int, a) -> tuple[str, str, list[str]]:
             "llmc", name[5:], str(a.group_size)]
     if name == "autoround":
         iters, lr = AUTOROUND_RECIPES[a.autoround_recipe] if a.autoround_recipe else (a.iters, None)
-        what = (f"its {a.autoround_recipe} recipe: {iters} iters, lr {lr:g}; 32 x 512 calibration"
-                if a.autoround_recipe else f"{iters} iters")
+        if not a.autoround_recipe:
+            what = f"{iters} iters"
+        elif iters == 0:
+            what = f"its {a.autoround_recipe} recipe: 0 iters, no sign-gradient rounding; 32 x 512 calibration"
+        else:
+            what = f"its {a.autoround_recipe} recipe: {iters} iters, lr {lr:g}; 32 x 512 calibration"
         return f"{tag}-i{iters}" + (f"-{a.autoround_recipe}" if a.autoround_recipe else ""), (
             f"AutoRound 0.16 {bits}-bit g128 ({what})"), ["autoround", str(iters), str(lr).lower()]
     raise SystemExit(f"unknown peer {name}")
@@ -489,7 +493,10 @@ def save_row(store: Path, label: str, row: dict) -> None:
     tmp.replace(store)
 
 
-AUTOROUND_RECIPES = {"light": (50, 5e-3)}      # auto_round.cli.main.RECIPES["light"]: iters 50, lr 5e-3
+# auto_round.cli.main.RECIPES: "light" = iters 50, lr 5e-3; "opt_rtn" = iters 0 (its optimized round-to-nearest:
+# a scale search on the calibration activations, no sign-gradient descent).  Both name 128 x 2048 samples; here the
+# same 32 x 512 ids every peer gets.
+AUTOROUND_RECIPES = {"light": (50, 5e-3), "opt_rtn": (0, None)}
 
 
 def main() -> None:
@@ -502,7 +509,8 @@ def main() -> None:
                     "not divide every layer's columns)")
     ap.add_argument("--iters", type=int, default=200, help="AutoRound iterations per block")
     ap.add_argument("--autoround-recipe", choices=sorted(AUTOROUND_RECIPES), default=None,
-                    help="AutoRound's own published preset (light: 50 iters, lr 5e-3) instead of --iters")
+                    help="AutoRound's own published preset (light: 50 iters, lr 5e-3; opt_rtn: 0 iters) instead of "
+                    "--iters")
     ap.add_argument("--cal-rows", type=int, default=None, help="use every k-th calibration row, N rows in all "
                     "(only where the full 32 x 512 does not fit the time; said in the row's label)")
     ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens per text (as real_quality.py)")
