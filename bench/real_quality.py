@@ -241,7 +241,8 @@ def main() -> None:
         print(f"| {r['row']} | {r['bpw']:.3f} | {cells} | {f} | {t} | {m} |")
     for r in failed:
         last = [x for x in (r.get("log_tail") or "").splitlines() if x.strip()][-1:] or [""]
-        print(f"\n* {r['row']}: not scored, the run failed: `{r['error']}`; last log line: `{last[0].strip()}`")
+        why = f" Why: {r['reason']}" if r.get("reason") else ""
+        print(f"\n* {r['row']}: not scored, the run failed: `{r['error']}`; last log line: `{last[0].strip()}`.{why}")
     if a.plot:
         plot(res, Path(a.plot))
 
