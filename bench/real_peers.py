@@ -8,7 +8,10 @@ scratch venv's Python, in this file's ``--worker`` mode, timed by the parent wit
 sys, peak RSS of that process, imports included).  Its output is dequantized to a dense FP16 directory by the
 reader of its format (exl2fmt ``convert --to fp16`` for GPTQ-format files; compressed-tensors itself for
 llm-compressor's files, which exl2fmt does not read) and scored by ``bench/real_eval.py`` against the FP16
-model.  Rows are merged into ``<runs>/peers.json``; ``real_quality.py`` prints them with its own rows.
+model.  Each row is merged into ``<runs>/peers.json`` as soon as it is scored (an interrupted run keeps the rows
+it finished; ``--drop-decode`` then deletes that row's FP16 decode); a peer whose child process fails gets its
+row too, with the command and the tail of its log (``error``, ``log_tail``), and the run goes on to the next
+peer.  ``real_quality.py`` prints them with its own rows.
 
 Peers (``--peer NAME[:BITS]``, repeatable):
 
@@ -18,8 +21,12 @@ Peers (``--peer NAME[:BITS]``, repeatable):
                        act-order, dampening 0.01), lm_head left FP16
 * ``llmc-awq``         llm-compressor 0.14 ``AWQModifier`` scheme W4A16_ASYM (g``--group-size``, asymmetric: its examples'
                        scheme), lm_head left FP16
-* ``autoround``        AutoRound 0.16 W{BITS}A16 g128 sym (``--iters``, default its 200), exported as
-                       ``auto_gptq`` (read by exl2fmt)
+* ``autoround``        AutoRound 0.16 W{BITS}A16 g128 sym (``--iters``, default its 200; or
+                       ``--autoround-recipe light``, its own published light preset: 50 iters, lr 5e-3), on the
+                       same 32 x 512 calibration ids (its presets name 128 x 2048), exported as ``auto_gptq``
+                       (read by exl2fmt)
+* ``exl2fmt-gptq``     exl2fmt's own GPTQ {BITS}-bit g128 (``convert --to gptq``) into ``<runs>/gptq-BITS``, the
+                       directory ``real_quality.py --gptq-bits`` uses, so either script reuses the other's run
 * ``llamacpp:TYPE``    llama.cpp's ``llama-quantize`` to TYPE (Q3_K_M, Q4_K_M, Q5_K_M, Q6_K, IQ4_XS, ...) with an
                        importance matrix from ``llama-imatrix`` on the same calibration text (below); the binaries
                        from ``--llama-bin``, the F16 GGUF from llama.cpp's own ``convert_hf_to_gguf.py``
@@ -108,6 +115,13 @@ def worker_llmc(src: str, cal: str, out: str, bits: int, method: str, group: int
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if method == "awq" and not torch.accelerator.is_available():
+        # llm-compressor 0.14's AWQ pins each cached batch (``IntermediatesCache.pin_memory``, for non-blocking
+        # host-to-device copies) unconditionally, and torch refuses to pin with no accelerator ("Cannot access
+        # accelerator device when none is available"); on the CPU there is no copy to speed up, so skip the pinning
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     ids = _cal_tensor(cal)
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
     # float32 on the CPU (torch's fp16 CPU matmuls are many times slower); stored as fp16 at the end
@@ -132,7 +146,7 @@ def worker_llmc(src: str, cal: str, out: str, bits: int, method: str, group: int
     tok.save_pretrained(out)
 
 
-def worker_autoround(src: str, cal: str, out: str, bits: int, iters: int) -> None:
+def worker_autoround(src: str, cal: str, out: str, bits: int, iters: int, lr: str = "none") -> None:
     import torch
     from auto_round import AutoRound
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -141,8 +155,9 @@ def worker_autoround(src: str, cal: str, out: str, bits: int, iters: int) -> Non
     model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(src)
     batches = [ids[a:a + 8] for a in range(0, ids.shape[0], 8)]
+    extra = {} if lr == "none" else {"lr": float(lr)}          # None: AutoRound's own default, 1 / iters
     ar = AutoRound(model, tok, bits=bits, group_size=128, sym=True, iters=iters, nsamples=ids.shape[0],
-                   seqlen=ids.shape[1], batch_size=8, dataset=batches, device_map="cpu")
+                   seqlen=ids.shape[1], batch_size=8, dataset=batches, device_map="cpu", **extra)
     ar.quantize_and_save(out, format="auto_gptq")
     subs = [p for p in Path(out).iterdir() if p.is_dir()]      # it writes into OUT/<model>-w4g128/
     if len(subs) == 1 and not (Path(out) / "config.json").exists():
@@ -182,16 +197,42 @@ def worker_decompress(src: str, out: str) -> None:
 # ------------------------------------------------------------------------------------------------ parent
 
 
+class PeerFailed(Exception):
+    """A peer's child process exited non-zero: the command and the tail of its log (the row records both)."""
+
+    def __init__(self, what: str, tail: str):
+        super().__init__(what)
+        self.tail = tail
+
+
+# A child's own figures, taken by a small Python between this process and the child: Linux keeps the larger of a
+# process's peak RSS before and after ``exec`` (``ru_maxrss``), so a child forked from this process once it holds
+# the evaluator (several GB for Gemma's 262k-word log-probabilities) would report this process's peak as its own.
+# The launcher is started small, so the child it forks starts from its few MB; it reports the child's ``wait4``.
+_LAUNCH = ("import json, os, subprocess, sys\n"
+           "p = subprocess.Popen(sys.argv[2:])\n"
+           "_, status, ru = os.wait4(p.pid, 0)\n"
+           "rc = os.waitstatus_to_exitcode(status)\n"
+           "open(sys.argv[1], 'w').write(json.dumps([rc, ru.ru_utime + ru.ru_stime, ru.ru_maxrss]))\n"
+           "sys.exit(0 if rc == 0 else 1)\n")
+
+
 def run_child(cmd: list[str], log: Path, env: dict, cwd: Path) -> dict:
+    """Run one child process; its wall, CPU user+sys and peak RSS (its own ``wait4``, through ``_LAUNCH``) and the
+    1-minute load average at its start and end (the machine is shared: figures are only comparable at like load)."""
+    load0 = os.getloadavg()[0]
+    stats = log.with_name(log.name + ".wait4.json")
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-        _, status, ru = os.wait4(p.pid, 0)
-    rc = os.waitstatus_to_exitcode(status)
+        subprocess.run([sys.executable, "-c", _LAUNCH, str(stats), *cmd], stdout=f, stderr=subprocess.STDOUT,
+                       env=env, cwd=cwd)
+    seconds = time.perf_counter() - t0
+    rc, cpu, maxrss = json.loads(stats.read_text()) if stats.exists() else (-1, 0.0, 0)
+    stats.unlink(missing_ok=True)
     if rc != 0:
-        raise SystemExit(f"failed ({rc}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
-    return {"seconds": round(time.perf_counter() - t0, 1), "cpu_s": round(ru.ru_utime + ru.ru_stime, 1),
-            "peak_rss_mb": round(ru.ru_maxrss / 1024)}
+        raise PeerFailed(f"failed ({rc}): {' '.join(cmd)}", log.read_text(errors="replace")[-3000:])
+    return {"seconds": round(seconds, 1), "cpu_s": round(cpu, 1), "peak_rss_mb": round(maxrss / 1024),
+            "load": [round(load0, 2), round(os.getloadavg()[0], 2)]}
 
 
 def calibration_ids(runs: Path) -> Path:
@@ -357,6 +398,107 @@ def nohead_exl2_row(runs: Path, bits: str, env: dict) -> dict:
             "file_bytes": safetensors_bytes(q), **how, "dir": str(d), "quant_dir": str(q), "written_without_head": True}
 
 
+def peer_spec(name: str, bits: int, a) -> tuple[str, str, list[str]]:
+    """(output tag, row label, worker arguments) of one ``--peer NAME:BITS``."""
+    tag = f"{name}-{bits}"
+    if name.startswith("gptqmodel"):
+        act = name == "gptqmodel-act"
+        return tag, f"GPTQModel 7.7 {bits}-bit g128" + (" desc_act" if act else ""), [
+            "gptqmodel", "act" if act else "group"]
+    if name in ("llmc-gptq", "llmc-awq"):
+        kind = "GPTQ" if name == "llmc-gptq" else "AWQ asym"
+        return f"{tag}-g{a.group_size}", f"llm-compressor 0.14 {kind} W{bits}A16 g{a.group_size}", [
+            "llmc", name[5:], str(a.group_size)]
+    if name == "autoround":
+        iters, lr = AUTOROUND_RECIPES[a.autoround_recipe] if a.autoround_recipe else (a.iters, None)
+        if not a.autoround_recipe:
+            what = f"{iters} iters"
+        elif iters == 0:
+            what = f"its {a.autoround_recipe} recipe: 0 iters, no sign-gradient rounding; 32 x 512 calibration"
+        else:
+            what = f"its {a.autoround_recipe} recipe: {iters} iters, lr {lr:g}; 32 x 512 calibration"
+        return f"{tag}-i{iters}" + (f"-{a.autoround_recipe}" if a.autoround_recipe else ""), (
+            f"AutoRound 0.16 {bits}-bit g128 ({what})"), ["autoround", str(iters), str(lr).lower()]
+    raise SystemExit(f"unknown peer {name}")
+
+
+def peer_row(runs: Path, spec: str, a, cal: Path, env: dict) -> tuple[str, dict]:
+    """Quantize (once) and dequantize one ``--peer`` (PeerFailed from a child that fails); its label and row."""
+    name, _, bits = spec.partition(":")
+    fp16 = runs / "fp16"
+    from exl2fmt import inspect_model
+
+    if name == "llamacpp":
+        q, how = llamacpp_file(runs, bits, a, env)
+        d = runs / f"llamacpp-{bits}-fp16"
+        if not d.exists():
+            run_child(EXL2FMT + ["convert", str(q), str(d), "--to", "fp16"], runs / f"llamacpp-{bits}-deq.log",
+                      env, ROOT)
+        return f"llama.cpp {bits} imatrix", {"bpw": inspect_model(str(q))["summary"]["bpw"]["decoder"],
+                                              "file_bytes": q.stat().st_size, **how, "dir": str(d),
+                                              "quant_dir": str(q)}
+    bits = int(bits or 4)
+    if name == "exl2fmt-gptq":
+        # the directory and side file bench/real_quality.py uses for its own GPTQ row, so that it reuses both
+        q, label = runs / f"gptq-{bits}", f"exl2fmt GPTQ {bits}-bit g128"
+        side = runs / f"gptq-{bits}.run.json"
+        if not q.exists():
+            how = run_child(EXL2FMT + ["convert", str(fp16), str(q), "--to", "gptq", "--bits", str(bits),
+                                       "--group-size", "128"], runs / f"gptq-{bits}.log", env, runs)
+            side.write_text(json.dumps(how))
+    else:
+        tag, label, args = peer_spec(name, bits, a)
+        if a.cal_rows:
+            tag += f"-c{a.cal_rows}"
+            label += f" ({a.cal_rows} of {CAL_ROWS} calibration rows)"
+        q, side = runs / f"peer-{tag}", runs / f"peer-{tag}.run.json"
+        if not q.exists():
+            if not a.python:
+                raise SystemExit("--python (the peer venv) is needed to run a peer")
+            tmp = q.with_name(q.name + ".tmp")                 # a killed run leaves no half-written output
+            shutil.rmtree(tmp, ignore_errors=True)
+            cmd = [a.python, str(Path(__file__).resolve()), "--worker", args[0], str(fp16), str(cal), str(tmp),
+                   str(bits), *args[1:]]
+            how = run_child(cmd, runs / f"peer-{q.name[5:]}.log", env, runs)
+            tmp.rename(q)
+            side.write_text(json.dumps(how))
+    how = json.loads(side.read_text())
+    d = runs / f"{q.name}-fp16"
+    if not d.exists():
+        if is_gptq(q):                                   # GPTQ format: exl2fmt reads it
+            run_child(EXL2FMT + ["convert", str(q), str(d), "--to", "fp16"], runs / f"{q.name}-deq.log", env, ROOT)
+        else:                                            # compressed-tensors: the peer's own decompression
+            run_child([a.python, str(Path(__file__).resolve()), "--worker", "decompress", str(q), str(d)],
+                      runs / f"{q.name}-deq.log", env, runs)
+    bpw = inspect_model(str(q))["summary"]["bpw"]["decoder"] if is_gptq(q) else compressed_bpw(q, fp16)
+    return label, {"bpw": bpw, "file_bytes": safetensors_bytes(q), **how, "dir": str(d), "quant_dir": str(q)}
+
+
+def failed_label(spec: str, a) -> str:
+    name, _, bits = spec.partition(":")
+    if name == "llamacpp":
+        return f"llama.cpp {bits} imatrix"
+    if name == "exl2fmt-gptq":
+        return f"exl2fmt GPTQ {bits or 4}-bit g128"
+    return peer_spec(name, int(bits or 4), a)[1]
+
+
+def save_row(store: Path, label: str, row: dict) -> None:
+    """Merge one row into ``peers.json`` at once (an interrupted run keeps the rows it finished; another run may
+    have added rows meanwhile, so the file is read again just before it is replaced)."""
+    cur = json.loads(store.read_text()) if store.exists() else {}
+    cur[label] = {"row": label, **row}
+    tmp = store.with_name(store.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cur, indent=1))
+    tmp.replace(store)
+
+
+# auto_round.cli.main.RECIPES: "light" = iters 50, lr 5e-3; "opt_rtn" = iters 0 (its optimized round-to-nearest:
+# a scale search on the calibration activations, no sign-gradient descent).  Both name 128 x 2048 samples; here the
+# same 32 x 512 ids every peer gets.
+AUTOROUND_RECIPES = {"light": (50, 5e-3), "opt_rtn": (0, None)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -366,10 +508,15 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=128, help="llm-compressor's group size (64 where 128 does "
                     "not divide every layer's columns)")
     ap.add_argument("--iters", type=int, default=200, help="AutoRound iterations per block")
+    ap.add_argument("--autoround-recipe", choices=sorted(AUTOROUND_RECIPES), default=None,
+                    help="AutoRound's own published preset (light: 50 iters, lr 5e-3; opt_rtn: 0 iters) instead of "
+                    "--iters")
     ap.add_argument("--cal-rows", type=int, default=None, help="use every k-th calibration row, N rows in all "
                     "(only where the full 32 x 512 does not fit the time; said in the row's label)")
     ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens per text (as real_quality.py)")
     ap.add_argument("--no-eval", action="store_true")
+    ap.add_argument("--drop-decode", action="store_true", help="delete a row's dense FP16 decode once its score "
+                    "is saved (disk)")
     ap.add_argument("--tied-head", default="", help="EXL2 bitrates (e.g. 4.0,4.25) to score without their separate "
                     "head, as ExLlamaV2 runs a tied-embedding model's file that has none")
     ap.add_argument("--exl2-nohead", default="", help="EXL2 bitrates to quantize with no separate head (needs an "
@@ -382,7 +529,7 @@ def main() -> None:
         kind, *rest = a.worker
         {"gptqmodel": lambda s, c, o, b, x: worker_gptqmodel(s, c, o, int(b), x),
          "llmc": lambda s, c, o, b, x, g: worker_llmc(s, c, o, int(b), x, int(g)),
-         "autoround": lambda s, c, o, b, x: worker_autoround(s, c, o, int(b), int(x)),
+         "autoround": lambda s, c, o, b, x, lr="none": worker_autoround(s, c, o, int(b), int(x), lr),
          "decompress": lambda s, o: worker_decompress(s, o)}[kind](*rest)
         return
     runs = Path(a.cache) / f"{a.model}-runs"
@@ -399,89 +546,41 @@ def main() -> None:
         cal = sub
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", GPTQMODEL_CPU_WORKERS="2", PYTHONWARNINGS="ignore",
                OMP_NUM_THREADS="2")
-    me = str(Path(__file__).resolve())
     store = runs / "peers.json"
-    rows = json.loads(store.read_text()) if store.exists() else {}
-    todo = []
+    evaluator = []
+
+    def score(label: str, row: dict) -> None:
+        """Score one row (the evaluator made once, on first use), save it at once, drop its decode if asked."""
+        if not a.no_eval:
+            if not evaluator:
+                sys.path.insert(0, str(ROOT / "bench"))
+                import torch
+                from real_eval import Evaluator
+
+                torch.set_num_threads(2)
+                evaluator.append(Evaluator(fp16, a.tokens))
+            row["eval"] = evaluator[0].evaluate(row["dir"])
+            row["tokens"] = a.tokens
+        save_row(store, label, row)
+        print(json.dumps({"row": label, **row}), flush=True)
+        if a.drop_decode and "eval" in row and Path(row["dir"]).name.endswith("-fp16"):
+            shutil.rmtree(row["dir"], ignore_errors=True)
+
     for spec in a.peer:
-        name, _, bits = spec.partition(":")
-        if name == "llamacpp":
-            q, how = llamacpp_file(runs, bits, a, env)
-            d = runs / f"llamacpp-{bits}-fp16"
-            if not d.exists():
-                run_child(EXL2FMT + ["convert", str(q), str(d), "--to", "fp16"], runs / f"llamacpp-{bits}-deq.log",
-                          env, ROOT)
-            from exl2fmt import inspect_model
-
-            label = f"llama.cpp {bits} imatrix"
-            rows[label] = {"row": label, "bpw": inspect_model(str(q))["summary"]["bpw"]["decoder"],
-                           "file_bytes": q.stat().st_size, **how, "dir": str(d), "quant_dir": str(q)}
-            todo.append(label)
+        try:
+            label, row = peer_row(runs, spec, a, cal, env)
+        except PeerFailed as e:                          # the row stays, with the exact error, not a silent gap
+            label = failed_label(spec, a)
+            save_row(store, label, {"error": str(e), "log_tail": e.tail})
+            print(f"{label}: {e}\n{e.tail}", file=sys.stderr, flush=True)
             continue
-        bits = int(bits or 4)
-        tag = f"{name}-{bits}" + (f"-i{a.iters}" if name == "autoround" else "")
-        q, d = runs / f"peer-{tag}", runs / f"peer-{tag}-fp16"
-        if name.startswith("gptqmodel"):
-            args, label = ["gptqmodel", "act" if name == "gptqmodel-act" else "group"], (
-                f"GPTQModel 7.7 {bits}-bit g128" + (" desc_act" if name == "gptqmodel-act" else ""))
-        elif name in ("llmc-gptq", "llmc-awq"):
-            args = ["llmc", name[5:], str(a.group_size)]
-            tag += f"-g{a.group_size}"
-            label = (f"llm-compressor 0.14 {'GPTQ' if name == 'llmc-gptq' else 'AWQ asym'} W{bits}A16 "
-                     f"g{a.group_size}")
-        elif name == "autoround":
-            args, label = ["autoround", str(a.iters)], f"AutoRound 0.16 {bits}-bit g128 ({a.iters} iters)"
-        else:
-            raise SystemExit(f"unknown peer {name}")
-        if a.cal_rows:
-            tag += f"-c{a.cal_rows}"
-            label += f" ({a.cal_rows} of {CAL_ROWS} calibration rows)"
-        q, d = runs / f"peer-{tag}", runs / f"peer-{tag}-fp16"
-        if not q.exists():
-            if not a.python:
-                raise SystemExit("--python (the peer venv) is needed to run a peer")
-            cmd = [a.python, me, "--worker", args[0], str(fp16), str(cal), str(q), str(bits), *args[1:]]
-            how = run_child(cmd, runs / f"peer-{tag}.log", env, runs)
-            (runs / f"peer-{tag}.run.json").write_text(json.dumps(how))
-        how = json.loads((runs / f"peer-{tag}.run.json").read_text())
-        if not d.exists():
-            if is_gptq(q):                                   # GPTQ format: exl2fmt reads it
-                run_child(EXL2FMT + ["convert", str(q), str(d), "--to", "fp16"], runs / f"peer-{tag}-deq.log",
-                          env, ROOT)
-            else:                                            # compressed-tensors: the peer's own decompression
-                run_child([a.python, me, "--worker", "decompress", str(q), str(d)], runs / f"peer-{tag}-deq.log",
-                          env, runs)
-        if is_gptq(q):
-            from exl2fmt import inspect_model
-
-            bpw = inspect_model(str(q))["summary"]["bpw"]["decoder"]
-        else:
-            bpw = compressed_bpw(q, fp16)
-        rows[label] = {"row": label, "bpw": bpw, "file_bytes": safetensors_bytes(q), **how, "dir": str(d),
-                       "quant_dir": str(q)}
-        todo.append(label)
+        score(label, row)
     for bits in [b for b in a.exl2_nohead.split(",") if b]:
         r = nohead_exl2_row(runs, bits, env)
-        rows[r["row"]] = r
-        todo.append(r["row"])
+        score(r.pop("row"), r)
     for bits in [b for b in a.tied_head.split(",") if b]:
         r = tied_head_row(runs, bits)
-        rows[r["row"]] = r
-        todo.append(r["row"])
-    if not a.no_eval and todo:
-        sys.path.insert(0, str(ROOT / "bench"))
-        import torch
-        from real_eval import Evaluator
-
-        torch.set_num_threads(2)
-        ev = Evaluator(fp16, a.tokens)
-        for label in todo:
-            rows[label]["eval"] = ev.evaluate(rows[label]["dir"])
-            rows[label]["tokens"] = a.tokens
-            print(json.dumps(rows[label]))
-    cur = json.loads(store.read_text()) if store.exists() else {}     # another run may have added rows meanwhile
-    cur.update({label: rows[label] for label in todo})
-    store.write_text(json.dumps(cur, indent=1))
+        score(r.pop("row"), r)
 
 
 if __name__ == "__main__":

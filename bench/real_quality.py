@@ -127,17 +127,37 @@ def file_bytes(model_dir: Path) -> int:
     return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
 
-def peer_rows(out: Path, tokens: int) -> list[dict]:
-    """The rows ``bench/real_peers.py`` scored with the same evaluator (``OUT/peers.json``); a row scored on a
-    different token budget is left out (and said so)."""
+def peer_rows(out: Path, tokens: int, own: set[str]) -> tuple[list[dict], list[dict]]:
+    """The rows ``bench/real_peers.py`` scored with the same evaluator (``OUT/peers.json``), and the peers that
+    failed (their rows carry ``error``: printed as notes under the table, not dropped).  A row scored on a
+    different token budget is left out (and said so); a row whose label is one of this script's own rows (e.g.
+    exl2fmt GPTQ run by ``real_peers.py --peer exl2fmt-gptq``) is not printed twice."""
     store = out / "peers.json"
-    rows = []
+    rows, failed = [], []
     for r in (json.loads(store.read_text()).values() if store.exists() else ()):
-        if r.get("tokens") == tokens and "eval" in r:
+        if r.get("error"):
+            failed.append(r)
+        elif r["row"] in own:
+            continue
+        elif r.get("tokens") == tokens and "eval" in r:
             rows.append(r)
         else:
             print(f"peer row {r['row']!r} left out: scored on {r.get('tokens')} tokens, not {tokens}", file=sys.stderr)
-    return rows
+    return rows, failed
+
+
+def peer_scores(out: Path, tokens: int) -> dict[str, dict]:
+    """Scores ``real_peers.py`` already saved, by the name of the directory they scored (same token budget)."""
+    store = out / "peers.json"
+    rows = json.loads(store.read_text()).values() if store.exists() else ()
+    return {Path(r["dir"]).name: r["eval"] for r in rows if r.get("tokens") == tokens and "eval" in r and "dir" in r}
+
+
+def time_cell(r: dict) -> str:
+    """Wall seconds, with the CPU (user + sys) seconds where the run recorded them."""
+    if not r.get("seconds"):
+        return ""
+    return f"{r['seconds']} s" + (f" ({r['cpu_s']} s CPU)" if r.get("cpu_s") else "")
 
 
 def main() -> None:
@@ -161,9 +181,16 @@ def main() -> None:
         run_tool(EXL2FMT + ["convert", str(gguf), str(fp16), "--to", "fp16"], out / "fp16.log")
     rows = []
 
+    # a row's output directory is never rewritten, so its scores from an earlier run on the same token budget stand
+    prev = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+    # (by the directory's name: every row's directory lies in OUT, which may have been moved or linked elsewhere)
+    known = {Path(r["dir"]).name: r["eval"] for r in prev.get("rows", ()) if "eval" in r} \
+        if prev.get("tokens") == a.tokens and not a.rescore else {}
+    known = {**(peer_scores(out, a.tokens) if not a.rescore else {}), **known}
+
     def dense(name: str, q_dir: Path, how: dict) -> Path:
         d = out / f"{q_dir.name}-fp16"
-        if not d.exists():
+        if not d.exists() and d.name not in known:         # a scored row's decode may have been deleted (disk)
             run_tool(EXL2FMT + ["convert", str(q_dir), str(d), "--to", "fp16"], out / f"{q_dir.name}-deq.log")
         rows.append({"row": name, "bpw": decoder_bpw(q_dir), "file_bytes": file_bytes(q_dir), **how, "dir": str(d)})
         return d
@@ -186,20 +213,17 @@ def main() -> None:
                                    "--group-size", "128"], out / f"gptq-{bits}.log", q)
             dense(f"exl2fmt GPTQ {bits}-bit g128", q, how)
 
-    # a row's output directory is never rewritten, so its scores from an earlier run on the same token budget stand
-    prev = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
-    known = {r["dir"]: r["eval"] for r in prev.get("rows", ()) if "eval" in r} \
-        if prev.get("tokens") == a.tokens and not a.rescore else {}
-    ref_ppl = prev.get("fp16_ppl") if known else None
-    if any(r["dir"] not in known for r in rows):
+    ref_ppl = prev.get("fp16_ppl") if prev.get("tokens") == a.tokens and not a.rescore else None
+    if ref_ppl is None or any(Path(r["dir"]).name not in known for r in rows):
         sys.path.insert(0, str(ROOT / "bench"))
         from real_eval import Evaluator
 
         ev = Evaluator(fp16, a.tokens)
         ref_ppl = ev.ref_ppl
     for r in rows:
-        r["eval"] = known.get(r["dir"]) or ev.evaluate(r["dir"])
-    rows += peer_rows(out, a.tokens)
+        r["eval"] = known.get(Path(r["dir"]).name) or ev.evaluate(r["dir"])
+    peers, failed = peer_rows(out, a.tokens, {r["row"] for r in rows})
+    rows += peers
     ref_bytes = file_bytes(fp16)
     res = {"model": a.model, "gguf": gguf.name, "fp16_ppl": ref_ppl, "tokens": a.tokens, "fp16_bytes": ref_bytes,
            "rows": rows}
@@ -211,10 +235,14 @@ def main() -> None:
     for r in rows:
         e = r["eval"]
         cells = " | ".join(f"{e[k]['kl']:.4f} | {e[k]['ppl']:.2f} | {e[k]['top1']:.3f}" for k in kinds)
-        t = f"{r['seconds']} s" if r.get("seconds") else ""
+        t = time_cell(r)
         m = f"{r['peak_rss_mb']} MB" if r.get("peak_rss_mb") else ""
         f = f"{r['file_bytes'] / 1e6:.1f}" if r.get("file_bytes") else ""
         print(f"| {r['row']} | {r['bpw']:.3f} | {cells} | {f} | {t} | {m} |")
+    for r in failed:
+        last = [x for x in (r.get("log_tail") or "").splitlines() if x.strip()][-1:] or [""]
+        why = f" Why: {r['reason']}" if r.get("reason") else ""
+        print(f"\n* {r['row']}: not scored, the run failed: `{r['error']}`; last log line: `{last[0].strip()}`.{why}")
     if a.plot:
         plot(res, Path(a.plot))
 
