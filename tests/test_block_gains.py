@@ -56,9 +56,13 @@ def _rel(y, r):
     return float(((y - r).norm(dim=-1) / r.norm(dim=-1)).mean())
 
 
-def _oracle_gains(d, ids):
+def _oracle_gains(d, ids, perturbed=None):
     """Per block: the relative error of the final norm's output over the relative error of the block's own output
-    (the attention block's at the residual stream entering pre_feedforward_layernorm), transformers' whole model."""
+    (the attention block's at the residual stream entering pre_feedforward_layernorm), transformers' whole model.
+    ``perturbed(i, key, w)``: layer i's linear ``key`` (``self_attn.q_proj``, ...) perturbed, float32 [N, K];
+    default the round-to-nearest twin."""
+    if perturbed is None:
+        perturbed = lambda i, key, w: torch.from_numpy(_rtn_twin(w.numpy())).float()  # noqa: E731
     model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     base = model.model
     mids, outs = [], []
@@ -85,12 +89,12 @@ def _oracle_gains(d, ids):
     fin_ref, mid_ref, out_ref = run()
     gains = []
     for i, lay in enumerate(base.layers):
-        for kind, mod in (("attn", lay.self_attn), ("mlp", lay.mlp)):
+        for kind, child, mod in (("attn", "self_attn", lay.self_attn), ("mlp", "mlp", lay.mlp)):
             saved = {}
             for n, lin in mod.named_children():
                 if isinstance(lin, torch.nn.Linear):
                     saved[n] = lin.weight.data
-                    lin.weight.data = torch.from_numpy(_rtn_twin(lin.weight.data.numpy())).float()
+                    lin.weight.data = perturbed(i, f"{child}.{n}", lin.weight.data).float()
             fin, mid, out = run()
             for n, w in saved.items():
                 getattr(mod, n).weight.data = w
@@ -158,3 +162,61 @@ def test_gains_are_stored_with_the_measurement_and_steer_the_plan(tmp_path):
     acc = {j: a for j, _, a in measured[keys[0]]}
     steep_j, flat_j = p_steep["options"][keys[0]], p_flat["options"][keys[0]]
     assert acc[steep_j] == max(acc.values()) and acc[flat_j] < acc[steep_j], (steep_j, flat_j, acc)
+
+
+def test_gain_option_is_the_candidate_nearest_gain_bpw():
+    from exl2fmt.quant.sensitivity import GAIN_BPW, gain_option
+
+    rows = [[0, 2.1 * 100, 0.9], [1, 2.6 * 100, 0.95], [2, 3.4 * 100, 0.97], [3, 6.0 * 100, 0.99]]
+    assert GAIN_BPW == 3.0 and gain_option(rows, 100) == 1        # 2.6 is 0.4 away, 3.4 is 0.4 away: the first
+    assert gain_option(rows[2:], 100) == 2 and gain_option(rows[3:], 100) == 3
+
+
+def test_gains_from_the_measurements_own_candidates_match_the_whole_model_oracle(tmp_path, monkeypatch):
+    """With --block-gains the quantizer perturbs each block by its own measured GPTQ candidate (the option nearest
+    GAIN_BPW): the gains it plans with equal transformers' whole model run once per block with those weights
+    swapped in; a measurement read from a file without gains falls back to round-to-nearest and says so."""
+    from exl2fmt.quant import pipeline
+    from exl2fmt.quant.options import QuantOptions
+    from exl2fmt.quant.pipeline import quantize_model
+    from exl2fmt.quant.sensitivity import GAIN_BPW, perturbed_weight
+
+    d = _tiny_gemma3(tmp_path / "g3", seed=4)
+    ids = np.random.default_rng(5).integers(3, 160, (4, 32))
+    cal = tmp_path / "cal.npy"
+    np.save(cal, ids)
+    seen = {}                                   # (layer, linear) -> the perturbation the gains were measured with
+    real = pipeline.block_gains
+
+    def spy(spec, ids_t, device, bt, progress=None, perturb=None):
+        def keep(i, name, w):
+            got = (perturb or (lambda i, n, w: perturbed_weight(w)))(i, name, w)
+            seen[(i, spec.key_of[name])] = (w.clone(), got.clone())
+            return got
+        return real(spec, ids_t, device, bt, progress, perturb=keep)
+
+    monkeypatch.setattr(pipeline, "block_gains", spy)
+    meas = tmp_path / "m.json"
+    opts = dict(target="exl2", bits=4.0, device="cpu", calibration=str(cal), rows=4, length=32, block_gain=True)
+    rep = quantize_model(d, tmp_path / "q", QuantOptions(**opts, save_measurement=str(meas)))
+    keys = [f"model.layers.{i}.{k}" for i in range(LAYERS) for k in ("self_attn", "mlp")]
+    assert not any("round-to-nearest" in w for w in rep.warnings), rep.warnings
+    assert len(seen) == LAYERS * 7
+    # the perturbations are GPTQ candidates at about GAIN_BPW, not round-to-nearest 4-bit: a 3-bit-class error
+    for (i, key), (w, p) in seen.items():
+        rel = float((p - w).norm() / w.norm())
+        rtn = float((perturbed_weight(w) - w).norm() / w.norm())
+        assert 0.02 < rel < 0.5 and not torch.equal(p, perturbed_weight(w)), (i, key, rel, rtn)
+    want = _oracle_gains(d, torch.from_numpy(ids[[0, 3]]), lambda i, key, w: seen[(i, key)][1])
+    np.testing.assert_allclose([rep.block_gains[k] for k in keys], want, rtol=2e-3)
+    assert GAIN_BPW == 3.0
+
+    # reused measurement without stored gains: no candidates at hand, round-to-nearest, said in the report
+    flat = tmp_path / "flat.json"
+    doc = json.loads(meas.read_text())
+    doc.pop("exl2fmt_block_gains")
+    flat.write_text(json.dumps(doc))
+    seen.clear()
+    rep2 = quantize_model(d, tmp_path / "q2", QuantOptions(**opts, measurement=str(flat)))
+    assert any("round-to-nearest" in w for w in rep2.warnings), rep2.warnings
+    assert all(torch.equal(p, perturbed_weight(w)) for w, p in seen.values()) and len(seen) == LAYERS * 7

@@ -145,6 +145,24 @@ def test_workers_give_the_one_process_bytes_even_when_a_worker_dies(tiny, tmp_pa
 
 @needs_ray
 @pytest.mark.slow
+def test_block_gains_from_the_workers_candidates_give_the_one_process_bytes(tiny, tmp_path):
+    """--block-gains measures each block's gain with its own measured candidate: the workers send those back with
+    their rows, so the gains (stored in the output's measurement.json) and every output file equal the one-process
+    run's, and no round-to-nearest fallback is reported."""
+    from exl2fmt.quant.pipeline import quantize_model
+    from exl2fmt.quant.qparams import GAINS_KEY
+
+    src, ids = tiny
+    ref = quantize_model(src, tmp_path / "ref", _opts(ids, block_gain=True))
+    rep = quantize_model(src, tmp_path / "dist", _opts(ids, block_gain=True, workers=2))
+    assert _files(tmp_path / "dist") == _files(tmp_path / "ref")
+    assert rep.block_gains == ref.block_gains and len(ref.block_gains) == 4
+    assert json.loads((tmp_path / "ref" / "measurement.json").read_text())[GAINS_KEY] == ref.block_gains
+    assert not [w for w in rep.warnings + ref.warnings if "round-to-nearest" in w]
+
+
+@needs_ray
+@pytest.mark.slow
 def test_an_interrupted_distributed_measurement_resumes_to_the_same_bytes(tiny, tmp_path):
     """The driver is interrupted once the first layer's rows are in; --resume (with another worker count, which
     is not part of the job's fingerprint) finishes with the one-process bytes."""

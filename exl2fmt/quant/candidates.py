@@ -16,7 +16,8 @@ from .job import load_tensors, save_tensors
 from .scoring import DeltaLinear
 from ..runner.weights import dense_linear
 
-__all__ = ["CANDIDATES_IN_MEMORY", "make_variants", "kept_bytes", "VariantCache", "SharedOutputs"]
+__all__ = ["CANDIDATES_IN_MEMORY", "make_variants", "kept_bytes", "candidate_weight", "candidate_tensors",
+           "weight_from_candidate_tensors", "VariantCache", "SharedOutputs"]
 
 
 #: The measurement keeps the fp16 reconstructions of a block's candidates in memory up to this many bytes (each
@@ -89,6 +90,33 @@ def kept_bytes(made: dict[str, dict]) -> int:
     return sum(v.numel() * v.element_size() for v in seen.values())
 
 
+def candidate_weight(v, n: str, out_features: int) -> torch.Tensor:
+    """A ``make_variants`` candidate of layer ``n`` as its fp16 reconstruction, torch float16 [N, K] (N =
+    ``out_features``): the kept tensor itself, or a parked file dequantized (exactly the same fp16 values)."""
+    if isinstance(v, torch.Tensor):
+        return v
+    return torch.from_numpy(layer_from_tensors(n, load_tensors(v), out_features=out_features).dequantize())
+
+
+def candidate_tensors(v, n: str) -> dict:
+    """A candidate of layer ``n`` as tensors to store (``job.save_tensors``): a kept reconstruction as ``{n: float16
+    [N, K]}``, a parked one as its packed EXL2 tensors under ``n + "."`` (a few bits per weight, not 16: the block
+    gains' candidates of a large model stay about the size of its quantized file).  Read back with
+    ``weight_from_candidate_tensors``."""
+    if isinstance(v, torch.Tensor):
+        return {n: v.cpu().numpy()}
+    return {f"{n}.{k}": a for k, a in load_tensors(v).items()}
+
+
+def weight_from_candidate_tensors(tensors: dict, n: str, out_features: int) -> torch.Tensor:
+    """Layer ``n``'s candidate from ``candidate_tensors``' form (several layers' may share ``tensors``): torch
+    float32 [N, K]."""
+    if n in tensors:
+        return torch.as_tensor(tensors[n]).float()
+    own = {k[len(n) + 1:]: a for k, a in tensors.items() if k.startswith(n + ".")}
+    return torch.from_numpy(layer_from_tensors(n, own, out_features=out_features).dequantize()).float()
+
+
 class VariantCache:
     """One candidate per layer (the last one asked for), from its fp16 reconstruction in memory or dequantized
     from its packed file (exactly the fp16 values the quantizer computed): as a dense fp32 linear, or with a
@@ -107,11 +135,7 @@ class VariantCache:
             w, b = self.W[n]
             delta = self.tape is not None and self.tape.usable(n)
             dt = None if delta else torch.float32        # DeltaLinear reads the fp16 values as they are
-            if isinstance(v, torch.Tensor):
-                w_hat = v.to(device=w.device, dtype=dt)
-            else:
-                layer = layer_from_tensors(n, load_tensors(v), out_features=w.shape[0])
-                w_hat = torch.from_numpy(layer.dequantize()).to(device=w.device, dtype=dt)
+            w_hat = candidate_weight(v, n, w.shape[0]).to(device=w.device, dtype=dt)
             if delta:
                 hit = self.cur[n] = (v, DeltaLinear(self.tape, n, w, w_hat).bind)
             else:

@@ -44,6 +44,7 @@ from ..errors import ErrorCode, Exl2Error
 from .common import model_blocks, release_memory
 from .job import Work
 from .measure import measure_block, score_plan
+from .sensitivity import save_gain_candidates
 from .options import QuantOptions
 from .qparams import block_options
 from ..runner.weights import WeightSource, dense_linear
@@ -366,7 +367,8 @@ def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: i
                   attempt: int = 0, tensors: dict | None = None, probe: dict | None = None) -> dict:
     """Measure decoder layer ``i`` (its attention and MLP blocks whose keys are in ``keys``) on its FP16 input ``h``
     float32 [rows, T, hidden] (C order, rows in ``measure.score_plan``'s order): what a ``MeasureWorker`` runs for
-    each layer, callable in any process.  Returns {"rows": {block key: [[option, bits, accuracy]]}, "digest": of
+    each layer, callable in any process.  Returns {"rows": {block key: [[option, bits, accuracy]]}, "gain": {block
+    key: its ``measure_block`` gain candidates} (with ``block_gain``), "digest": of
     the layer's FP16 output, "where": host and pid, "seconds", "phases": {phase: seconds}} (the phases: "setup",
     this process's model opened and checked, zero once it is; "input", the input copied out of the object store;
     "attn" and "mlp", the two blocks; "digest").  ``attempt``: how many times this layer was lost before (the
@@ -407,14 +409,17 @@ def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: i
     del h
     lap("input")
     vdir = Path(tempfile.mkdtemp(prefix="exl2fmt-measure-"))
-    out = {}
+    out, gain = {}, {}
     try:
         for kind in ("attn", "mlp"):
             key = spec.block_key(i, kind)
+            cands = {} if o.block_gain else None
             rows, x = measure_block(spec, i, kind, x, batches, n_score, o, options_of, vdir / "variants",
-                                    score=key in keys)
+                                    score=key in keys, gain_candidates=cands)
             if rows is not None:
                 out[key] = rows
+                if cands is not None:
+                    gain[key] = cands
             lap(kind)
     except (torch.OutOfMemoryError, MemoryError) as e:
         raise Exl2Error(ErrorCode.WORKER_OUT_OF_MEMORY, f"worker {where} ran out of memory measuring "
@@ -429,7 +434,7 @@ def measure_layer(ctx: Context, i: int, h: np.ndarray, batches: list, n_score: i
     del x
     release_memory()
     lap("digest")
-    return {"rows": out, "digest": digest, "where": where, "seconds": time.monotonic() - t0, "phases": phases}
+    return {"rows": out, "gain": gain, "digest": digest, "where": where, "seconds": time.monotonic() - t0, "phases": phases}
 
 
 def _worker_options(o: QuantOptions) -> QuantOptions:
@@ -676,6 +681,8 @@ class _Fanout:
             raise Exl2Error(ErrorCode.CLUSTER_MISMATCH, f"{layer}: the worker ({res['where']}) computes other FP16 "
                             "bits than the driver (other CPU or GPU model, BLAS, or thread settings), so the output "
                             "would differ from a one-process run", tensor=layer)
+        for key, cands in res.get("gain", {}).items():     # (stored before the block counts as measured)
+            save_gain_candidates(self.work.root, key, cands)
         for key, rows in res["rows"].items():
             self.measured[key] = rows
         for k, v in res.get("phases", {}).items():

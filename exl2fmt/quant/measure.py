@@ -16,7 +16,7 @@ import torch
 from ..container import open_model
 from ..errors import ErrorCode, Exl2Error
 from . import candidates, gptq, scoring
-from .candidates import SharedOutputs, VariantCache, kept_bytes, make_variants
+from .candidates import SharedOutputs, VariantCache, candidate_tensors, kept_bytes, make_variants
 from .common import (block_index, block_linears, file_option, model_blocks, option_layers, rel_err_tokens,
                      release_memory, row_batches, trim_heap)
 from ..runner.model import HFModel
@@ -27,10 +27,11 @@ from .options import QuantOptions
 from .qparams import (block_options, exllamav2_last_module_idx, read_measurement, read_measurement_gains,
                       write_measurement)
 from .report import QuantReport
+from .sensitivity import gain_option, save_gain_candidates
 from ..runner.weights import WeightSource, dense_linear, widened_linear
 
-__all__ = ["score_plan", "measure", "measure_block", "write_measurement_file", "read_measurement_for", "measured_from_file",
-           "plan_from_measurement"]
+__all__ = ["score_plan", "measure", "measure_block", "write_measurement_file",
+           "read_measurement_for", "measured_from_file", "plan_from_measurement"]
 
 
 def score_plan(rows: int, length: int, batch_tokens: int, measure_rows: int | None
@@ -81,9 +82,12 @@ def measure(spec, src, ids_h, options_of, work: Work, o: QuantOptions, progress,
         if key not in measured and progress:
             progress("measure", bi * 1000, len(blocks) * 1000, f"{key} candidates")
             on_option = _option_progress(progress, bi, len(blocks), key)
+        cands = {} if o.block_gain else None
         rows_out, h = measure_block(spec, i, kind, h, batches, n_score, o, options_of, work.root / "variants",
-                                    score=key not in measured, on_option=on_option)
+                                    score=key not in measured, on_option=on_option, gain_candidates=cands)
         if rows_out is not None:
+            if cands is not None:         # (stored before the block counts as measured: a resumed job has both)
+                save_gain_candidates(work.root, key, cands)
             measured[key] = rows_out
             work.save()
         if progress:
@@ -106,7 +110,8 @@ def _option_progress(progress, bi: int, blocks: int, key: str) -> Callable[[int,
 
 def measure_block(spec, i: int, kind: str, h: torch.Tensor, batches: list[slice], n_score: int, o: QuantOptions,
                   options_of, vdir: Path, score: bool = True,
-                  on_option: Callable[[int, int], None] | None = None) -> tuple[list | None, torch.Tensor]:
+                  on_option: Callable[[int, int], None] | None = None, gain_candidates: dict | None = None
+                  ) -> tuple[list | None, torch.Tensor]:
     """One block of the measurement, on the block's FP16 input ``h`` float32 [rows, T, hidden] (the rows in
     ``score_plan``'s order, on ``o.device``): the reference sweep (the Hessians of its linears gathered), then, with
     ``score``, every candidate of every linear made (parked in ``vdir``, a scratch directory made and removed here)
@@ -192,6 +197,10 @@ def measure_block(spec, i: int, kind: str, h: torch.Tensor, batches: list[slice]
         if max(a for _, _, a in rows_out) < 0.1:
             raise Exl2Error(ErrorCode.QUANT_NUMERICS, f"every candidate of {key} has accuracy below 0.1: the "
                             "block's reference outputs are degenerate (non-finite or exploding activations?)")
+        if gain_candidates is not None:
+            j = gain_option(rows_out, sum(W[n][0].numel() for n in blk.names))
+            for n, qp in option_layers(options[j], blk.names):
+                gain_candidates.update(candidate_tensors(made[n][qp], n))
         del cache, lin, y, shared, tape, made     # (the next block's candidates are made without these)
         shutil.rmtree(vdir, ignore_errors=True)
     h = blk.next_input(h, y_ref)

@@ -52,7 +52,7 @@ from .gptq_pass import quantize_pass
 from ..runner.model import EXL2_ARCHS, HFModel
 from .job import Work, check_disk, disk_needed
 from .measure import measure, measured_from_file, read_measurement_for, write_measurement_file
-from .sensitivity import block_gains
+from .sensitivity import block_gains, candidate_perturbation
 from .optimize import optimize
 from .options import Progress, QuantOptions, default_batch_tokens, resolve_head_bits
 from .qparams import block_options, read_measurement_gains
@@ -226,7 +226,16 @@ def _measure_and_optimize(spec, srcw, ids, ids_h, options_of, work: Work, o: Qua
             gains = read_measurement_gains(o.measurement, keys) if o.measurement else None
             if gains is None:
                 t = time.monotonic()
-                gains = block_gains(spec, ids, torch.device(o.device), o.batch_tokens, progress)
+                # each block perturbed by its own measured candidate (kept by this run's measurement); a
+                # measurement read from a file without gains has none: round-to-nearest then, said in the report
+                perturb = candidate_perturbation(spec, work.root)
+                if perturb is None:
+                    report.warnings.append(
+                        "--block-gains: the measurement file has no gains stored and this run did not measure, so "
+                        "the gains are measured with a round-to-nearest perturbation, which predicts a block's "
+                        "damage less well than its own GPTQ candidates (bench/RESULTS.md, issue 40): to get those, "
+                        "measure with --block-gains (--save-measurement keeps the gains for reuse)")
+                gains = block_gains(spec, ids, torch.device(o.device), o.batch_tokens, progress, perturb=perturb)
                 report.seconds["gains"] = time.monotonic() - t
         work.job["gains"] = gains
     report.block_gains = work.job.get("gains")
