@@ -11,6 +11,9 @@ norm).  The result is a copy of the run's ``measurement.json`` with these gains 
 
 ``<runs>`` is ``bench/real_quality.py``'s directory (``~/.cache/exl2fmt-bench/<model>-runs``): its ``fp16``
 reference, ``cal.npy`` calibration ids (the quantizer's own built-in set, 32 x 512) and ``measurement.json``.
+``--gains-from M --power A`` instead takes the gains stored in measurement M and writes them raised to the power A
+(renormalised to geometric mean 1): A = 0.5 halves every gain's log, a damped weighting for an A/B.
+
 Prints the gains beside the stored round-to-nearest ones (``measurement-gains.json`` where present) and their log
 correlation.
 """
@@ -35,12 +38,22 @@ from exl2fmt.runner.model import HFModel
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--perturb-from", required=True, help="an FP16 decode of a quantized file of the model")
+    ap.add_argument("--perturb-from", help="an FP16 decode of a quantized file of the model")
+    ap.add_argument("--gains-from", help="a measurement.json with gains stored: raise them to --power instead")
+    ap.add_argument("--power", type=float, default=1.0)
     ap.add_argument("--out", required=True, help="where the measurement copy with these gains goes")
     ap.add_argument("--runs", default=None, help="default ~/.cache/exl2fmt-bench/<model>-runs")
     ap.add_argument("--batch-tokens", type=int, default=2048)
     a = ap.parse_args()
     runs = Path(a.runs) if a.runs else Path.home() / ".cache/exl2fmt-bench" / f"{a.model}-runs"
+    if a.gains_from:
+        doc = json.loads(Path(a.gains_from).read_text())
+        g = {k: v ** a.power for k, v in doc[GAINS_KEY].items()}
+        mean = math.exp(sum(math.log(v) for v in g.values()) / len(g))
+        doc[GAINS_KEY] = {k: v / mean for k, v in g.items()}
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+        print(f"gains of {a.gains_from} to the power {a.power} -> {a.out}")
+        return
     torch.set_num_threads(2)
     ids = torch.from_numpy(np.load(runs / "cal.npy")).long()
     dec = safe_open(str(Path(a.perturb_from) / "model.safetensors"), "pt")

@@ -184,9 +184,12 @@ def convert_command(
                                                   "extra rows; see bench/RESULTS.md).")] = False,
     block_gains: Annotated[bool, typer.Option("--block-gains", help="FP16 -> exl2 (experimental): weight each "
                                               "block's measured error by how much it grows on the way to the "
-                                              "model's output (measured on 2 calibration rows, stored in the "
-                                              "measurement) before the solver adds them up. Default: the errors "
-                                              "as measured (ExLlamaV2's objective); bench/RESULTS.md, issue 40.")
+                                              "model's output before the solver adds them up (each block "
+                                              "perturbed by its own measured candidate near 3 bpw and carried to "
+                                              "the output on 2 calibration rows; stored in the measurement). "
+                                              "Helps models whose early layers' errors are amplified (Gemma 3); "
+                                              "default: the errors as measured (ExLlamaV2's objective); "
+                                              "bench/RESULTS.md, issue 40.")
                    ] = False,
     refine_scales: Annotated[Optional[bool], typer.Option("--refine-scales/--upstream-scales", show_default=False,
                                                           help="FP16 -> exl2: after ExLlamaV2's scale search, move "
