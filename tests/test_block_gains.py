@@ -220,3 +220,56 @@ def test_gains_from_the_measurements_own_candidates_match_the_whole_model_oracle
     rep2 = quantize_model(d, tmp_path / "q2", QuantOptions(**opts, measurement=str(flat)))
     assert any("round-to-nearest" in w for w in rep2.warnings), rep2.warnings
     assert all(torch.equal(p, perturbed_weight(w)) for w, p in seen.values()) and len(seen) == LAYERS * 7
+
+
+@pytest.mark.parametrize("gains", [
+    "not an object", {"model.layers.0.self_attn": "1.0"}, {"model.layers.0.self_attn": True},
+    {"model.layers.0.self_attn": -1.0}, {"model.layers.0.self_attn": 0}, {"model.layers.0.self_attn": 1e300},
+    {"model.layers.0.self_attn": 1e-300}, {"model.layers.0.self_attn": float("nan")}, {},
+])
+def test_stored_gains_outside_the_rule_are_refused_with_the_file_named(tmp_path, gains):
+    """A measurement.json's gains are read only when every block has a number in [GAIN_MIN, GAIN_MAX]: anything
+    else (a string, a bool, zero or negative, an overflowing factor, NaN, a missing block) is MEASUREMENT_INVALID
+    naming the file, never a traceback or a plan built on it."""
+    from exl2fmt.errors import ErrorCode, Exl2Error
+    from exl2fmt.quant.qparams import GAINS_KEY, read_measurement_gains
+
+    p = tmp_path / "measurement.json"
+    p.write_text(json.dumps({"measurement": {}, "last_module_idx": 3, GAINS_KEY: gains}))
+    with pytest.raises(Exl2Error) as e:
+        read_measurement_gains(p, ["model.layers.0.self_attn"])
+    assert e.value.code == ErrorCode.MEASUREMENT_INVALID and str(p) in str(e.value), str(e.value)
+    p.write_text(json.dumps({"measurement": {}, "last_module_idx": 3}))
+    assert read_measurement_gains(p, ["model.layers.0.self_attn"]) is None       # ExLlamaV2's files: none
+    p.write_text(json.dumps({"measurement": {}, "last_module_idx": 3, GAINS_KEY: {"model.layers.0.self_attn": 2.5}}))
+    assert read_measurement_gains(p, ["model.layers.0.self_attn"]) == {"model.layers.0.self_attn": 2.5}
+
+
+def test_a_damaged_gain_candidate_is_named_not_a_traceback(tmp_path):
+    """The gain candidates live in the job's own work directory; one whose shape is not its layer's (a damaged or
+    foreign file) stops the run with CHECKPOINT_INVALID naming the file and the tensor."""
+    from exl2fmt.errors import ErrorCode, Exl2Error
+    from exl2fmt.quant.common import model_blocks
+    from exl2fmt.quant.sensitivity import candidate_perturbation, gain_candidates_path, save_gain_candidates
+    from exl2fmt.runner.model import HFModel
+
+    d = _tiny_gemma3(tmp_path / "g3")
+    spec = HFModel.open(d)
+    try:
+        root = tmp_path / "work"
+        root.mkdir()
+        blocks = list(model_blocks(spec))
+        for i, kind in blocks[1:]:
+            save_gain_candidates(root, spec.block_key(i, kind), {"x": np.zeros((2, 2), np.float16)})
+        assert candidate_perturbation(spec, root) is None            # a block's file missing: none at hand
+        i, kind = blocks[0]
+        name = spec.linear_names(kind, i)[0]
+        save_gain_candidates(root, spec.block_key(i, kind), {name: np.zeros((3, 5), np.float16)})
+        perturb = candidate_perturbation(spec, root)
+        w = torch.zeros(spec.linear_shape(name))
+        with pytest.raises(Exl2Error) as e:
+            perturb(i, name, w)
+        assert e.value.code == ErrorCode.CHECKPOINT_INVALID
+        assert str(gain_candidates_path(root, spec.block_key(i, kind))) in str(e.value), str(e.value)
+    finally:
+        spec.close()

@@ -64,9 +64,10 @@ class QuantOptions:
     refine_scales: bool | None = None
     norm: float = 2.0                     # solver objective: sum of block error ** norm
     # weight each block's measured error by how much it grows on the way to the model's output (the gains of
-    # ``sensitivity.block_gains``: stored with the measurement, else measured on 2 calibration rows) before the
-    # solver sums them.  Off by default (every block's error counts as measured, ExLlamaV2's objective): at 3.0
-    # bpw it lowered Gemma 3 270M's KL 14-22 % but raised SmolLM2-135M's 4-6 % (bench/RESULTS.md, issue 40)
+    # ``sensitivity.block_gains``: stored with the measurement, else measured on 2 calibration rows with each
+    # block's own measured candidate) before the solver sums them.  Off by default (every block's error counts as
+    # measured, ExLlamaV2's objective): it lowered Gemma 3 270M's KL 20-32 % at 3.0 and 4.0 bpw but moved
+    # SmolLM2-135M's by -4 to +8 % (bench/RESULTS.md, issue 40)
     block_gain: bool = False
     # calibration tokens per forward batch (whole rows, at least one; ``--batch-tokens``); None =
     # ``default_batch_tokens`` for the model, resolved once the model is open

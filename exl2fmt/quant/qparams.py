@@ -309,6 +309,9 @@ def write_measurement(path: str | os.PathLike, measured: dict[str, list[tuple[Op
 
 #: measurement.json's top-level key of exl2fmt's block gains ({block key: factor}); absent in ExLlamaV2's files
 GAINS_KEY = "exl2fmt_block_gains"
+#: the range a stored gain must lie in: measured gains are normalised to a geometric mean of 1 and span ~0.3-4 on
+#: real models; a factor outside this range is not a measurement, and squared in the solver it would overflow
+GAIN_MIN, GAIN_MAX = 1e-6, 1e6
 
 
 def read_measurement_gains(path: str | os.PathLike, keys) -> dict[str, float] | None:
@@ -325,8 +328,9 @@ def read_measurement_gains(path: str | os.PathLike, keys) -> dict[str, float] | 
     out = {}
     for k in keys:
         v = g.get(k)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{GAINS_KEY}: block {k} has no positive gain", file=p)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not GAIN_MIN <= v <= GAIN_MAX:
+            raise Exl2Error(ErrorCode.MEASUREMENT_INVALID, f"{GAINS_KEY}: block {k} has no gain between "
+                            f"{GAIN_MIN:g} and {GAIN_MAX:g} (got {str(v)[:40]})", file=p)
         out[k] = float(v)
     return out
 

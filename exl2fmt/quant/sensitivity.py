@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ErrorCode, Exl2Error
 from ..runner.weights import dense_linear
 from .candidates import weight_from_candidate_tensors
 from .common import model_blocks, rel_err_tokens, row_batches
@@ -103,7 +104,12 @@ def candidate_perturbation(spec, root: Path):
         if held.get("key") != key:
             held.clear()
             held.update(key=key, tensors=load_tensors(paths[key]))
-        return weight_from_candidate_tensors(held["tensors"], name, w.shape[0])
+        w_hat = weight_from_candidate_tensors(held["tensors"], name, w.shape[0])
+        if w_hat.shape != w.shape:              # (the work directory is this job's, but a file may be damaged)
+            raise Exl2Error(ErrorCode.CHECKPOINT_INVALID, f"the block gain's candidate of {name} is "
+                            f"{list(w_hat.shape)}, the layer {list(w.shape)}", file=str(paths[key]),
+                            tensor=spec.linear_key(i, name))
+        return w_hat
     return perturb
 
 
